@@ -1,0 +1,90 @@
+"""Once a second, from a daemon thread: what the training thread is doing, and host/GPU load."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from .nvml import GpuReader
+
+log = logging.getLogger("scalemon.agent")
+
+
+class Phase:
+    """What the training thread is doing now; set from hooks, read by the heartbeat."""
+
+    __slots__ = ("name", "since", "step", "collectives_issued", "collectives_completed")
+
+    def __init__(self) -> None:
+        self.name = "init"
+        self.since = time.monotonic()
+        self.step: int | None = None
+        self.collectives_issued = 0
+        self.collectives_completed = 0
+
+    def set(self, name: str) -> None:
+        """Enter phase `name` (cheap: two attribute writes)."""
+        if name != self.name:
+            self.name = name
+            self.since = time.monotonic()
+
+
+class Heartbeat:
+    """Calls `submit("heartbeat", body)` every `interval_s` until stopped."""
+
+    def __init__(
+        self,
+        phase: Phase,
+        gpu: GpuReader,
+        submit: Callable[[str, dict[str, Any]], bool],
+        counters: Callable[[], dict[str, int]],
+        interval_s: float = 1.0,
+    ) -> None:
+        self.phase = phase
+        self.gpu = gpu
+        self.submit = submit
+        self.counters = counters
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)  # prime: the next call measures from here
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scalemon-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> dict[str, Any]:
+        """Take one reading and send it."""
+        mem = self._proc.memory_info()
+        body: dict[str, Any] = {
+            "phase": self.phase.name,
+            "phase_since_s": time.monotonic() - self.phase.since,
+            "step": self.phase.step,
+            "collectives_issued": self.phase.collectives_issued,
+            "collectives_completed": self.phase.collectives_completed,
+            "cpu_pct": self._proc.cpu_percent(None),
+            "rss_bytes": int(mem.rss),
+            **self.gpu.read(),
+            **self.counters(),
+        }
+        self.submit("heartbeat", body)
+        return body
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except Exception as exc:  # keep beating; a heartbeat is never worth a crash
+                log.debug("scalemon heartbeat failed: %s", exc)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self, final_beat: bool = True) -> None:
+        """Stop the thread (returns within one interval), sending a last reading."""
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 1)
+        if final_beat:
+            self.beat()

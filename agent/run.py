@@ -1,0 +1,355 @@
+"""`Run`: the agent inside one training rank.
+
+Per step the training thread calls `log()`, which costs a few microseconds: it notes host
+times, copies device scalars (loss, loss scale) into pinned host memory without blocking,
+records a CUDA event, and leaves the message for the sender thread once the event completed
+(checked on later calls, never waited for). Everything is wrapped so that a failure inside the
+monitor is logged once and switches the monitor off instead of reaching the training loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+import scalemon
+
+from .autostart import hub_address
+from .env import RankEnv, read_rank_env
+from .heartbeat import Heartbeat, Phase
+from .nvml import GpuReader, pci_bus_id_of
+from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, summarize
+from .transport import Sender
+
+log = logging.getLogger("scalemon.agent")
+F = TypeVar("F", bound=Callable[..., Any])
+MAX_PENDING = 64
+
+
+def guarded(method: F) -> F:
+    """Run `method`; on any error log once, disable the run and return None."""
+
+    @functools.wraps(method)
+    def wrapper(self: Run, *args: Any, **kwargs: Any) -> Any:
+        if self.disabled:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self.disable(f"{method.__name__}: {type(exc).__name__}: {exc}")
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _PendingStep:
+    __slots__ = ("body", "event", "buf", "opt_spans", "comm_spans", "has_loss", "has_scale")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.event: torch.cuda.Event | None = None
+        self.buf: torch.Tensor | None = None
+        self.opt_spans: list = []
+        self.comm_spans: list = []
+        self.has_loss = False
+        self.has_scale = False
+
+
+class Run:
+    """The monitor of one rank. Create it with `scalemon.agent.init()`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        *,
+        job: str | None = None,
+        hub: str | None = None,
+        config: dict[str, Any] | None = None,
+        time_collectives: bool = True,
+        heartbeat_s: float = 1.0,
+        env: RankEnv | None = None,
+    ) -> None:
+        self.disabled = False
+        self._disabled_reason: str | None = None
+        self.pid = os.getpid()
+        self.env = env or read_rank_env()
+        if job:
+            self.env = RankEnv(**{**self.env.__dict__, "job": job})
+        self.address = hub_address(self.env, hub)
+        self.phase = Phase()
+        self.scaler = scaler
+        self._cuda = _uses_cuda(model)
+        self._events = EventPool() if self._cuda else None
+        self._pinned: list[torch.Tensor] = []
+        self._pending: deque[_PendingStep] = deque()
+        self._opt_timer = SpanTimer(self._cuda, self._events)
+        self._comm_timer = SpanTimer(self._cuda, self._events)
+        self._hooks: list[Any] = []
+        self._last_log_t: float | None = None
+        self._last_scale: float | None = None
+        self._skipped_steps = 0
+        self._agent_time = 0.0
+        self._finished = False
+        self.sender = Sender(self.address.ingest, self.env.job, self.env.rank)
+        self._hello(model, config)
+        if optimizer is not None:
+            self.watch_optimizer(optimizer)
+        if model is not None:
+            self.watch_model(model, time_collectives)
+        self.gpu = GpuReader(*self._gpu_ids())
+        self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
+                                   heartbeat_s)
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self._atexit)
+
+    # --- setup -------------------------------------------------------------------------------
+    def _gpu_ids(self) -> tuple[str | None, int | None]:
+        if not self._cuda:
+            return None, None
+        index = torch.cuda.current_device()
+        return pci_bus_id_of(index), index
+
+    def _hello(self, model: torch.nn.Module | None, config: dict[str, Any] | None) -> None:
+        backend = dist_backend()
+        device = torch.cuda.get_device_name() if self._cuda else "cpu"
+        self.sender.submit("hello", {
+            "host": self.env.host,
+            "pid": self.pid,
+            "world_size": self.env.world_size,
+            "local_rank": self.env.local_rank,
+            "restart_count": self.env.restart_count,
+            "agent_version": scalemon.__version__,
+            "torch_version": torch.__version__,
+            "device": device,
+            "backend": backend,
+            "config": config,
+        })
+
+    @guarded
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Time every `optimizer.step()` (step hooks; CUDA events on GPU)."""
+        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase))
+
+    @guarded
+    def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
+        """Track forward/backward phases; on DDP also time the gradient all-reduce."""
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        self._hooks.append(model.register_forward_hook(self._on_forward_done))
+        if time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            AllReduceTimer(self._comm_timer, self.phase).register(model)
+
+    def _on_forward(self, *_: Any) -> None:
+        self.phase.set("forward")
+
+    def _on_forward_done(self, *_: Any) -> None:
+        self.phase.set("backward")
+
+    # --- per step ----------------------------------------------------------------------------
+    @guarded
+    def log(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None = None,
+        tokens: int | None = None,
+        **extra: float | int | str | None,
+    ) -> None:
+        """Report one finished step. `loss` may be a device tensor: it is never synced.
+
+        Call it after `optimizer.step()` (and `scaler.update()` with AMP). Extra keyword values
+        (numbers or strings) are sent along under `extra`.
+        """
+        if os.getpid() != self.pid:
+            return  # a forked child (DataLoader worker) must not use the parent's sockets
+        t0 = time.perf_counter()
+        step_time = None if self._last_log_t is None else t0 - self._last_log_t
+        self._last_log_t = t0
+        self.phase.step = step
+        body: dict[str, Any] = {"step": int(step), "tokens": tokens, "step_time_s": step_time}
+        if extra:
+            body["extra"] = extra
+        pending = _PendingStep(body)
+        pending.opt_spans = self._opt_timer.take()
+        pending.comm_spans = self._comm_timer.take()
+        scale = self.scaler._scale if self.scaler is not None else None
+        if self._cuda:
+            self._stage_device_values(pending, loss, scale)
+            body.update(cuda_memory())
+        else:
+            body["loss"] = _host_float(loss)
+            body["loss_scale"] = _host_float(scale)
+        self._pending.append(pending)
+        self._flush_ready()
+        self.phase.set("data")
+        self._agent_time += time.perf_counter() - t0
+
+    def _stage_device_values(
+        self, pending: _PendingStep, loss: Any, scale: torch.Tensor | None
+    ) -> None:
+        buf = self._pinned.pop() if self._pinned else torch.empty(2, pin_memory=True)
+        buf.fill_(float("nan"))
+        for i, value in enumerate((loss, scale)):
+            if isinstance(value, torch.Tensor):
+                buf[i].copy_(value.detach().reshape(()), non_blocking=True)
+            elif value is not None:
+                buf[i] = float(value)
+        pending.buf = buf
+        pending.has_loss, pending.has_scale = loss is not None, scale is not None
+        pending.event = self._events.get()
+        pending.event.record()
+
+    def _flush_ready(self, wait: bool = False) -> None:
+        """Send the pending steps whose device values are ready, oldest first."""
+        while self._pending:
+            head = self._pending[0]
+            if head.event is not None:
+                if wait:
+                    head.event.synchronize()
+                elif not head.event.query():
+                    if len(self._pending) <= MAX_PENDING:
+                        return
+                    head.event.synchronize()  # the GPU is far behind; bounded catch-up
+            self._pending.popleft()
+            self._complete(head)
+
+    def _complete(self, pending: _PendingStep) -> None:
+        body = pending.body
+        if pending.buf is not None:
+            loss, scale = pending.buf.tolist()
+            body["loss"] = loss if pending.has_loss else None
+            body["loss_scale"] = scale if pending.has_scale else None
+            self._pinned.append(pending.buf)
+            self._events.put(pending.event)
+        opt = summarize(pending.opt_spans, self._events)
+        comm = summarize(pending.comm_spans, self._events)
+        body["optimizer_time_s"] = opt["seconds"]
+        body["allreduce_time_s"] = comm["seconds"]
+        body["allreduce_count"] = comm["count"]
+        body["allreduce_bytes"] = comm["bytes"]
+        body["allreduce_issue_t"] = comm["issue_t"]
+        self._account_scale(body)
+        body["agent_time_s"] = self._agent_time
+        self._agent_time = 0.0
+        self.sender.submit("step", body)
+
+    def _account_scale(self, body: dict[str, Any]) -> None:
+        scale = body.get("loss_scale")
+        if scale is None:
+            return
+        previous = self._last_scale
+        if previous is None and self.scaler is not None:
+            previous = float(getattr(self.scaler, "_init_scale", scale))
+        skipped = previous is not None and scale < previous
+        self._skipped_steps += int(skipped)
+        body["skipped"] = skipped
+        body["skipped_steps"] = self._skipped_steps
+        self._last_scale = scale
+
+    @guarded
+    def info(self, key: str, value: Any) -> None:
+        """Send a named fact about the run (configuration, memory estimate, ...)."""
+        self.sender.submit("info", {"key": key, "value": value})
+
+    def set_phase(self, name: str) -> None:
+        """Say what the training thread is doing now (shown in heartbeats and on hangs)."""
+        self.phase.set(name)
+
+    # --- end -------------------------------------------------------------------------------
+    def finish(self, exit_code: int | None = 0, reason: str | None = None) -> None:
+        """Flush pending steps, report the end of this rank and stop the threads."""
+        if self._finished or os.getpid() != self.pid:
+            return
+        self._finished = True
+        try:
+            if not self.disabled:
+                self._flush_ready(wait=True)
+            self.heartbeat.stop()
+            reason = reason or ("finished" if exit_code == 0 else "exit")
+            self.sender.submit("exit", {
+                "reason": reason,
+                "exit_code": exit_code,
+                "step": self.phase.step,
+                "error": self._disabled_reason,
+                "dropped": self.sender.dropped,
+            })
+            self.sender.close()
+            for hook in self._hooks:
+                hook.remove()
+        except Exception as exc:
+            log.warning("scalemon: finishing the monitor failed: %s", exc)
+        finally:
+            if sys.excepthook == self._excepthook:
+                sys.excepthook = self._previous_excepthook
+
+    def _excepthook(self, etype: type, value: BaseException, tb: Any) -> None:
+        try:
+            if not self._finished:
+                self._disabled_reason = "".join(traceback.format_exception_only(etype, value))
+                self.finish(exit_code=1, reason="exception")
+        finally:
+            self._previous_excepthook(etype, value, tb)
+
+    def _atexit(self) -> None:
+        if not self._finished:
+            self.finish(exit_code=None, reason="exit")
+
+    def disable(self, reason: str) -> None:
+        """Switch the monitor off after an internal error; training goes on."""
+        if not self.disabled:
+            self.disabled = True
+            self._disabled_reason = reason
+            log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
+
+    def _counters(self) -> dict[str, int]:
+        return {"dropped": self.sender.dropped, "queued": self.sender.queued}
+
+
+def _uses_cuda(model: torch.nn.Module | None) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    if model is not None:
+        param = next(model.parameters(), None)
+        if param is not None:
+            return param.is_cuda
+    return torch.cuda.is_initialized()
+
+
+def dist_backend() -> str | None:
+    """The default process group's backend, or None outside torch.distributed."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def cuda_memory() -> dict[str, int]:
+    """Allocator counters of the current device (host-side, no sync)."""
+    return {
+        "mem_allocated_bytes": torch.cuda.memory_allocated(),
+        "mem_reserved_bytes": torch.cuda.memory_reserved(),
+        "mem_peak_bytes": torch.cuda.max_memory_allocated(),
+    }
+
+
+def _host_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            return None  # never sync a device tensor on the training thread
+        return float(value.detach())
+    return float(value)

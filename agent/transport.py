@@ -1,0 +1,106 @@
+"""Sending to the hub from a background thread, so the training thread never waits.
+
+The training thread only appends to a bounded deque. A daemon thread owns the ZeroMQ PUSH
+socket, packs messages and sends them with NOBLOCK. A full deque or a full socket queue (no hub,
+slow hub) drops the message and counts it; the hub sees the drop as a gap in `seq` too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from scalemon import protocol
+
+log = logging.getLogger("scalemon.agent")
+
+
+class Sender:
+    """Bounded, drop-counting, non-blocking message sender for one rank."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        job: str,
+        rank: int,
+        max_queue: int = 4096,
+        socket_hwm: int = 10_000,
+        close_timeout_s: float = 2.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.job = job
+        self.rank = rank
+        self.max_queue = max_queue
+        self.socket_hwm = socket_hwm
+        self.close_timeout_s = close_timeout_s
+        self.dropped = 0
+        self.sent = 0
+        self._seq = itertools.count()
+        self._queue: deque[tuple[str, int, float, dict[str, Any]]] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="scalemon-sender", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Messages waiting for the sender thread."""
+        return len(self._queue)
+
+    def submit(self, mtype: str, body: dict[str, Any]) -> bool:
+        """Queue a message (any thread); False when it was dropped."""
+        seq = next(self._seq)
+        if self._failed or self._stopping or len(self._queue) >= self.max_queue:
+            self.dropped += 1
+            return False
+        was_empty = not self._queue
+        self._queue.append((mtype, seq, time.time(), body))
+        if was_empty:
+            self._wake.set()
+        return True
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        try:
+            sock.setsockopt(zmq.SNDHWM, self.socket_hwm)
+            sock.setsockopt(zmq.LINGER, int(self.close_timeout_s * 1000))
+            sock.setsockopt(zmq.RECONNECT_IVL, 200)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(self.endpoint)
+            while True:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                self._drain(sock)
+                if self._stopping:
+                    self._drain(sock)
+                    break
+        except Exception as exc:  # never let the monitor take the rank down
+            self._failed = True
+            log.warning("scalemon: sending to %s failed, monitoring is off: %s", self.endpoint, exc)
+        finally:
+            sock.close()  # waits up to LINGER for queued frames to leave
+            ctx.term()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while self._queue:
+            mtype, seq, t, body = self._queue.popleft()
+            frame = protocol.encode(mtype, self.job, self.rank, seq, body, t)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                self.sent += 1
+            except zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued (bounded by `close_timeout_s`) and stop the thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=self.close_timeout_s * 2 + 1)

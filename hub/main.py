@@ -1,0 +1,61 @@
+"""`scalemon hub`: run a job's hub in the foreground (the agent starts one by itself)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from scalemon.jobs import check_job_id
+
+from .server import Hub, HubAlreadyRunning, install_signal_handlers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `scalemon hub`."""
+    parser.add_argument("--job", required=True, help="job id (what the ranks report)")
+    parser.add_argument("--home", type=Path, help="scalemon home (default $SCALEMON_HOME)")
+    parser.add_argument(
+        "--address",
+        help="bind here instead of the job's private ipc directory (ipc:///dir or tcp://host:port)",
+    )
+    parser.add_argument("--world-size", type=int, help="expected number of ranks")
+    parser.add_argument(
+        "--lost-after", type=float, default=5.0, metavar="S",
+        help="mark a rank lost after S seconds without a message (default 5)",
+    )
+    parser.add_argument(
+        "--linger", type=float, default=600.0, metavar="S",
+        help="stay up S seconds after the job ended so its final state can be read (default 600)",
+    )
+    parser.add_argument(
+        "--memory-limit", type=int, default=1_000_000, metavar="N",
+        help="records kept in memory; older ones are read back from the history file",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the hub until the job ended and lingered, or SIGTERM/SIGINT."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        check_job_id(args.job)
+        hub = Hub(
+            job=args.job, home=args.home, address=args.address, world_size=args.world_size,
+            lost_after_s=args.lost_after, linger_s=args.linger, memory_limit=args.memory_limit,
+        )
+    except (HubAlreadyRunning, ValueError, OSError) as exc:
+        print(f"scalemon hub: {exc}", file=sys.stderr)
+        return 2
+    install_signal_handlers(hub)
+    hub.serve_forever()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m scalemon.hub`."""
+    parser = argparse.ArgumentParser(prog="scalemon hub", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,309 @@
+"""The hub: one process per job that ingests every rank's messages, keeps the history, serves
+dashboards and notices ranks that stop.
+
+Sockets (see `scalemon.jobs.HubAddress`):
+- `ingest` PULL (bind): ranks PUSH protocol messages; invalid frames are counted and logged.
+- `feed` PUB (bind): every accepted record, numbered, for live dashboards.
+- `rpc` ROUTER (bind): ping / state / fetch requests (snapshot, history pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from scalemon import protocol
+from scalemon.jobs import HubAddress, JobFile, jobs_dir, private_dir, run_dir
+from scalemon.jobstate import JobState
+from scalemon.protocol import HUB_RANK, ProtocolError
+
+from .history import History
+
+log = logging.getLogger("scalemon.hub")
+
+INGEST_BATCH = 5000
+FETCH_LIMIT = 20_000
+MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
+HOUSEKEEPING_S = 0.25
+
+
+class HubAlreadyRunning(RuntimeError):
+    """Another hub holds this job's run directory."""
+
+
+class Hub:
+    """Collects one job's messages. `serve_forever()` runs until the job ended and lingered."""
+
+    def __init__(
+        self,
+        job: str,
+        home: Path | None = None,
+        address: str | None = None,
+        world_size: int | None = None,
+        lost_after_s: float = 5.0,
+        linger_s: float = 600.0,
+        memory_limit: int = 1_000_000,
+    ) -> None:
+        self.job = job
+        self.home = home
+        self.run_dir = private_dir(run_dir(job, home))
+        self.address = HubAddress.parse(address) if address else HubAddress.for_directory(
+            self.run_dir
+        )
+        self.lost_after_s = lost_after_s
+        self.linger_s = linger_s
+        self._lock_file = self._take_lock()
+        self.history = History(self.run_dir / "history.smlog", memory_limit)
+        self.state = JobState(job=job, world_size=world_size)
+        self.received = 0
+        self.rejected = 0
+        self.reject_reasons: Counter[str] = Counter()
+        self.started = time.time()
+        self._own_seq = 0
+        self._last_recv: dict[int, float] = {}
+        self._procs: dict[int, psutil.Process] = {}
+        self._ended_since: float | None = None
+        self._stop = threading.Event()
+        self._job_file: JobFile | None = None
+        self._replay_history()
+
+    # --- setup ---------------------------------------------------------------------------
+    def _take_lock(self):  # noqa: ANN202 - file object
+        path = self.run_dir / "hub.lock"
+        f = open(path, "a+")  # noqa: SIM115 - held for the life of the hub
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            f.close()
+            raise HubAlreadyRunning(
+                f"a hub for job {self.job!r} is already running (pid {other}); "
+                f"attach to it with `scalemon snapshot {self.job}`"
+            ) from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        return f
+
+    def _replay_history(self) -> None:
+        """Rebuild the state from a history left by an earlier hub of this job."""
+        n = len(self.history)
+        for record in self.history.get(0, n):
+            try:
+                self.state.apply(protocol.decode(record))
+            except ProtocolError:
+                continue
+        if n:
+            log.info("resumed history of job %s: %d records", self.job, n)
+        now = time.monotonic()
+        for rank in self.state.ranks:
+            self._last_recv[rank] = now
+
+    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        ingest = ctx.socket(zmq.PULL)
+        ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        ingest.setsockopt(zmq.RCVHWM, 100_000)
+        feed = ctx.socket(zmq.PUB)
+        feed.setsockopt(zmq.SNDHWM, 100_000)
+        rpc = ctx.socket(zmq.ROUTER)
+        rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        for sock in (ingest, feed, rpc):
+            sock.setsockopt(zmq.LINGER, 0)
+        ingest.bind(self.address.ingest)
+        feed.bind(self.address.feed)
+        rpc.bind(self.address.rpc)
+        return ingest, feed, rpc
+
+    def _write_job_file(self) -> None:
+        self._job_file = JobFile(
+            job=self.job,
+            address=self.address.base,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started=self.started,
+            world_size=self.state.world_size,
+            run_dir=str(self.run_dir),
+            protocol=list(protocol.PROTOCOL_VERSION),
+        )
+        self._job_file.write(self.home)
+
+    # --- main loop -----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask `serve_forever` to return (thread-safe)."""
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        """Bind, write the job file, and serve until stopped or the job ended and lingered."""
+        ctx = zmq.Context()
+        ingest, feed, rpc = self._bind(ctx)
+        self._write_job_file()
+        log.info("hub for job %s listening on %s", self.job, self.address.base)
+        poller = zmq.Poller()
+        poller.register(ingest, zmq.POLLIN)
+        poller.register(rpc, zmq.POLLIN)
+        next_housekeeping = 0.0
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=100))
+                if ingest in events:
+                    self._ingest(ingest, feed)
+                if rpc in events:
+                    self._serve_rpc(rpc)
+                now = time.monotonic()
+                if now >= next_housekeeping:
+                    next_housekeeping = now + HOUSEKEEPING_S
+                    self._housekeeping(feed, now)
+        finally:
+            self._shutdown(ctx, (ingest, feed, rpc))
+
+    def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
+        self.history.close()
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+        if self._job_file is not None:
+            (jobs_dir(self.home) / f"{self.job}.json").unlink(missing_ok=True)
+        self._lock_file.close()
+        log.info(
+            "hub for job %s stopped: %d received, %d rejected", self.job, self.received,
+            self.rejected,
+        )
+
+    def _ingest(self, ingest: zmq.Socket, feed: zmq.Socket) -> None:
+        accepted: list[bytes] = []
+        first_seq = len(self.history)
+        now = time.monotonic()
+        for _ in range(INGEST_BATCH):
+            try:
+                frame = ingest.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self.received += 1
+            try:
+                msg = protocol.decode(frame)
+                if msg.job != self.job:
+                    raise ProtocolError(f"message for job {msg.job!r} sent to hub of {self.job!r}")
+            except ProtocolError as exc:
+                self._reject(exc, len(frame))
+                continue
+            self.history.append(frame)
+            self.state.apply(msg)
+            if msg.rank != HUB_RANK:
+                self._last_recv[msg.rank] = now
+            accepted.append(frame)
+        if accepted:
+            feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(first_seq), *accepted])
+
+    def _reject(self, exc: ProtocolError, size: int) -> None:
+        self.rejected += 1
+        reason = str(exc).split(":")[0][:60]
+        self.reject_reasons[reason] += 1
+        if self.rejected <= 20 or self.rejected % 1000 == 0:
+            log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size, exc)
+
+    def _record(self, feed: zmq.Socket, mtype: str, body: dict[str, Any]) -> None:
+        """Write a hub-originated message into the history and the feed."""
+        self._own_seq += 1
+        frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
+        seq = self.history.append(frame)
+        self.state.apply(protocol.decode(frame))
+        feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(seq), frame])
+
+    # --- rank liveness and lifetime --------------------------------------------------------
+    def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
+        self.history.flush()
+        self._detect_lost(feed, now)
+        if self._job_file and self._job_file.world_size != self.state.world_size:
+            self._write_job_file()
+        job_state = self.state.state
+        if job_state in ("finished", "ended") or (job_state == "waiting"):
+            self._ended_since = self._ended_since or now
+            if now - self._ended_since >= self.linger_s:
+                log.info("job %s is %s; lingered %.0f s, exiting", self.job, job_state,
+                         self.linger_s)
+                self._stop.set()
+        else:
+            self._ended_since = None
+
+    def _detect_lost(self, feed: zmq.Socket, now: float) -> None:
+        host = socket.gethostname()
+        for rank, view in list(self.state.ranks.items()):
+            if view.state != "running":
+                continue
+            silent = now - self._last_recv.get(rank, now)
+            if silent > self.lost_after_s:
+                reason = f"no message for {silent:.1f} s"
+            elif view.host == host and view.pid and not self._process_alive(view.pid):
+                reason = f"process {view.pid} is gone without reporting an exit (killed?)"
+            else:
+                continue
+            log.warning("rank %d lost: %s", rank, reason)
+            self._record(feed, "rank_state", {"target": rank, "state": "lost", "reason": reason})
+
+    def _process_alive(self, pid: int) -> bool:
+        proc = self._procs.get(pid)
+        try:
+            if proc is None:
+                proc = self._procs[pid] = psutil.Process(pid)
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    # --- requests from dashboards and the CLI -------------------------------------------
+    def _serve_rpc(self, rpc: zmq.Socket) -> None:
+        for _ in range(100):
+            try:
+                frames = rpc.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, payload = frames[:-1], frames[-1]
+            try:
+                op, args = protocol.decode_request(payload)
+                reply = protocol.encode_reply(**self._answer(op, args))
+            except ProtocolError as exc:
+                self._reject(exc, len(payload))
+                reply = protocol.encode_reply(ok=False, error=str(exc))
+            with contextlib.suppress(zmq.ZMQError):  # the requester went away
+                rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
+
+    def _answer(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        if op == "ping":
+            return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
+        if op == "state":
+            return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
+        since = max(0, args["since"])
+        limit = min(max(0, args["limit"]), FETCH_LIMIT)
+        return {"records": self.history.get(since, limit), "head": len(self.history)}
+
+    def stats(self) -> dict[str, Any]:
+        """Hub counters, as reported in `state` replies."""
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "address": self.address.base,
+            "uptime_s": time.time() - self.started,
+            "received": self.received,
+            "rejected": self.rejected,
+            "reject_reasons": dict(self.reject_reasons),
+            "history": len(self.history),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def install_signal_handlers(hub: Hub) -> None:
+    """SIGTERM/SIGINT stop the hub cleanly (flushed history, job file removed)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: hub.stop())

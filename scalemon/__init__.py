@@ -1,0 +1,3 @@
+"""scalemon: a terminal monitor for distributed PyTorch training."""
+
+__version__ = "0.1.0"

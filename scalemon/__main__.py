@@ -1,0 +1,7 @@
+"""`python -m scalemon` is the `scalemon` command."""
+
+import sys
+
+from scalemon.cli import main
+
+sys.exit(main())

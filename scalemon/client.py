@@ -1,0 +1,149 @@
+"""Talking to a hub from the CLI or a dashboard: requests, and a gapless history-then-live stream.
+
+`HubStream.poll()` returns every record of the job's history exactly once and in order: it
+subscribes to the live feed first, pages the history in over RPC, drops feed records it already
+has and fetches any range the feed skipped (slow subscriber, late connect).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from scalemon import protocol
+from scalemon.jobs import HubAddress
+from scalemon.protocol import Message, ProtocolError
+
+PAGE = 10_000
+
+
+class HubUnreachable(ConnectionError):
+    """The hub did not answer in time."""
+
+
+class HubClient:
+    """Request/reply with one hub. Not thread-safe: use one per thread."""
+
+    def __init__(
+        self, address: HubAddress, timeout_s: float = 5.0, ctx: zmq.Context | None = None
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.ctx = ctx or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self.ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.address.rpc)
+        return self._sock
+
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; raises HubUnreachable or ProtocolError."""
+        sock = self._socket()
+        sock.send(protocol.encode_request(op, **args))
+        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            self.close()  # a late reply must not be taken for the next request's
+            raise HubUnreachable(
+                f"no answer from the hub at {self.address.rpc} within {self.timeout_s:g} s: "
+                "is the job's hub running? (`scalemon jobs` lists live hubs)"
+            )
+        return protocol.decode_reply(sock.recv_multipart()[-1])
+
+    def state(self) -> dict[str, Any]:
+        """The hub's `state` reply: {"state": job state JSON, "hub": counters, "head": n}."""
+        return self.request("state")
+
+    def fetch(self, since: int, limit: int = PAGE) -> tuple[list[bytes], int]:
+        """History records from `since`; returns (records, head)."""
+        reply = self.request("fetch", since=since, limit=limit)
+        return reply["records"], reply["head"]
+
+    def close(self) -> None:
+        """Close the socket (a new one is made on the next request)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+class HubStream:
+    """Every history record of a hub, exactly once, then live ones as they come."""
+
+    def __init__(self, address: HubAddress, since: int = 0, timeout_s: float = 5.0) -> None:
+        self.client = HubClient(address, timeout_s)
+        self.sub = self.client.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, protocol.FEED_TOPIC)
+        self.sub.connect(address.feed)
+        self.next_seq = since
+        self.rejected = 0
+        self._last_sync = 0.0
+
+    def poll(self, timeout_s: float = 0.1, sync_every_s: float = 1.0) -> list[tuple[int, Message]]:
+        """Records that arrived since the last call (waits up to `timeout_s` for the first)."""
+        out: list[tuple[int, Message]] = []
+        if self.sub.poll(int(timeout_s * 1000), zmq.POLLIN):
+            while True:
+                try:
+                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._take_batch(frames, out)
+        now = time.monotonic()
+        if not out and now - self._last_sync >= sync_every_s:
+            self._last_sync = now
+            self.catch_up(out)
+        return out
+
+    def catch_up(self, out: list[tuple[int, Message]]) -> None:
+        """Fetch everything from `next_seq` to the hub's head over RPC."""
+        while True:
+            records, head = self.client.fetch(self.next_seq)
+            self._take(self.next_seq, records, out)
+            if not records or self.next_seq >= head:
+                return
+
+    def _take_batch(self, frames: list[bytes], out: list[tuple[int, Message]]) -> None:
+        try:
+            first = protocol.unpack_seq(frames[1])
+        except (IndexError, ProtocolError):
+            self.rejected += 1
+            return
+        records = frames[2:]
+        if first > self.next_seq:
+            self._fetch_range(first, out)
+        self._take(first, records, out)
+
+    def _fetch_range(self, stop: int, out: list[tuple[int, Message]]) -> None:
+        while self.next_seq < stop:
+            records, _ = self.client.fetch(self.next_seq, min(PAGE, stop - self.next_seq))
+            if not records:
+                return
+            self._take(self.next_seq, records, out)
+
+    def _take(self, first: int, records: list[bytes], out: list[tuple[int, Message]]) -> None:
+        for i in range(max(0, self.next_seq - first), len(records)):
+            seq = first + i
+            if seq != self.next_seq:
+                return  # a gap: the caller fetches it
+            self.next_seq += 1
+            try:
+                out.append((seq, protocol.decode(records[i])))
+            except ProtocolError:
+                self.rejected += 1
+
+    def iter_until(self, deadline_s: float) -> Iterator[tuple[int, Message]]:
+        """Yield records until `deadline_s` seconds have passed."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            yield from self.poll(timeout_s=min(0.1, max(0.0, end - time.monotonic())))
+
+    def close(self) -> None:
+        """Close both sockets."""
+        self.sub.close(linger=0)
+        self.client.close()

@@ -1,0 +1,189 @@
+"""Where a job's hub lives: `$SCALEMON_HOME`, run directories, endpoints and job files.
+
+Layout (all directories mode 0700, since ipc sockets are reachable by whoever can open them)::
+
+    $SCALEMON_HOME/                       default ~/.scalemon
+        jobs/<job>.json                   one per live hub: endpoints, host, pid, world size
+        run/<job>/ingest.sock  feed.sock  rpc.sock  hub.lock  history.smlog  hub.log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+_JOB_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
+
+
+class JobLookupError(RuntimeError):
+    """No hub (or more than one) matches what the user asked for; the text says what to do."""
+
+
+def scalemon_home() -> Path:
+    """`$SCALEMON_HOME`, default `~/.scalemon`."""
+    return Path(os.environ.get("SCALEMON_HOME") or Path.home() / ".scalemon")
+
+
+def check_job_id(job: str) -> str:
+    """Return `job` if it is safe to use in file names, else raise ValueError."""
+    if not _JOB_ID_OK.match(job):
+        raise ValueError(
+            f"job id {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) readable by this user only."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+@dataclass(frozen=True)
+class HubAddress:
+    """The three endpoints of one hub: ranks PUSH to `ingest`, dashboards SUB to `feed` and
+    send requests to `rpc`."""
+
+    ingest: str
+    feed: str
+    rpc: str
+
+    @classmethod
+    def parse(cls, address: str) -> HubAddress:
+        """From `ipc:///dir` (sockets inside dir) or `tcp://host:port` (ports port..port+2)."""
+        if address.startswith("ipc://"):
+            base = address[len("ipc://") :].rstrip("/")
+            if not base:
+                raise ValueError(f"{address!r}: ipc address needs a directory")
+            return cls.for_directory(Path(base))
+        if address.startswith("tcp://"):
+            host, _, port = address[len("tcp://") :].rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{address!r}: expected tcp://HOST:PORT")
+            p = int(port)
+            return cls(*(f"tcp://{host}:{p + i}" for i in range(3)))
+        raise ValueError(f"hub address {address!r} must start with ipc:// or tcp://")
+
+    @classmethod
+    def for_directory(cls, run_dir: Path) -> HubAddress:
+        """ipc endpoints inside `run_dir`."""
+        paths = [run_dir / name for name in ("ingest.sock", "feed.sock", "rpc.sock")]
+        longest = max(len(str(p)) for p in paths)
+        if longest > _IPC_PATH_MAX:
+            raise ValueError(
+                f"ipc socket path under {run_dir} is {longest} bytes, over the {_IPC_PATH_MAX} "
+                "the OS allows: set SCALEMON_HOME to a shorter directory"
+            )
+        return cls(*(f"ipc://{p}" for p in paths))
+
+    @property
+    def base(self) -> str:
+        """The address string `parse` accepts."""
+        if self.ingest.startswith("ipc://"):
+            return "ipc://" + str(Path(self.ingest[len("ipc://") :]).parent)
+        return self.ingest
+
+
+def run_dir(job: str, home: Path | None = None) -> Path:
+    """The private directory holding a job's sockets and history."""
+    return (home or scalemon_home()) / "run" / check_job_id(job)
+
+
+def jobs_dir(home: Path | None = None) -> Path:
+    """Directory of job files."""
+    return (home or scalemon_home()) / "jobs"
+
+
+@dataclass
+class JobFile:
+    """What a live hub writes about itself to `$SCALEMON_HOME/jobs/<job>.json`."""
+
+    job: str
+    address: str
+    host: str
+    pid: int
+    started: float
+    world_size: int | None
+    run_dir: str
+    protocol: list[int]
+
+    def write(self, home: Path | None = None) -> Path:
+        """Atomically (re)write the job file."""
+        directory = private_dir(jobs_dir(home))
+        path = directory / f"{self.job}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> JobFile:
+        """Parse a job file; raises ValueError naming the file when it is unreadable."""
+        try:
+            data = json.loads(path.read_text())
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"unreadable job file {path}: {exc}") from None
+
+    def is_alive(self) -> bool:
+        """True when the hub process still runs (always assumed for another host)."""
+        if self.host != socket.gethostname():
+            return True
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """Job files of live hubs, newest first; stale ones of dead hubs are removed when `clean`."""
+    found = []
+    directory = jobs_dir(home)
+    if not directory.is_dir():
+        return []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            jf = JobFile.read(path)
+        except ValueError:
+            if clean and time.time() - path.stat().st_mtime > 60:
+                path.unlink(missing_ok=True)
+            continue
+        if jf.is_alive():
+            found.append(jf)
+        elif clean:
+            path.unlink(missing_ok=True)
+    return sorted(found, key=lambda j: j.started, reverse=True)
+
+
+def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubAddress]:
+    """Turn what the user typed (nothing, a job id or an address) into (job, address)."""
+    if target and ("://" in target):
+        return target, HubAddress.parse(target)
+    jobs = live_jobs(home)
+    if target:
+        for jf in jobs:
+            if jf.job == target:
+                return jf.job, HubAddress.parse(jf.address)
+        names = ", ".join(j.job for j in jobs) or "none"
+        raise JobLookupError(f"no live hub for job {target!r} (live jobs: {names})")
+    if not jobs:
+        where = jobs_dir(home)
+        raise JobLookupError(
+            f"no live scalemon hub found in {where}: start a job with --monitor, "
+            "or pass a job id or an address (ipc:///dir, tcp://host:port)"
+        )
+    if len(jobs) > 1:
+        lines = "\n".join(f"  {j.job}  (pid {j.pid}, world size {j.world_size})" for j in jobs)
+        raise JobLookupError(f"several live jobs; name one:\n{lines}")
+    return jobs[0].job, HubAddress.parse(jobs[0].address)

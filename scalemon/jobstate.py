@@ -1,0 +1,217 @@
+"""Fold a stream of protocol messages into the current state of a job.
+
+The hub and every dashboard run the same reducer over the same history, so they agree on what
+each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (no GPU) is None.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scalemon.protocol import HUB_RANK, Message
+
+STEP_FIELDS = (
+    "loss",
+    "tokens",
+    "step_time_s",
+    "loss_scale",
+    "skipped",
+    "skipped_steps",
+    "optimizer_time_s",
+    "allreduce_time_s",
+    "allreduce_count",
+    "allreduce_bytes",
+    "allreduce_issue_t",
+    "mem_allocated_bytes",
+    "mem_reserved_bytes",
+    "mem_peak_bytes",
+    "agent_time_s",
+)
+HEARTBEAT_FIELDS = (
+    "phase",
+    "phase_since_s",
+    "collectives_issued",
+    "collectives_completed",
+    "cpu_pct",
+    "rss_bytes",
+    "gpu_util_pct",
+    "gpu_mem_used_bytes",
+    "gpu_mem_total_bytes",
+    "gpu_power_w",
+    "gpu_temp_c",
+    "dropped",
+    "queued",
+)
+TERMINAL_STATES = ("exited", "finished")
+
+
+@dataclass
+class RankView:
+    """Everything known about one rank: identity, state and the latest value of each metric."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    restart_count: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    state: str = "running"
+    state_reason: str | None = None
+    exit_code: int | None = None
+    step: int | None = None
+    steps_received: int = 0
+    last_seen_t: float | None = None
+    last_seq: int | None = None
+    seq_gaps: int = 0
+    loss: float | None = None
+    tokens: int | None = None
+    step_time_s: float | None = None
+    loss_scale: float | None = None
+    skipped: bool | None = None
+    skipped_steps: int | None = None
+    optimizer_time_s: float | None = None
+    allreduce_time_s: float | None = None
+    allreduce_count: int | None = None
+    allreduce_bytes: int | None = None
+    allreduce_issue_t: float | None = None
+    mem_allocated_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+    mem_peak_bytes: int | None = None
+    agent_time_s: float | None = None
+    phase: str | None = None
+    phase_since_s: float | None = None
+    collectives_issued: int | None = None
+    collectives_completed: int | None = None
+    cpu_pct: float | None = None
+    rss_bytes: int | None = None
+    gpu_util_pct: float | None = None
+    gpu_mem_used_bytes: int | None = None
+    gpu_mem_total_bytes: int | None = None
+    gpu_power_w: float | None = None
+    gpu_temp_c: float | None = None
+    dropped: int | None = None
+    queued: int | None = None
+    error: str | None = None
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """A JSON-ready dict, with `heartbeat_age_s` computed against `now`."""
+        out = asdict(self)
+        now = time.time() if now is None else now
+        out["heartbeat_age_s"] = None if self.last_seen_t is None else now - self.last_seen_t
+        return out
+
+
+@dataclass
+class JobState:
+    """The reducer: `apply` each message in history order."""
+
+    job: str | None = None
+    world_size: int | None = None
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    messages: int = 0
+    started_t: float | None = None
+    last_t: float | None = None
+
+    def rank(self, rank: int) -> RankView:
+        """The view of `rank`, created on first sight."""
+        view = self.ranks.get(rank)
+        if view is None:
+            view = self.ranks[rank] = RankView(rank)
+        return view
+
+    def apply(self, msg: Message) -> RankView | None:
+        """Fold one message in; returns the rank view it changed (None for hub-level ones)."""
+        self.messages += 1
+        self.job = self.job or msg.job
+        self.started_t = msg.t if self.started_t is None else min(self.started_t, msg.t)
+        self.last_t = msg.t if self.last_t is None else max(self.last_t, msg.t)
+        handler = getattr(self, "_on_" + msg.type, None)
+        if msg.rank == HUB_RANK:
+            return handler(msg) if handler else None
+        view = self.rank(msg.rank)
+        if view.last_seq is not None and msg.seq > view.last_seq + 1:
+            view.seq_gaps += msg.seq - view.last_seq - 1
+        view.last_seq = msg.seq if view.last_seq is None else max(view.last_seq, msg.seq)
+        view.last_seen_t = msg.t
+        if handler:
+            handler(msg, view)
+        return view
+
+    def _on_hello(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
+        view.restart_count = b.get("restart_count")
+        view.device, view.backend = b.get("device"), b.get("backend")
+        view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
+        view.last_seq = msg.seq
+        self.world_size = max(self.world_size or 0, b["world_size"])
+
+    def _on_step(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.step = b["step"]
+        view.steps_received += 1
+        for name in STEP_FIELDS:
+            setattr(view, name, b.get(name))
+        if view.state == "lost":
+            view.state, view.state_reason = "running", None
+
+    def _on_heartbeat(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        for name in HEARTBEAT_FIELDS:
+            setattr(view, name, b.get(name))
+        if view.state == "lost":
+            view.state, view.state_reason = "running", None
+
+    def _on_info(self, msg: Message, view: RankView) -> None:
+        self.info.setdefault(msg.body["key"], {})[msg.rank] = msg.body["value"]
+
+    def _on_exit(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.state = "finished" if b["reason"] == "finished" else "exited"
+        view.state_reason = b["reason"]
+        view.exit_code = b.get("exit_code")
+        view.error = b.get("error")
+        if b.get("dropped") is not None:
+            view.dropped = b["dropped"]
+
+    def _on_rank_state(self, msg: Message) -> None:
+        b = msg.body
+        view = self.rank(b["target"])
+        view.state, view.state_reason = b["state"], b.get("reason")
+        if b.get("exit_code") is not None:
+            view.exit_code = b["exit_code"]
+        return None
+
+    @property
+    def state(self) -> str:
+        """running, finished (every rank finished), ended (all stopped), degraded or waiting."""
+        views = list(self.ranks.values())
+        expected = self.world_size or len(views)
+        if not views:
+            return "waiting"
+        states = [v.state for v in views]
+        if len(views) >= expected and all(s == "finished" for s in states):
+            return "finished"
+        if len(views) >= expected and all(s in (*TERMINAL_STATES, "lost") for s in states):
+            return "ended"
+        if any(s in ("lost", "exited") for s in states):
+            return "degraded"
+        return "running"
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
+        now = time.time() if now is None else now
+        return {
+            "job": self.job,
+            "world_size": self.world_size,
+            "state": self.state,
+            "messages": self.messages,
+            "started_t": self.started_t,
+            "last_t": self.last_t,
+            "info": {k: {str(r): v for r, v in d.items()} for k, d in self.info.items()},
+            "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
+        }

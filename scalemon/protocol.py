@@ -1,0 +1,300 @@
+"""The scalemon wire protocol: the one module that agents, the hub and dashboards all import.
+
+Every message is one msgpack map (one ZeroMQ frame)::
+
+    {"v": [major, minor], "type": str, "job": str, "rank": int, "seq": int, "t": float,
+     "body": {...}}
+
+`decode` is the only way in: it validates the envelope and the body against `MESSAGE_FIELDS`
+and raises `ProtocolError` (and nothing else) for anything it cannot accept. A peer with another
+major version is refused; another minor version is accepted (unknown fields are kept, unknown
+message types of a newer minor are passed through as-is). `docs/protocol.md` documents the same
+tables for people writing their own clients.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+MAX_MESSAGE_BYTES = 1 << 20
+"""Frames larger than this are rejected before they are unpacked."""
+
+HUB_RANK = -1
+"""`rank` of messages the hub itself writes into the history (rank state changes)."""
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_INT = (int, type(None))
+_OPT_STR = (str, type(None))
+_OPT_DICT = (dict, type(None))
+
+# message type -> {field: (accepted python types, required)}
+MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    # A rank announces itself (first message, and again after a torchrun restart).
+    "hello": {
+        "host": ((str,), True),
+        "pid": ((int,), True),
+        "world_size": ((int,), True),
+        "local_rank": ((int,), True),
+        "restart_count": ((int,), False),
+        "agent_version": ((str,), False),
+        "torch_version": (_OPT_STR, False),
+        "device": (_OPT_STR, False),
+        "backend": (_OPT_STR, False),
+        "config": (_OPT_DICT, False),
+    },
+    # One training step, sent when the step's device values are ready.
+    "step": {
+        "step": ((int,), True),
+        "loss": (_OPT_NUM, False),
+        "tokens": (_OPT_INT, False),
+        "step_time_s": (_OPT_NUM, False),
+        "loss_scale": (_OPT_NUM, False),
+        "skipped": ((bool, type(None)), False),
+        "skipped_steps": (_OPT_INT, False),
+        "optimizer_time_s": (_OPT_NUM, False),
+        "allreduce_time_s": (_OPT_NUM, False),
+        "allreduce_count": (_OPT_INT, False),
+        "allreduce_bytes": (_OPT_INT, False),
+        "allreduce_issue_t": (_OPT_NUM, False),
+        "mem_allocated_bytes": (_OPT_INT, False),
+        "mem_reserved_bytes": (_OPT_INT, False),
+        "mem_peak_bytes": (_OPT_INT, False),
+        "agent_time_s": (_OPT_NUM, False),
+        "extra": (_OPT_DICT, False),
+    },
+    # Once a second from the agent's background thread.
+    "heartbeat": {
+        "phase": ((str,), True),
+        "phase_since_s": (_OPT_NUM, False),
+        "step": (_OPT_INT, False),
+        "collectives_issued": (_OPT_INT, False),
+        "collectives_completed": (_OPT_INT, False),
+        "cpu_pct": (_OPT_NUM, False),
+        "rss_bytes": (_OPT_INT, False),
+        "gpu_util_pct": (_OPT_NUM, False),
+        "gpu_mem_used_bytes": (_OPT_INT, False),
+        "gpu_mem_total_bytes": (_OPT_INT, False),
+        "gpu_power_w": (_OPT_NUM, False),
+        "gpu_temp_c": (_OPT_NUM, False),
+        "dropped": ((int,), True),
+        "queued": (_OPT_INT, False),
+    },
+    # Free-form facts about the run (memory estimate, configuration, ...).
+    "info": {
+        "key": ((str,), True),
+        "value": ((dict, list, str, int, float, bool, type(None)), True),
+    },
+    # A rank's training loop ended.
+    "exit": {
+        "reason": ((str,), True),
+        "exit_code": (_OPT_INT, False),
+        "step": (_OPT_INT, False),
+        "error": (_OPT_STR, False),
+        "dropped": (_OPT_INT, False),
+    },
+    # Written by the hub: a rank changed state.
+    "rank_state": {
+        "target": ((int,), True),
+        "state": ((str,), True),
+        "reason": (_OPT_STR, False),
+        "exit_code": (_OPT_INT, False),
+    },
+}
+
+RANK_STATES = ("running", "lost", "exited", "finished")
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid scalemon message; the text says what was wrong."""
+
+
+@dataclass
+class Message:
+    """A decoded, validated message."""
+
+    type: str
+    job: str
+    rank: int
+    seq: int
+    t: float
+    body: dict[str, Any] = field(default_factory=dict)
+    version: tuple[int, int] = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as a plain map, the same layout as on the wire."""
+        return {
+            "v": list(self.version),
+            "type": self.type,
+            "job": self.job,
+            "rank": self.rank,
+            "seq": self.seq,
+            "t": self.t,
+            "body": self.body,
+        }
+
+
+def encode(
+    type: str, job: str, rank: int, seq: int, body: dict[str, Any], t: float | None = None
+) -> bytes:
+    """Pack one message; `t` defaults to now (Unix seconds)."""
+    return msgpack.packb(
+        {
+            "v": list(PROTOCOL_VERSION),
+            "type": type,
+            "job": job,
+            "rank": rank,
+            "seq": seq,
+            "t": time.time() if t is None else t,
+            "body": body,
+        },
+        use_bin_type=True,
+    )
+
+
+def encode_message(msg: Message) -> bytes:
+    """Pack a `Message` (as `encode`, keeping its own time)."""
+    return msgpack.packb(msg.to_dict(), use_bin_type=True)
+
+
+def _unpack(frame: bytes) -> Any:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame is {type(frame).__name__}, expected bytes")
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def check_version(v: Any) -> tuple[int, int]:
+    """Return the (major, minor) of a peer, or raise if its major version differs from ours."""
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(type(x) is int for x in v)):
+        raise ProtocolError(f"bad protocol version field {v!r}: expected [major, minor]")
+    major, minor = v
+    if major != PROTOCOL_VERSION[0]:
+        ours = "{}.{}".format(*PROTOCOL_VERSION)
+        raise ProtocolError(
+            f"protocol version {major}.{minor} is not compatible with this side's {ours}: "
+            "install the same scalemon major version on the ranks, hub and dashboard"
+        )
+    return major, minor
+
+
+_ENVELOPE = {"type": str, "job": str, "rank": int, "seq": int}
+
+
+def decode(frame: bytes) -> Message:
+    """Unpack and validate one frame; raises `ProtocolError` with the reason."""
+    obj = _unpack(frame)
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message is a {type(obj).__name__}, expected a map")
+    version = check_version(obj.get("v"))
+    for key, typ in _ENVELOPE.items():
+        value = obj.get(key)
+        if type(value) is not typ:
+            raise ProtocolError(f"header field {key!r} is {value!r}, expected {typ.__name__}")
+    t = obj.get("t")
+    if type(t) not in (int, float):
+        raise ProtocolError(f"header field 't' is {t!r}, expected a number of seconds")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"'body' is {type(body).__name__}, expected a map")
+    mtype = obj["type"]
+    _check_body(mtype, body, version)
+    return Message(mtype, obj["job"], obj["rank"], obj["seq"], float(t), body, version)
+
+
+def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> None:
+    spec = MESSAGE_FIELDS.get(mtype)
+    if spec is None:
+        if version[1] > PROTOCOL_VERSION[1]:
+            return  # a newer minor version may add message types; pass them through
+        raise ProtocolError(f"unknown message type {mtype!r}")
+    for name, (types, required) in spec.items():
+        if name not in body:
+            if required:
+                raise ProtocolError(f"{mtype} message lacks required field {name!r}")
+            continue
+        value = body[name]
+        # bool is an int subclass: accept it only where bool is listed
+        if type(value) not in types and not (type(value) is int and float in types):
+            expected = "/".join(t.__name__ for t in types)
+            raise ProtocolError(f"{mtype}.{name} is {value!r}, expected {expected}")
+
+
+# --- requests and replies on the hub's RPC socket -----------------------------------------
+# A request is a msgpack map {"v": [..], "op": str, ...args}; a reply is
+# {"v": [..], "ok": bool, "error": str | None, ...results}.
+
+RPC_OPS = {
+    "ping": {},
+    "state": {},
+    "fetch": {"since": int, "limit": int},
+}
+
+
+def encode_request(op: str, **args: Any) -> bytes:
+    """Pack an RPC request to the hub."""
+    return msgpack.packb({"v": list(PROTOCOL_VERSION), "op": op, **args}, use_bin_type=True)
+
+
+def decode_request(frame: bytes) -> tuple[str, dict[str, Any]]:
+    """Validate an RPC request; returns (op, args)."""
+    obj = _unpack(frame)
+    if not isinstance(obj, dict):
+        raise ProtocolError("request is not a map")
+    check_version(obj.get("v"))
+    op = obj.get("op")
+    if op not in RPC_OPS:
+        raise ProtocolError(f"unknown request op {op!r}; known: {sorted(RPC_OPS)}")
+    args = {}
+    for name, typ in RPC_OPS[op].items():
+        value = obj.get(name)
+        if type(value) is not typ:
+            raise ProtocolError(f"request {op}.{name} is {value!r}, expected {typ.__name__}")
+        args[name] = value
+    return op, args
+
+
+def encode_reply(ok: bool = True, error: str | None = None, **results: Any) -> bytes:
+    """Pack an RPC reply."""
+    return msgpack.packb(
+        {"v": list(PROTOCOL_VERSION), "ok": ok, "error": error, **results}, use_bin_type=True
+    )
+
+
+def decode_reply(frame: bytes) -> dict[str, Any]:
+    """Unpack an RPC reply; raises `ProtocolError` for a malformed or failed one."""
+    obj = _unpack(frame)
+    if not isinstance(obj, dict):
+        raise ProtocolError("reply is not a map")
+    check_version(obj.get("v"))
+    if not obj.get("ok"):
+        raise ProtocolError(f"hub refused the request: {obj.get('error')}")
+    return obj
+
+
+# --- the live feed (hub PUB -> dashboards) -------------------------------------------------
+# Multipart: [b"rec", first_seq (8 bytes, big-endian), record, record, ...]; record i has
+# history sequence number first_seq + i. Records are message frames exactly as `encode` makes.
+
+FEED_TOPIC = b"rec"
+
+
+def pack_seq(seq: int) -> bytes:
+    """A history sequence number as the 8-byte big-endian frame used on the feed."""
+    return seq.to_bytes(8, "big")
+
+
+def unpack_seq(frame: bytes) -> int:
+    """Inverse of `pack_seq`."""
+    if len(frame) != 8:
+        raise ProtocolError(f"sequence frame has {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big")
