@@ -18,7 +18,7 @@ log = logging.getLogger("scalemon.agent")
 class Phase:
     """What the training thread is doing now; set from hooks, read by the heartbeat."""
 
-    __slots__ = ("name", "since", "step", "collectives_issued", "collectives_completed")
+    __slots__ = ("name", "since", "step", "collectives_issued", "collectives_completed", "cost_s")
 
     def __init__(self) -> None:
         self.name = "init"
@@ -26,6 +26,7 @@ class Phase:
         self.step: int | None = None
         self.collectives_issued = 0
         self.collectives_completed = 0
+        self.cost_s = 0.0  # time the agent's hooks spent on the training thread, not yet reported
 
     def set(self, name: str) -> None:
         """Enter phase `name` (cheap: two attribute writes)."""

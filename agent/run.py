@@ -16,7 +16,6 @@ import os
 import sys
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,12 +27,13 @@ from .autostart import hub_address
 from .env import RankEnv, read_rank_env
 from .heartbeat import Heartbeat, Phase
 from .nvml import GpuReader, pci_bus_id_of
-from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, summarize
+from .steps import ScaleTracker, StepRecord
+from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
 from .transport import Sender
 
 log = logging.getLogger("scalemon.agent")
 F = TypeVar("F", bound=Callable[..., Any])
-MAX_PENDING = 64
+NO_DEVICE_MEMORY = {"mem_allocated_bytes": None, "mem_reserved_bytes": None, "mem_peak_bytes": None}
 
 
 def guarded(method: F) -> F:
@@ -50,19 +50,6 @@ def guarded(method: F) -> F:
             return None
 
     return wrapper  # type: ignore[return-value]
-
-
-class _PendingStep:
-    __slots__ = ("body", "event", "buf", "opt_spans", "comm_spans", "has_loss", "has_scale")
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-        self.event: torch.cuda.Event | None = None
-        self.buf: torch.Tensor | None = None
-        self.opt_spans: list = []
-        self.comm_spans: list = []
-        self.has_loss = False
-        self.has_scale = False
 
 
 class Run:
@@ -93,14 +80,15 @@ class Run:
         self._cuda = _uses_cuda(model)
         self._events = EventPool() if self._cuda else None
         self._pinned: list[torch.Tensor] = []
-        self._pending: deque[_PendingStep] = deque()
         self._opt_timer = SpanTimer(self._cuda, self._events)
         self._comm_timer = SpanTimer(self._cuda, self._events)
         self._hooks: list[Any] = []
         self._last_log_t: float | None = None
-        self._last_scale: float | None = None
-        self._skipped_steps = 0
-        self._agent_time = 0.0
+        init_scale = getattr(scaler, "_init_scale", None)
+        self._scales = ScaleTracker(float(init_scale) if init_scale is not None else None)
+        self.agent_time_total_s = 0.0
+        self._previous_log_s = 0.0
+        self.steps_logged = 0
         self._finished = False
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank)
         self._hello(model, config)
@@ -152,10 +140,14 @@ class Run:
             AllReduceTimer(self._comm_timer, self.phase).register(model)
 
     def _on_forward(self, *_: Any) -> None:
+        t0 = time.perf_counter()
         self.phase.set("forward")
+        self.phase.cost_s += time.perf_counter() - t0
 
     def _on_forward_done(self, *_: Any) -> None:
+        t0 = time.perf_counter()
         self.phase.set("backward")
+        self.phase.cost_s += time.perf_counter() - t0
 
     # --- per step ----------------------------------------------------------------------------
     @guarded
@@ -177,85 +169,26 @@ class Run:
         step_time = None if self._last_log_t is None else t0 - self._last_log_t
         self._last_log_t = t0
         self.phase.step = step
-        body: dict[str, Any] = {"step": int(step), "tokens": tokens, "step_time_s": step_time}
+        hooks_s, self.phase.cost_s = self.phase.cost_s, 0.0
+        body: dict[str, Any] = {"step": int(step), "tokens": tokens, "step_time_s": step_time,
+                                "agent_time_s": hooks_s + self._previous_log_s}
         if extra:
             body["extra"] = extra
-        pending = _PendingStep(body)
-        pending.opt_spans = self._opt_timer.take()
-        pending.comm_spans = self._comm_timer.take()
+        record = StepRecord(body, self._opt_timer.take(), self._comm_timer.take(),
+                            self._scales, self._events, self._pinned)
         scale = self.scaler._scale if self.scaler is not None else None
         if self._cuda:
-            self._stage_device_values(pending, loss, scale)
+            record.stage(loss, scale)
             body.update(cuda_memory())
-        else:
+        else:  # host values are read now: the caller may change them in place later
             body["loss"] = _host_float(loss)
             body["loss_scale"] = _host_float(scale)
-        self._pending.append(pending)
-        self._flush_ready()
+            body.update(NO_DEVICE_MEMORY)
+        self.sender.submit_deferred("step", record.resolve)
         self.phase.set("data")
-        self._agent_time += time.perf_counter() - t0
-
-    def _stage_device_values(
-        self, pending: _PendingStep, loss: Any, scale: torch.Tensor | None
-    ) -> None:
-        buf = self._pinned.pop() if self._pinned else torch.empty(2, pin_memory=True)
-        buf.fill_(float("nan"))
-        for i, value in enumerate((loss, scale)):
-            if isinstance(value, torch.Tensor):
-                buf[i].copy_(value.detach().reshape(()), non_blocking=True)
-            elif value is not None:
-                buf[i] = float(value)
-        pending.buf = buf
-        pending.has_loss, pending.has_scale = loss is not None, scale is not None
-        pending.event = self._events.get()
-        pending.event.record()
-
-    def _flush_ready(self, wait: bool = False) -> None:
-        """Send the pending steps whose device values are ready, oldest first."""
-        while self._pending:
-            head = self._pending[0]
-            if head.event is not None:
-                if wait:
-                    head.event.synchronize()
-                elif not head.event.query():
-                    if len(self._pending) <= MAX_PENDING:
-                        return
-                    head.event.synchronize()  # the GPU is far behind; bounded catch-up
-            self._pending.popleft()
-            self._complete(head)
-
-    def _complete(self, pending: _PendingStep) -> None:
-        body = pending.body
-        if pending.buf is not None:
-            loss, scale = pending.buf.tolist()
-            body["loss"] = loss if pending.has_loss else None
-            body["loss_scale"] = scale if pending.has_scale else None
-            self._pinned.append(pending.buf)
-            self._events.put(pending.event)
-        opt = summarize(pending.opt_spans, self._events)
-        comm = summarize(pending.comm_spans, self._events)
-        body["optimizer_time_s"] = opt["seconds"]
-        body["allreduce_time_s"] = comm["seconds"]
-        body["allreduce_count"] = comm["count"]
-        body["allreduce_bytes"] = comm["bytes"]
-        body["allreduce_issue_t"] = comm["issue_t"]
-        self._account_scale(body)
-        body["agent_time_s"] = self._agent_time
-        self._agent_time = 0.0
-        self.sender.submit("step", body)
-
-    def _account_scale(self, body: dict[str, Any]) -> None:
-        scale = body.get("loss_scale")
-        if scale is None:
-            return
-        previous = self._last_scale
-        if previous is None and self.scaler is not None:
-            previous = float(getattr(self.scaler, "_init_scale", scale))
-        skipped = previous is not None and scale < previous
-        self._skipped_steps += int(skipped)
-        body["skipped"] = skipped
-        body["skipped_steps"] = self._skipped_steps
-        self._last_scale = scale
+        self._previous_log_s = time.perf_counter() - t0  # reported with the next step
+        self.agent_time_total_s += hooks_s + self._previous_log_s
+        self.steps_logged += 1
 
     @guarded
     def info(self, key: str, value: Any) -> None:
@@ -273,17 +206,12 @@ class Run:
             return
         self._finished = True
         try:
-            if not self.disabled:
-                self._flush_ready(wait=True)
             self.heartbeat.stop()
             reason = reason or ("finished" if exit_code == 0 else "exit")
-            self.sender.submit("exit", {
-                "reason": reason,
-                "exit_code": exit_code,
-                "step": self.phase.step,
-                "error": self._disabled_reason,
-                "dropped": self.sender.dropped,
-            })
+            body = {"reason": reason, "exit_code": exit_code, "step": self.phase.step,
+                    "error": self._disabled_reason}
+            # deferred, so it leaves after the last step; `dropped` is read when it leaves
+            self.sender.submit_deferred("exit", lambda _: {**body, "dropped": self.sender.dropped})
             self.sender.close()
             for hook in self._hooks:
                 hook.remove()

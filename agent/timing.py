@@ -118,14 +118,18 @@ class OptimizerTimer:
         ]
 
     def _pre(self, *_: Any) -> None:
+        t0 = time.perf_counter()
         self.phase.set("optimizer")
         self._open = self.timer.begin()
+        self.phase.cost_s += time.perf_counter() - t0
 
     def _post(self, *_: Any) -> None:
+        t0 = time.perf_counter()
         if self._open is not None:
             self.timer.end(self._open)
             self._open = None
         self.phase.set("after-optimizer")
+        self.phase.cost_s += time.perf_counter() - t0
 
     def remove(self) -> None:
         """Unregister the hooks."""
@@ -149,15 +153,16 @@ class AllReduceTimer:
 
         Unannotated on purpose: DDP compares the annotations with the real classes, and
         `from __future__ import annotations` turns them into strings."""
+        t0 = time.perf_counter()
         tensor = bucket.buffer()
         group = process_group if process_group is not None else dist.group.WORLD
-        span = None
         try:
             self.phase.set("allreduce")
             self.phase.collectives_issued += 1
             span = self.timer.begin(tensor.numel() * tensor.element_size())
         except Exception:
             span = None
+        self.phase.cost_s += time.perf_counter() - t0
         tensor.div_(group.size())
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 

@@ -1,7 +1,9 @@
 """Sending to the hub from a background thread, so the training thread never waits.
 
-The training thread only appends to a bounded deque. A daemon thread owns the ZeroMQ PUSH
-socket, packs messages and sends them with NOBLOCK. A full deque or a full socket queue (no hub,
+The training thread only appends to a bounded deque; it never signals the sender, because a
+woken sender would compete for the GIL right when the training thread holds it. A daemon thread
+wakes every `flush_interval_s`, owns the ZeroMQ PUSH socket, packs messages and sends them with
+NOBLOCK. A full deque or a full socket queue (no hub,
 slow hub) drops the message and counts it; the hub sees the drop as a gap in `seq` too.
 """
 
@@ -12,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -32,6 +35,7 @@ class Sender:
         max_queue: int = 4096,
         socket_hwm: int = 10_000,
         close_timeout_s: float = 2.0,
+        flush_interval_s: float = 0.05,
     ) -> None:
         self.endpoint = endpoint
         self.job = job
@@ -39,10 +43,14 @@ class Sender:
         self.max_queue = max_queue
         self.socket_hwm = socket_hwm
         self.close_timeout_s = close_timeout_s
+        self.flush_interval_s = flush_interval_s
         self.dropped = 0
         self.sent = 0
         self._seq = itertools.count()
         self._queue: deque[tuple[str, int, float, dict[str, Any]]] = deque()
+        # steps whose body a callable finishes on this thread once device values are ready;
+        # kept apart so a stuck GPU cannot hold back heartbeats
+        self._deferred: deque[tuple[str, int, float, Callable[[bool], dict | None]]] = deque()
         self._wake = threading.Event()
         self._stopping = False
         self._failed = False
@@ -52,18 +60,30 @@ class Sender:
     @property
     def queued(self) -> int:
         """Messages waiting for the sender thread."""
-        return len(self._queue)
+        return len(self._queue) + len(self._deferred)
+
+    def _admit(self) -> int | None:
+        seq = next(self._seq)
+        if self._failed or self._stopping or self.queued >= self.max_queue:
+            self.dropped += 1
+            return None
+        return seq
 
     def submit(self, mtype: str, body: dict[str, Any]) -> bool:
         """Queue a message (any thread); False when it was dropped."""
-        seq = next(self._seq)
-        if self._failed or self._stopping or len(self._queue) >= self.max_queue:
-            self.dropped += 1
+        seq = self._admit()
+        if seq is None:
             return False
-        was_empty = not self._queue
         self._queue.append((mtype, seq, time.time(), body))
-        if was_empty:
-            self._wake.set()
+        return True
+
+    def submit_deferred(self, mtype: str, finish: Callable[[bool], dict | None]) -> bool:
+        """Queue a message whose body `finish(wait)` builds on the sender thread; it returns
+        None while not ready (unless `wait`). Deferred messages keep their order."""
+        seq = self._admit()
+        if seq is None:
+            return False
+        self._deferred.append((mtype, seq, time.time(), finish))
         return True
 
     def _run(self) -> None:
@@ -76,11 +96,12 @@ class Sender:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(self.endpoint)
             while True:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._wake.wait(self.flush_interval_s)
+                stopping = self._stopping
                 self._drain(sock)
-                if self._stopping:
-                    self._drain(sock)
+                self._drain_deferred(sock, wait=stopping)
+                if stopping:
+                    self._drain(sock)  # the exit message, queued after the last step
                     break
         except Exception as exc:  # never let the monitor take the rank down
             self._failed = True
@@ -92,12 +113,29 @@ class Sender:
     def _drain(self, sock: zmq.Socket) -> None:
         while self._queue:
             mtype, seq, t, body = self._queue.popleft()
-            frame = protocol.encode(mtype, self.job, self.rank, seq, body, t)
+            self._send(sock, protocol.encode(mtype, self.job, self.rank, seq, body, t))
+
+    def _drain_deferred(self, sock: zmq.Socket, wait: bool) -> None:
+        while self._deferred:
+            mtype, seq, t, finish = self._deferred[0]
             try:
-                sock.send(frame, zmq.NOBLOCK)
-                self.sent += 1
-            except zmq.Again:
+                body = finish(wait)
+            except Exception as exc:
+                log.warning("scalemon: dropping a %s message that failed to build: %s", mtype, exc)
+                self._deferred.popleft()
                 self.dropped += 1
+                continue
+            if body is None:
+                return
+            self._deferred.popleft()
+            self._send(sock, protocol.encode(mtype, self.job, self.rank, seq, body, t))
+
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped += 1
 
     def close(self) -> None:
         """Send what is queued (bounded by `close_timeout_s`) and stop the thread."""

@@ -14,6 +14,7 @@ timings and memory to the job's scalemon hub.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--monitor", action="store_true", help="stream metrics to scalemon")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this many seconds per step (slows the demo down to watch it)")
+    p.add_argument("--stats-json", help="rank 0 writes per-step wall times here (benchmarks)")
     return p.parse_args(argv)
 
 
@@ -62,6 +64,16 @@ def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device
                             if use_cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def write_stats(path: str, step_times: list[float], monitor: object | None) -> None:
+    """Per-step wall times and the agent's own cost, for bench/agent_overhead.py."""
+    stats = {"step_times_s": step_times}
+    if monitor is not None:
+        stats["agent_time_total_s"] = monitor.agent_time_total_s
+        stats["agent_steps"] = monitor.steps_logged
+    with open(path, "w") as f:
+        json.dump(stats, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"training {args.preset} ({model.num_params() / 1e6:.2f}M params) on {world} "
               f"rank(s), {device.type}, {tokens_per_step * world} tokens/step", flush=True)
+    step_times: list[float] = []
     for step in range(1, args.max_steps + 1):
+        t0 = time.perf_counter()
         x, y = (t.to(device, non_blocking=True) for t in data.next_batch())
         _, loss = ddp_model(x, y)
         optimizer.zero_grad(set_to_none=True)
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         if args.step_delay:
             time.sleep(args.step_delay)
+        step_times.append(time.perf_counter() - t0)
+    if args.stats_json and rank == 0:
+        write_stats(args.stats_json, step_times, monitor)
     if monitor is not None:
         monitor.finish()
     if world > 1:

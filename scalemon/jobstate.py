@@ -65,6 +65,7 @@ class RankView:
     steps_received: int = 0
     last_seen_t: float | None = None
     last_seq: int | None = None
+    seq_seen: int = 0
     seq_gaps: int = 0
     loss: float | None = None
     tokens: int | None = None
@@ -133,9 +134,12 @@ class JobState:
         if msg.rank == HUB_RANK:
             return handler(msg) if handler else None
         view = self.rank(msg.rank)
-        if view.last_seq is not None and msg.seq > view.last_seq + 1:
-            view.seq_gaps += msg.seq - view.last_seq - 1
+        if msg.type == "hello":  # a new agent process numbers from 0 again
+            view.last_seq, view.seq_seen = None, 0
+        view.seq_seen += 1
         view.last_seq = msg.seq if view.last_seq is None else max(view.last_seq, msg.seq)
+        # messages may arrive out of order (steps wait for the device), so count, not compare
+        view.seq_gaps = max(0, view.last_seq + 1 - view.seq_seen)
         view.last_seen_t = msg.t
         if handler:
             handler(msg, view)
@@ -147,7 +151,6 @@ class JobState:
         view.restart_count = b.get("restart_count")
         view.device, view.backend = b.get("device"), b.get("backend")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
-        view.last_seq = msg.seq
         self.world_size = max(self.world_size or 0, b["world_size"])
 
     def _on_step(self, msg: Message, view: RankView) -> None:

@@ -1,0 +1,151 @@
+"""Shared fixtures: a private SCALEMON_HOME per test and real hub processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from scalemon import protocol
+from scalemon.jobs import HubAddress, JobFile, jobs_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short private SCALEMON_HOME (ipc socket paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="smt", dir="/tmp"))
+    monkeypatch.setenv("SCALEMON_HOME", str(path))
+    monkeypatch.delenv("SCALEMON_HUB", raising=False)
+    monkeypatch.delenv("SCALEMON_JOB_ID", raising=False)
+    yield path
+    for job_file in (path / "jobs").glob("*.json"):  # hubs that ranks started by themselves
+        with contextlib.suppress(Exception):
+            os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class HubProcess:
+    """A real `python -m scalemon.hub` subprocess."""
+
+    def __init__(self, home: Path, job: str, *args: str) -> None:
+        self.home = home
+        self.job = job
+        self.log = home / f"hub-{job}-{time.monotonic_ns()}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scalemon.hub", "--job", job, "--home", str(home), *args],
+                stdout=out, stderr=subprocess.STDOUT,
+            )
+        self.address = self.wait_ready()
+
+    def wait_ready(self) -> HubAddress:
+        path = jobs_dir(self.home) / f"{self.job}.json"
+
+        def ready() -> JobFile | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"hub exited early:\n{self.log.read_text()}")
+            if not path.exists():
+                return None
+            jf = JobFile.read(path)
+            return jf if jf.pid == self.proc.pid else None
+
+        return HubAddress.parse(wait_for(ready).address)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def start_hub(home: Path) -> Iterator[Callable[..., HubProcess]]:
+    """Factory for hub subprocesses, all killed at the end of the test."""
+    hubs: list[HubProcess] = []
+
+    def start(job: str = "job1", *args: str) -> HubProcess:
+        hub = HubProcess(home, job, *args)
+        hubs.append(hub)
+        return hub
+
+    yield start
+    for hub in hubs:
+        hub.kill()
+
+
+class FakeRank:
+    """A PUSH socket that speaks the protocol like an agent, for driving a hub directly."""
+
+    def __init__(self, ctx: zmq.Context, address: HubAddress, job: str, rank: int) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(address.ingest)
+        self.job, self.rank, self.seq = job, rank, 0
+
+    def send(self, mtype: str, body: dict) -> None:
+        self.sock.send(protocol.encode(mtype, self.job, self.rank, self.seq, body))
+        self.seq += 1
+
+    def hello(self, world_size: int = 2, pid: int | None = None) -> None:
+        self.send("hello", {"host": os.uname().nodename, "pid": pid or os.getpid(),
+                            "world_size": world_size, "local_rank": self.rank})
+
+    def step(self, step: int, loss: float = 1.0) -> None:
+        self.send("step", {"step": step, "loss": loss, "tokens": 128, "step_time_s": 0.01})
+
+    def heartbeat(self) -> None:
+        self.send("heartbeat", {"phase": "forward", "dropped": 0})
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    """`torchrun ... -- demo_train/train.py ARGS` with a free rendezvous port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), *extra, "--", str(REPO / "demo_train" / "train.py"),
+        *train_args,
+    ]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process group started with start_new_session=True."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)

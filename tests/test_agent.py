@@ -1,0 +1,175 @@
+"""The agent inside a training process: identity, non-blocking sending, metrics, failures."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import wait_for
+from scalemon.agent.env import read_rank_env
+from scalemon.agent.run import Run
+from scalemon.agent.transport import Sender
+from scalemon.client import HubClient
+
+
+def test_rank_env_from_torchrun_slurm_and_single():
+    tr = read_rank_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                        "TORCHELASTIC_RUN_ID": "5f0c-aa11-22", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert (tr.rank, tr.world_size, tr.local_rank, tr.restart_count) == (3, 4, 1, 2)
+    assert tr.job == "tr-5f0caa1122" and tr.launcher == "torchrun"
+    slurm = read_rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_ID": "991", "SLURM_STEP_ID": "0"})
+    assert (slurm.rank, slurm.world_size, slurm.job) == (5, 8, "slurm-991.0")
+    single = read_rank_env({})
+    assert (single.rank, single.world_size, single.launcher) == (0, 1, "single")
+    assert read_rank_env({"SCALEMON_JOB_ID": "mine", "RANK": "0", "WORLD_SIZE": "1"}).job == "mine"
+
+
+def test_rank_env_rejects_nonsense_with_a_clear_message():
+    with pytest.raises(ValueError, match="RANK='x' is not an integer"):
+        read_rank_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="rank 4 is outside world size 2"):
+        read_rank_env({"RANK": "4", "WORLD_SIZE": "2"})
+
+
+def test_sender_without_hub_drops_and_counts_instead_of_waiting(home):
+    sender = Sender(f"ipc://{home}/nobody.sock", "j", 0, max_queue=50, socket_hwm=20,
+                    close_timeout_s=0.2)
+    accepted = sum(sender.submit("heartbeat", {"phase": "x", "dropped": 0}) for _ in range(20000))
+    wait_for(lambda: sender.queued == 0, timeout=5)
+    assert sender.dropped > 0
+    assert accepted + (20000 - accepted) == 20000
+    assert sender.dropped == 20000 - sender.sent  # every message is either sent or counted
+    start = time.monotonic()
+    sender.close()
+    assert time.monotonic() - start < 3
+
+
+def train_steps(run: Run, model, opt, scaler, steps: int, inf_at: int | None = None) -> None:
+    x = torch.randn(16, 4)
+    for step in range(1, steps + 1):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if step == inf_at:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        run.log(step, loss=loss.detach(), tokens=16)
+
+
+def test_run_reports_steps_optimizer_time_loss_scale_and_skipped_steps(start_hub, zctx):
+    hub = start_hub("agentA")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run = Run(model, opt, scaler, job="agentA", hub=hub.address.base, heartbeat_s=0.2)
+    train_steps(run, model, opt, scaler, steps=6, inf_at=3)
+    time.sleep(0.5)  # let a heartbeat or two go out
+    run.finish()
+    client = HubClient(hub.address)
+    records, _ = client.fetch(0)
+    from scalemon import protocol
+
+    msgs = [protocol.decode(r) for r in records]
+    steps = [m.body for m in msgs if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2, 3, 4, 5, 6]
+    assert [b["skipped"] for b in steps] == [False, False, True, False, False, False]
+    assert [b["loss_scale"] for b in steps][2:4] == [512.0, 512.0]
+    assert steps[-1]["skipped_steps"] == 1
+    assert steps[2]["optimizer_time_s"] is None  # GradScaler skipped optimizer.step()
+    assert all(b["optimizer_time_s"] > 0 for i, b in enumerate(steps) if i != 2)
+    assert steps[1]["step_time_s"] > 0 and steps[0]["tokens"] == 16
+    assert all(b["mem_allocated_bytes"] is None for b in steps)  # no GPU: n/a, not 0
+    beats = [m.body for m in msgs if m.type == "heartbeat"]
+    assert beats and beats[-1]["rss_bytes"] > 0 and beats[-1]["gpu_util_pct"] is None
+    assert msgs[0].type == "hello" and msgs[-1].type == "exit"
+    assert msgs[-1].body["reason"] == "finished" and msgs[-1].body["exit_code"] == 0
+    assert [m.seq for m in msgs] == list(range(len(msgs)))  # nothing dropped
+
+
+def test_loss_values_arrive_exactly(start_hub):
+    hub = start_hub("agentB")
+    run = Run(job="agentB", hub=hub.address.base)
+    losses = [torch.tensor(v) for v in (2.5, float("nan"), 1e-30)]
+    for i, loss in enumerate(losses, 1):
+        run.log(i, loss=loss)
+    run.log(4, loss=None)
+    run.finish()
+    state = wait_for(lambda: (s := HubClient(hub.address).state()["state"])["ranks"]
+                     and s["ranks"][0]["state"] == "finished" and s)
+    from scalemon import protocol
+
+    records, _ = HubClient(hub.address).fetch(0)
+    got = [protocol.decode(r).body.get("loss") for r in records]
+    got = [g for g, r in zip(got, records, strict=True) if protocol.decode(r).type == "step"]
+    assert got[0] == 2.5 and got[1] != got[1] and got[2] == pytest.approx(1e-30)
+    assert got[3] is None
+    assert state["ranks"][0]["step"] == 4
+
+
+class ExplodingOptimizer(torch.optim.SGD):
+    def register_step_pre_hook(self, hook):
+        raise RuntimeError("hook registry is broken")
+
+
+def test_a_broken_monitor_switches_itself_off_and_training_goes_on(home, caplog):
+    model = torch.nn.Linear(2, 2)
+    opt = ExplodingOptimizer(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        run = Run(model, opt, job="broken", hub=f"ipc://{home}/nohub")
+        for step in range(3):
+            loss = model(torch.ones(1, 2)).sum()
+            loss.backward()
+            opt.step()
+            run.log(step, loss=loss)
+        run.finish()
+    assert run.disabled
+    warnings = [r for r in caplog.records if "monitoring disabled" in r.getMessage()]
+    assert len(warnings) == 1 and "hook registry is broken" in warnings[0].getMessage()
+
+
+def test_init_with_unusable_settings_returns_none_and_does_not_raise(home, monkeypatch, caplog):
+    import scalemon.agent as sm
+
+    monkeypatch.setenv("SCALEMON_HUB", "carrier-pigeon://nowhere")
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        assert sm.init() is None
+    sm.log(1, loss=1.0)  # no-ops without a run
+    sm.finish()
+    assert "must start with ipc:// or tcp://" in caplog.text
+
+
+def test_uncaught_exception_reports_exited_with_the_error(start_hub):
+    hub = start_hub("agentC")
+    script = textwrap.dedent(f"""
+        import scalemon.agent as sm
+        run = sm.init(job="agentC", hub={hub.address.base!r})
+        run.log(1, loss=1.0)
+        raise RuntimeError("out of patience")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "out of patience" in proc.stderr
+    view = wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
+                    and r[0]["state"] == "exited" and r[0])
+    assert view["exit_code"] == 1 and "out of patience" in view["error"]
+    assert view["step"] == 1
+
+
+def test_agent_package_does_not_import_textual():
+    code = ("import sys, scalemon.agent, scalemon.agent.run; "
+            "assert 'textual' not in sys.modules, 'agent imported textual'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_hub_side_does_not_import_torch():
+    code = ("import sys, scalemon.hub, scalemon.cli, scalemon.client; "
+            "assert 'torch' not in sys.modules, 'hub imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
