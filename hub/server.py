@@ -35,6 +35,7 @@ log = logging.getLogger("scalemon.hub")
 
 INGEST_BATCH = 5000
 FETCH_LIMIT = 20_000
+FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
 HOUSEKEEPING_S = 0.25
 
@@ -103,7 +104,7 @@ class Hub:
         n = len(self.history)
         for record in self.history.get(0, n):
             try:
-                self.state.apply(protocol.decode(record))
+                self._apply(protocol.decode(record))
             except ProtocolError:
                 continue
         if n:
@@ -196,16 +197,24 @@ class Hub:
                 msg = protocol.decode(frame)
                 if msg.job != self.job:
                     raise ProtocolError(f"message for job {msg.job!r} sent to hub of {self.job!r}")
+                if msg.rank == HUB_RANK:
+                    raise ProtocolError(f"rank {HUB_RANK} is reserved for the hub's own records")
             except ProtocolError as exc:
                 self._reject(exc, len(frame))
                 continue
             self.history.append(frame)
-            self.state.apply(msg)
-            if msg.rank != HUB_RANK:
-                self._last_recv[msg.rank] = now
             accepted.append(frame)
+            self._last_recv[msg.rank] = now
+            self._apply(msg)
         if accepted:
             feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(first_seq), *accepted])
+
+    def _apply(self, msg: protocol.Message) -> None:
+        try:
+            self.state.apply(msg)
+        except Exception:  # a bug in the reducer must not take the hub down
+            log.exception("could not fold %s message of rank %d into the state", msg.type,
+                          msg.rank)
 
     def _reject(self, exc: ProtocolError, size: int) -> None:
         self.rejected += 1
@@ -219,7 +228,7 @@ class Hub:
         self._own_seq += 1
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
         seq = self.history.append(frame)
-        self.state.apply(protocol.decode(frame))
+        self._apply(protocol.decode(frame))
         feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(seq), frame])
 
     # --- rank liveness and lifetime --------------------------------------------------------
@@ -286,7 +295,13 @@ class Hub:
             return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
         since = max(0, args["since"])
         limit = min(max(0, args["limit"]), FETCH_LIMIT)
-        return {"records": self.history.get(since, limit), "head": len(self.history)}
+        records, size = [], 0
+        for record in self.history.get(since, limit):
+            size += len(record)
+            if records and size > FETCH_MAX_BYTES:
+                break
+            records.append(record)
+        return {"records": records, "head": len(self.history)}
 
     def stats(self) -> dict[str, Any]:
         """Hub counters, as reported in `state` replies."""

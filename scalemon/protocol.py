@@ -22,7 +22,9 @@ import msgpack
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 MAX_MESSAGE_BYTES = 1 << 20
-"""Frames larger than this are rejected before they are unpacked."""
+"""Messages larger than this are rejected before they are unpacked."""
+MAX_REPLY_BYTES = 64 << 20
+"""RPC replies (history pages) may be larger than one message, up to this."""
 
 HUB_RANK = -1
 """`rank` of messages the hub itself writes into the history (rank state changes)."""
@@ -162,11 +164,11 @@ def encode_message(msg: Message) -> bytes:
     return msgpack.packb(msg.to_dict(), use_bin_type=True)
 
 
-def _unpack(frame: bytes) -> Any:
+def _unpack(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> Any:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"frame is {type(frame).__name__}, expected bytes")
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    if len(frame) > limit:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {limit} limit")
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -207,8 +209,19 @@ def decode(frame: bytes) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError(f"'body' is {type(body).__name__}, expected a map")
     mtype = obj["type"]
+    _check_sender(mtype, obj["rank"])
     _check_body(mtype, body, version)
     return Message(mtype, obj["job"], obj["rank"], obj["seq"], float(t), body, version)
+
+
+def _check_sender(mtype: str, rank: int) -> None:
+    if (mtype == "rank_state") != (rank == HUB_RANK):
+        raise ProtocolError(
+            f"{mtype} message from rank {rank}: only the hub writes rank_state, always as rank "
+            f"{HUB_RANK}"
+        )
+    if rank < HUB_RANK:
+        raise ProtocolError(f"rank {rank} is negative")
 
 
 def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> None:
@@ -272,7 +285,7 @@ def encode_reply(ok: bool = True, error: str | None = None, **results: Any) -> b
 
 def decode_reply(frame: bytes) -> dict[str, Any]:
     """Unpack an RPC reply; raises `ProtocolError` for a malformed or failed one."""
-    obj = _unpack(frame)
+    obj = _unpack(frame, MAX_REPLY_BYTES)
     if not isinstance(obj, dict):
         raise ProtocolError("reply is not a map")
     check_version(obj.get("v"))

@@ -103,6 +103,9 @@ def garbage_frames(rng: random.Random) -> list[bytes]:
         b"\x00" * (2 << 20),  # 2 MiB: over the 1 MiB message limit, under zmq's frame cap
         protocol.encode("step", "other-job", 0, 0, {"step": 1}),
         protocol.encode("step", "jobD", 0, 0, {"loss": 1.0}),
+        protocol.encode("rank_state", "jobD", -1, 0, {"target": 0, "state": "lost"}),
+        msgpack.packb({"v": [1, 0], "type": "rank_state", "job": "jobD", "rank": 0, "seq": 0,
+                       "t": 1.0, "body": {"target": 0, "state": "lost"}}),
     ]
 
 
@@ -132,6 +135,8 @@ def test_garbage_is_counted_and_logged_and_loses_no_valid_message(start_hub, zct
     reasons = " ".join(state["hub"]["reject_reasons"])
     assert "not msgpack" in reasons and "protocol version 99.0" in reasons
     assert "exceeds" in reasons and "other-job" in reasons
+    assert "reserved for the hub" in reasons and "rank_state message from rank 0" in reasons
+    assert state["state"]["ranks"][0]["state"] == "running"  # the forged rank_state did nothing
     log = hub.log.read_text()
     assert "rejected frame #1" in log
     # garbage and wrong-major rpc requests get a clear refusal, not silence

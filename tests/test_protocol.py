@@ -57,6 +57,9 @@ def test_newer_minor_version_is_accepted_with_unknown_fields_and_types():
         (raw(body={"step": True}), r"step.step is True"),
         (raw(body={"step": 1, "loss": "low"}), r"step.loss is 'low'"),
         (b"\x00" * (MAX_MESSAGE_BYTES + 1), "exceeds"),
+        (raw(type="rank_state", body={"target": 0, "state": "lost"}), "only the hub writes"),
+        (raw(rank=-1), "only the hub writes"),
+        (raw(rank=-5), "negative"),
     ],
 )
 def test_malformed_frames_raise_protocol_error_naming_the_problem(frame, reason):
@@ -91,6 +94,8 @@ def test_requests_and_replies():
     with pytest.raises(ProtocolError, match="fetch.since"):
         protocol.decode_request(protocol.encode_request("fetch", since="0", limit=1))
     assert protocol.decode_reply(protocol.encode_reply(head=4))["head"] == 4
+    big = protocol.encode_reply(records=[b"x" * 1000] * 3000)  # a history page over 1 MiB
+    assert len(protocol.decode_reply(big)["records"]) == 3000
     with pytest.raises(ProtocolError, match="hub refused the request: nope"):
         protocol.decode_reply(protocol.encode_reply(ok=False, error="nope"))
 
