@@ -21,23 +21,31 @@ Design
   table, re-uploaded (pinned, non-blocking) only when a group's values change; an lr given as a
   float32 tensor on the params' device is read through its pointer (CUDA-graph friendly).
   ``grad_scale`` and ``found_inf`` are read from device tensors; when ``found_inf`` is nonzero
-  every load/store is masked off and no step is bumped. lr and step are never constexpr.
+  every program skips its update and no step is bumped. lr and step are never constexpr.
 * **Mixed dtypes in one launch.** Each row carries dtype codes (fp32/bf16/fp16) for param, grad
   and state. If every tensor shares a code it is passed as a constexpr (straight-line code);
   otherwise the kernel branches per program on the runtime code, each branch with its own
   pointer cast. Half params get fp32 ``exp_avg``/``exp_avg_sq``/``master_param`` by default
   (``master_weights=None`` means automatic); the kernel updates the master in fp32 and writes
-  the rounded half copy in the same pass.
+  the rounded half copy in the same pass (28 bytes moved per bf16 param, as for fp32).
+* **Vector loads.** Full blocks take an unmasked path; when every address in the tables is
+  16-byte aligned (``ALIGNED``) the pointers carry ``tl.multiple_of`` hints, so sm_90 code uses
+  128-bit loads/stores (checked on PTX built without a GPU). Each tensor's tail block is masked.
+  Division and square root are IEEE-rounded (``div_rn``/``sqrt_rn``) as in torch.
 * **Interpreter.** On CPU the kernel runs under ``TRITON_INTERPRET=1`` (set it before triton is
   imported). The module imports without it; stepping CPU tensors then raises ``ValueError``.
+  The interpreter uses 16384-element programs (GPU: 2048, 8 warps) and rounds fp32 -> bf16 by
+  hand, since its own cast truncates.
 
-Differences from torch: grads are not written back unscaled under GradScaler; ``float64`` and
-complex params, sparse grads and non-dense layouts are refused.
+Differences from torch: under GradScaler the grads are unscaled inside the kernel but not
+written back; float64 and complex params, sparse grads and non-dense layouts are refused; a
+float lr that changes (a scheduler) costs one small async host-to-device copy at the next step.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,49 +62,100 @@ _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NCOL = 16  # int64 columns per tensor row
 _HCOL = 8  # float64 columns per group row
 _GPU_BLOCK, _GPU_WARPS = 2048, 8
-_INTERP_BLOCK = 8192  # the interpreter pays per program, so use fewer, larger ones
+_INTERP_BLOCK = 16384  # the interpreter pays per program, so use fewer, larger ones
 _FLAG_AMSGRAD, _FLAG_MAXIMIZE, _FLAG_DECOUPLED = 1, 2, 4
 _FP32_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
+def _interpret_requested() -> bool:
+    """What ``@triton.jit`` below will see: is TRITON_INTERPRET on at import?"""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# The interpreter truncates fp32 -> bf16; round to nearest even by hand there (the GPU does).
+_SOFT_BF16 = tl.constexpr(_interpret_requested())
+
+
 @triton.jit
-def _typed(addr, CODE: tl.constexpr):
-    """Cast an int64 address to a pointer of the dtype named by CODE."""
+def _typed(addr, CODE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Cast an int64 address to a pointer of the dtype named by CODE (16-byte aligned hint)."""
     if CODE == 0:
         ptr = addr.to(tl.pointer_type(tl.float32))
     elif CODE == 1:
         ptr = addr.to(tl.pointer_type(tl.bfloat16))
     else:
         ptr = addr.to(tl.pointer_type(tl.float16))
+    if ALIGNED:  # on the pointer: a hint on the int64 does not survive the cast
+        ptr = tl.multiple_of(ptr, 16)
     return ptr
 
 
 @triton.jit
-def _load_f32(addr, offs, mask, code, FIXED: tl.constexpr):
-    """Load a block as fp32; FIXED >= 0 is a compile-time dtype code, -1 means use ``code``."""
-    if FIXED >= 0:
-        x = tl.load(_typed(addr, FIXED) + offs, mask=mask, other=0.0).to(tl.float32)
-    elif code == 0:
-        x = tl.load(_typed(addr, 0) + offs, mask=mask, other=0.0).to(tl.float32)
-    elif code == 1:
-        x = tl.load(_typed(addr, 1) + offs, mask=mask, other=0.0).to(tl.float32)
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """Load as fp32; a full block (EVEN) needs no mask, so the compiler can vectorise."""
+    if EVEN:  # noqa: SIM108 - a constexpr branch reads clearer than a ternary in a kernel
+        x = tl.load(ptr).to(tl.float32)
     else:
-        x = tl.load(_typed(addr, 2) + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit
-def _store_f32(addr, offs, x, mask, code, FIXED: tl.constexpr):
-    """Store an fp32 block rounded to the dtype named by FIXED (or ``code`` when FIXED < 0)."""
-    if FIXED >= 0:
-        ptr = _typed(addr, FIXED)
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
-    elif code == 0:
-        tl.store(_typed(addr, 0) + offs, x, mask=mask)
-    elif code == 1:
-        tl.store(_typed(addr, 1) + offs, x.to(tl.bfloat16), mask=mask)
+def _st(ptr, x, mask, EVEN: tl.constexpr):
+    """Store (unmasked for a full block)."""
+    if EVEN:
+        tl.store(ptr, x)
     else:
-        tl.store(_typed(addr, 2) + offs, x.to(tl.float16), mask=mask)
+        tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
+def _load_f32(addr, offs, mask, code, FIXED: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr):
+    """Load a block as fp32; FIXED >= 0 is a compile-time dtype code, -1 means use ``code``."""
+    if FIXED >= 0:
+        x = _ld(_typed(addr, FIXED, AL) + offs, mask, EVEN)
+    elif code == 0:
+        x = _ld(_typed(addr, 0, AL) + offs, mask, EVEN)
+    elif code == 1:
+        x = _ld(_typed(addr, 1, AL) + offs, mask, EVEN)
+    else:
+        x = _ld(_typed(addr, 2, AL) + offs, mask, EVEN)
+    return x
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 rounded to nearest even (native on GPU, by bits under the interpreter)."""
+    if _SOFT_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        y = tl.where(x != x, x.to(tl.bfloat16), y)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def _store_f32(
+    addr, offs, x, mask, code, FIXED: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr
+):
+    """Store an fp32 block rounded to the dtype named by FIXED (or ``code`` when FIXED < 0)."""
+    if FIXED == 0:
+        _st(_typed(addr, 0, AL) + offs, x, mask, EVEN)
+    elif FIXED == 1:
+        _st(_typed(addr, 1, AL) + offs, _to_bf16(x), mask, EVEN)
+    elif FIXED == 2:
+        _st(_typed(addr, 2, AL) + offs, x.to(tl.float16), mask, EVEN)
+    elif code == 0:
+        _st(_typed(addr, 0, AL) + offs, x, mask, EVEN)
+    elif code == 1:
+        _st(_typed(addr, 1, AL) + offs, _to_bf16(x), mask, EVEN)
+    else:
+        _st(_typed(addr, 2, AL) + offs, x.to(tl.float16), mask, EVEN)
 
 
 @triton.jit
@@ -152,6 +211,65 @@ def _bump_step(counter, step_addr, new_step, nblocks, ok):
 
 
 @triton.jit
+def _update(
+    addrs,
+    codes,
+    sc,
+    flags,
+    scale_ptr,
+    offs,
+    mask,
+    HAS_SCALE: tl.constexpr,
+    P_CODE: tl.constexpr,
+    G_CODE: tl.constexpr,
+    S_CODE: tl.constexpr,
+    MASTER: tl.constexpr,
+    AMS: tl.constexpr,
+    EVEN: tl.constexpr,
+    AL: tl.constexpr,
+):
+    """The Adam/AdamW math on one block, in fp32, in torch's order of operations."""
+    p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr = addrs
+    p_code, g_code, s_code = codes
+    decay, w1, b2, omb2, wd, eps, neg_step, bc2_sqrt = sc
+    g = _load_f32(g_addr, offs, mask, g_code, G_CODE, EVEN, AL)
+    if HAS_SCALE:
+        g = g * tl.div_rn(1.0, tl.load(scale_ptr))
+    if (flags & 2) != 0:  # maximize
+        g = -g
+    if MASTER == 1:
+        p = _load_f32(master_addr, offs, mask, 0, 0, EVEN, AL)
+    elif MASTER == 0:
+        p = _load_f32(p_addr, offs, mask, p_code, P_CODE, EVEN, AL)
+    elif master_addr != 0:
+        p = _load_f32(master_addr, offs, mask, 0, 0, EVEN, AL)
+    else:
+        p = _load_f32(p_addr, offs, mask, p_code, P_CODE, EVEN, AL)
+    if (flags & 4) != 0:  # decoupled (AdamW)
+        p = p * decay
+    else:  # L2 (Adam)
+        g = g + wd * p
+    m = _lerp(_load_f32(m_addr, offs, mask, s_code, S_CODE, EVEN, AL), g, w1)
+    v = _load_f32(v_addr, offs, mask, s_code, S_CODE, EVEN, AL) * b2 + omb2 * g * g
+    src = v
+    if AMS != 0:  # noqa: SIM102 - constexpr outer test compiles the branch out
+        if vmax_addr != 0:
+            vmax = _load_f32(vmax_addr, offs, mask, s_code, S_CODE, EVEN, AL)
+            src = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+            _store_f32(vmax_addr, offs, src, mask, s_code, S_CODE, EVEN, AL)
+    denom = tl.div_rn(tl.sqrt_rn(src), bc2_sqrt) + eps
+    p = p + tl.div_rn(neg_step * m, denom)
+    _store_f32(m_addr, offs, m, mask, s_code, S_CODE, EVEN, AL)
+    _store_f32(v_addr, offs, v, mask, s_code, S_CODE, EVEN, AL)
+    if MASTER == 1:
+        _store_f32(master_addr, offs, p, mask, 0, 0, EVEN, AL)
+    elif MASTER == -1:  # noqa: SIM102 - constexpr outer test
+        if master_addr != 0:
+            _store_f32(master_addr, offs, p, mask, 0, 0, EVEN, AL)
+    _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
+
+
+@triton.jit
 def _fused_adam_kernel(
     tensor_tab,
     block_tab,
@@ -166,77 +284,45 @@ def _fused_adam_kernel(
     S_CODE: tl.constexpr,
     MASTER: tl.constexpr,
     AMS: tl.constexpr,
+    ALIGNED: tl.constexpr,
     NCOL: tl.constexpr,
     HCOL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One Adam/AdamW update for the block ``program_id`` of the tensor the tables name."""
+    """One Adam/AdamW update of block ``program_id`` of the tensor the tables name."""
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tab + 2 * pid)
-    start = tl.load(block_tab + 2 * pid + 1)
+    start = tl.multiple_of(tl.load(block_tab + 2 * pid + 1), BLOCK)
     row = tensor_tab + t * NCOL
-    p_addr, g_addr = tl.load(row), tl.load(row + 1)
-    m_addr, v_addr, vmax_addr = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    master_addr, step_addr, lr_addr = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
-    numel, nblocks, hrow = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
-    p_code, g_code, s_code, flags = (
-        tl.load(row + 11),
-        tl.load(row + 12),
-        tl.load(row + 13),
-        tl.load(row + 14),
+    addrs = (
+        tl.load(row),
+        tl.load(row + 1),
+        tl.load(row + 2),
+        tl.load(row + 3),
+        tl.load(row + 4),
+        tl.load(row + 5),
     )
-
+    step_addr, lr_addr = tl.load(row + 6), tl.load(row + 7)
+    numel, nblocks, hrow = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
+    codes = (tl.load(row + 11), tl.load(row + 12), tl.load(row + 13))
+    flags = tl.load(row + 14)
     ok = pid >= 0
     if HAS_INF:
-        ok = tl.load(inf_ptr) == 0.0
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < tl.where(ok, numel, 0)  # (block & scalar) is int64 in the interpreter
-    step = tl.load(step_addr.to(tl.pointer_type(tl.float32))) + 1.0
-    decay, w1, b2, omb2, wd, eps, neg_step, bc2_sqrt = _scalars(
-        hyper_tab + hrow * HCOL, lr_addr, step
-    )
-
-    g = _load_f32(g_addr, offs, mask, g_code, G_CODE)
-    if HAS_SCALE:
-        g = g * tl.div_rn(1.0, tl.load(scale_ptr))
-    if (flags & 2) != 0:
-        g = -g
-    if MASTER == 1:
-        p = _load_f32(master_addr, offs, mask, 0, 0)
-    elif MASTER == 0:
-        p = _load_f32(p_addr, offs, mask, p_code, P_CODE)
-    elif master_addr != 0:
-        p = _load_f32(master_addr, offs, mask, 0, 0)
-    else:
-        p = _load_f32(p_addr, offs, mask, p_code, P_CODE)
-    if (flags & 4) != 0:
-        p = p * decay
-    else:
-        g = g + wd * p
-
-    m = _lerp(_load_f32(m_addr, offs, mask, s_code, S_CODE), g, w1)
-    v = _load_f32(v_addr, offs, mask, s_code, S_CODE) * b2 + omb2 * g * g
-    src = v
-    if AMS != 0:  # noqa: SIM102 - constexpr outer test compiles the branch out
-        if vmax_addr != 0:
-            src = tl.maximum(
-                _load_f32(vmax_addr, offs, mask, s_code, S_CODE),
-                v,
-                propagate_nan=tl.PropagateNan.ALL,
-            )
-            _store_f32(vmax_addr, offs, src, mask, s_code, S_CODE)
-    denom = tl.div_rn(tl.sqrt_rn(src), bc2_sqrt) + eps
-    p = p + tl.div_rn(neg_step * m, denom)
-
-    _store_f32(m_addr, offs, m, mask, s_code, S_CODE)
-    _store_f32(v_addr, offs, v, mask, s_code, S_CODE)
-    if MASTER == 1:
-        _store_f32(master_addr, offs, p, mask, 0, 0)
-    elif MASTER == -1:  # noqa: SIM102 - constexpr outer test
-        if master_addr != 0:
-            _store_f32(master_addr, offs, p, mask, 0, 0)
-    _store_f32(p_addr, offs, p, mask, p_code, P_CODE)
-    _bump_step(counters + t, step_addr, step, nblocks, ok)
+        ok = tl.load(inf_ptr) == 0.0  # GradScaler found inf/nan: change nothing
+    if ok:
+        step = tl.load(step_addr.to(tl.pointer_type(tl.float32))) + 1.0
+        sc = _scalars(hyper_tab + hrow * HCOL, lr_addr, step)
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        # fmt: off
+        if start + BLOCK <= numel:
+            _update(addrs, codes, sc, flags, scale_ptr, offs, mask, HAS_SCALE,
+                    P_CODE, G_CODE, S_CODE, MASTER, AMS, True, ALIGNED)
+        else:
+            _update(addrs, codes, sc, flags, scale_ptr, offs, mask, HAS_SCALE,
+                    P_CODE, G_CODE, S_CODE, MASTER, AMS, False, False)
+        # fmt: on
+        _bump_step(counters + t, step_addr, step, nblocks, ok)
 
 
 def interpreted() -> bool:
@@ -364,6 +450,7 @@ class _Plan:
             "S_CODE": _uniform(r[13] for r in rows),
             "MASTER": _uniform(int(r[5] != 0) for r in rows),
             "AMS": _uniform(int(r[4] != 0) for r in rows),
+            "ALIGNED": all(addr % 16 == 0 for r in rows for addr in r[:6]),
         }
 
     def refresh_hyper(self, hyper_key: tuple) -> None:
@@ -371,12 +458,18 @@ class _Plan:
         if hyper_key == self.hyper_key:
             return
         rows = [[0.0 if lr is None else lr, *rest, 0.0, 0.0, 0.0] for lr, *rest in hyper_key]
-        self.hyper_tab.copy_(_upload(torch.tensor(rows, dtype=torch.float64), self.device))
+        host = torch.tensor(rows, dtype=torch.float64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # an async host-to-device copy, no sync
+        self.hyper_tab.copy_(host, non_blocking=True)
         self.hyper_key = hyper_key
 
     def launch(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """One kernel launch over every block of every tensor."""
         global LAUNCH_COUNT
+        if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):  # Triton launches on the current device
+                return self.launch(grad_scale, found_inf)
         scale = _f32_on(grad_scale, self.device, self.dummy)
         inf = _f32_on(found_inf, self.device, self.dummy)
         _fused_adam_kernel[(self.n_blocks,)](
@@ -490,9 +583,9 @@ class FusedAdamW(torch.optim.Optimizer):
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         items = [
-            (gi, g, p)
-            for gi, g in enumerate(self.param_groups)
-            for p in g["params"]
+            (gi, group, p)
+            for gi, group in enumerate(self.param_groups)
+            for p in group["params"]
             if p.grad is not None
         ]
         if not items:
@@ -519,11 +612,13 @@ class FusedAdamW(torch.optim.Optimizer):
                     lr.data_ptr() if torch.is_tensor(lr) else None,
                 )
             )
-        for gi, _, p in items:
-            g = p.grad
-            if g.layout is not torch.strided:
-                raise ValueError("FusedAdamW does not support sparse gradients")
-            parts.append((gi, p.data_ptr(), g.data_ptr(), p.dtype, g.dtype, p.shape))
+        grads = [p.grad for _, _, p in items]
+        if any(g.layout is not torch.strided for g in grads):
+            raise ValueError("FusedAdamW does not support sparse gradients")
+        parts += [
+            (gi, p.data_ptr(), g.data_ptr(), p.dtype, g.dtype, p.numel())
+            for (gi, _, p), g in zip(items, grads, strict=True)
+        ]
         return tuple(parts)
 
     def _hyper_key(self, device: torch.device) -> tuple:
@@ -596,10 +691,8 @@ class FusedAdamW(torch.optim.Optimizer):
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         for k in keys:
             st[k] = _like(st[k], p, sdtype) if k in st else torch.zeros_like(p, dtype=sdtype)
-        if master:
+        if master:  # a torch checkpoint has no master: start it from the param
             st["master_param"] = _like(st.get("master_param", p), p, torch.float32)
-            if st["master_param"] is p:
-                st["master_param"] = p.detach().to(torch.float32, copy=True)
         else:
             st.pop("master_param", None)
         return st

@@ -157,15 +157,13 @@ class JobState:
         b = msg.body
         view.step = b["step"]
         view.steps_received += 1
-        for name in STEP_FIELDS:
-            setattr(view, name, b.get(name))
+        vars(view).update({name: b.get(name) for name in STEP_FIELDS})
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        for name in HEARTBEAT_FIELDS:
-            setattr(view, name, b.get(name))
+        vars(view).update({name: b.get(name) for name in HEARTBEAT_FIELDS})
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 

@@ -230,16 +230,24 @@ def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> N
         if version[1] > PROTOCOL_VERSION[1]:
             return  # a newer minor version may add message types; pass them through
         raise ProtocolError(f"unknown message type {mtype!r}")
-    for name, (types, required) in spec.items():
-        if name not in body:
-            if required:
-                raise ProtocolError(f"{mtype} message lacks required field {name!r}")
-            continue
-        value = body[name]
+    missing = _REQUIRED[mtype] - body.keys()
+    if missing:
+        raise ProtocolError(f"{mtype} message lacks required field {min(missing)!r}")
+    for name, value in body.items():
+        field_spec = spec.get(name)
+        if field_spec is None:
+            continue  # an unknown field (newer minor version) is kept as it is
+        types = field_spec[0]
         # bool is an int subclass: accept it only where bool is listed
         if type(value) not in types and not (type(value) is int and float in types):
             expected = "/".join(t.__name__ for t in types)
             raise ProtocolError(f"{mtype}.{name} is {value!r}, expected {expected}")
+
+
+_REQUIRED = {
+    mtype: frozenset(name for name, (_, required) in spec.items() if required)
+    for mtype, spec in MESSAGE_FIELDS.items()
+}
 
 
 # --- requests and replies on the hub's RPC socket -----------------------------------------

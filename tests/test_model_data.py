@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 
 import pytest
-import scalemon.demo_train.model as model_mod
 import torch
+
+import scalemon.demo_train.model as model_mod
 from scalemon.demo_train.data import (
     ByteBatches,
     default_corpus_files,
