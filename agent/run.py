@@ -135,22 +135,16 @@ class Run:
     def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
         """Track forward/backward phases; on DDP also time the gradient all-reduce."""
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
-        self._hooks.append(model.register_forward_hook(self._on_forward_done))
         if time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             AllReduceTimer(self._comm_timer, self.phase).register(model)
 
     def _on_forward(self, *_: Any) -> None:
+        # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
         t0 = time.perf_counter()
-        self.phase.set("forward")
-        self.phase.cost_s += time.perf_counter() - t0
-
-    def _on_forward_done(self, *_: Any) -> None:
-        t0 = time.perf_counter()
-        self.phase.set("backward")
+        self.phase.set("forward-backward")
         self.phase.cost_s += time.perf_counter() - t0
 
     # --- per step ----------------------------------------------------------------------------
-    @guarded
     def log(
         self,
         step: int,
@@ -161,10 +155,16 @@ class Run:
         """Report one finished step. `loss` may be a device tensor: it is never synced.
 
         Call it after `optimizer.step()` (and `scaler.update()` with AMP). Extra keyword values
-        (numbers or strings) are sent along under `extra`.
+        (numbers or strings) are sent along under `extra`. Never raises.
         """
-        if os.getpid() != self.pid:
+        if self.disabled or _forked:
             return  # a forked child (DataLoader worker) must not use the parent's sockets
+        try:  # inline rather than @guarded: this is the hot path
+            self._log(step, loss, tokens, extra)
+        except Exception as exc:
+            self.disable(f"log: {type(exc).__name__}: {exc}")
+
+    def _log(self, step: int, loss: Any, tokens: int | None, extra: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         step_time = None if self._last_log_t is None else t0 - self._last_log_t
         self._last_log_t = t0
@@ -202,7 +202,7 @@ class Run:
     # --- end -------------------------------------------------------------------------------
     def finish(self, exit_code: int | None = 0, reason: str | None = None) -> None:
         """Flush pending steps, report the end of this rank and stop the threads."""
-        if self._finished or os.getpid() != self.pid:
+        if self._finished or _forked:
             return
         self._finished = True
         try:
@@ -244,6 +244,17 @@ class Run:
         return {"dropped": self.sender.dropped, "queued": self.sender.queued}
 
 
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
 def _uses_cuda(model: torch.nn.Module | None) -> bool:
     if not torch.cuda.is_available():
         return False
@@ -277,7 +288,7 @@ def _host_float(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
+        if value.is_cuda:
             return None  # never sync a device tensor on the training thread
-        return float(value.detach())
+        return float(value)
     return float(value)

@@ -143,10 +143,14 @@ class AllReduceTimer:
     def __init__(self, timer: SpanTimer, phase: Phase) -> None:
         self.timer = timer
         self.phase = phase
+        self._group: Any = None
+        self._group_size = 1
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Install on a DDP model (before its first backward)."""
-        ddp_model.register_comm_hook(state=ddp_model.process_group, hook=self.hook)
+        self._group = ddp_model.process_group or dist.group.WORLD
+        self._group_size = self._group.size()
+        ddp_model.register_comm_hook(state=self._group, hook=self.hook)
 
     def hook(self, process_group, bucket):  # noqa: ANN001, ANN201 - DDP inspects annotations
         """Average the bucket across ranks, recording when it was issued and completed.
@@ -155,16 +159,15 @@ class AllReduceTimer:
         `from __future__ import annotations` turns them into strings."""
         t0 = time.perf_counter()
         tensor = bucket.buffer()
-        group = process_group if process_group is not None else dist.group.WORLD
         try:
             self.phase.set("allreduce")
             self.phase.collectives_issued += 1
-            span = self.timer.begin(tensor.numel() * tensor.element_size())
+            span = self.timer.begin(tensor.nbytes)
         except Exception:
             span = None
         self.phase.cost_s += time.perf_counter() - t0
-        tensor.div_(group.size())
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        tensor.div_(self._group_size)
+        fut = dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             if span is not None:

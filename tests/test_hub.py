@@ -42,7 +42,7 @@ def test_snapshot_shows_ranks_steps_and_losses(start_hub, zctx):
     for step in range(1, 6):
         for r in ranks:
             r.step(step, loss=10.0 - step - r.rank / 10)
-    state = wait_for(lambda: (s := hub_state(hub))["state"]["ranks"]
+    state = wait_for(lambda: len((s := hub_state(hub))["state"]["ranks"]) == 2
                      and all(x["step"] == 5 for x in s["state"]["ranks"]) and s)
     ranks_json = state["state"]["ranks"]
     assert [x["rank"] for x in ranks_json] == [0, 1]
