@@ -173,3 +173,43 @@ def test_hub_side_does_not_import_torch():
     code = ("import sys, scalemon.hub, scalemon.cli, scalemon.client; "
             "assert 'torch' not in sys.modules, 'hub imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_run_logs_device_values_without_syncing(start_hub):
+    """On a GPU: loss, loss scale, optimizer and memory figures arrive, and `log()` never syncs
+    (torch raises inside log if it does, which would disable the run)."""
+    from scalemon import protocol
+
+    hub = start_hub("agentCuda")
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    run = Run(model, opt, scaler, job="agentCuda", hub=hub.address.base, heartbeat_s=0.2)
+    x = torch.randn(64, 256, device="cuda")
+    losses = []
+    for step in range(1, 6):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run.log(step, loss=loss.detach(), tokens=64)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        losses.append(loss.item())
+    assert not run.disabled, run._disabled_reason
+    time.sleep(0.5)
+    run.finish()
+    records, _ = HubClient(hub.address).fetch(0)
+    steps = [m.body for m in map(protocol.decode, records) if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
+    assert [b["loss"] for b in steps] == pytest.approx(losses, rel=1e-6)
+    assert all(b["loss_scale"] == 1024.0 for b in steps)
+    assert all(b["optimizer_time_s"] > 0 for b in steps)
+    assert all(b["mem_allocated_bytes"] > 0 and b["mem_peak_bytes"] > 0 for b in steps)
+    beats = [m.body for m in map(protocol.decode, records) if m.type == "heartbeat"]
+    assert beats[-1]["gpu_mem_total_bytes"] > 0  # NVML reading through the wrapper
