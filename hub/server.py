@@ -38,6 +38,7 @@ FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
 HOUSEKEEPING_S = 0.25
+WAITING_S = 300.0
 
 
 class HubAlreadyRunning(RuntimeError):
@@ -238,11 +239,12 @@ class Hub:
         if self._job_file and self._job_file.world_size != self.state.world_size:
             self._write_job_file()
         job_state = self.state.state
-        if job_state in ("finished", "ended") or (job_state == "waiting"):
+        if job_state in ("finished", "ended", "waiting"):
+            # a hub whose ranks never came waits at least WAITING_S before giving up
+            wait_s = max(self.linger_s, WAITING_S) if job_state == "waiting" else self.linger_s
             self._ended_since = self._ended_since or now
-            if now - self._ended_since >= self.linger_s:
-                log.info("job %s is %s; lingered %.0f s, exiting", self.job, job_state,
-                         self.linger_s)
+            if now - self._ended_since >= wait_s:
+                log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
         else:
             self._ended_since = None
