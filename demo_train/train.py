@@ -2,30 +2,54 @@
 
     # one process, CPU or GPU
     python demo_train/train.py --max-steps 50
-    # two ranks with DDP (gloo on CPU, NCCL on GPU), monitored
-    torchrun --nproc-per-node 2 demo_train/train.py --monitor --max-steps 200
-    # then, from another terminal
-    scalemon snapshot
+    # two ranks (gloo on CPU, NCCL on GPU), monitored; then `scalemon snapshot` elsewhere
+    torchrun --nproc-per-node 2 -- demo_train/train.py --monitor --max-steps 200
+    # the techniques of the seed documents, one flag each
+    torchrun --nproc-per-node 2 -- demo_train/train.py --amp fp16 --grad-accum 4 \\
+        --activation-checkpointing --zero 3 --optimizer torch-fused
+    # checkpoints every 5 steps, and a crash of rank 1 at step 7 that torchrun recovers from
+    torchrun --nproc-per-node 2 --max-restarts 1 -- demo_train/train.py --max-steps 20 \\
+        --ckpt-dir runs/ckpt --ckpt-every 5 --resume --inject-crash 1:7
+    # GPT-2 (124M) shapes on one GPU, bf16 and torch.compile
+    python demo_train/train.py --preset gpt2-124m --amp bf16 --compile --batch-size 8
 
-Rank 0 prints `step N loss X` for every step; with --monitor every rank streams its own loss,
-timings and memory to the job's scalemon hub.
+Rank 0 prints `step N loss X` for every step. With --monitor every rank streams its own loss,
+tokens/s, MFU (where the GPU's peak is known), timings, memory and the memory estimate to the
+job's scalemon hub. The flags are the techniques of ../shared/seeds; each lives in a module:
+precision.py (--amp), parallel.py (--zero, --optimizer, --compile, --grad-accum's no_sync),
+checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+import torch.nn as nn
 
+from scalemon.demo_train.checkpoint import Checkpointer, TermSignal, TrainState
 from scalemon.demo_train.data import ByteBatches, load_corpus
-from scalemon.demo_train.model import GPT, PRESETS, GPTConfig
+from scalemon.demo_train.faults import Faults, rank_step
+from scalemon.demo_train.memory import MemoryEstimate, estimate_memory
+from scalemon.demo_train.model import GPT, PRESETS, GPTConfig, peak_flops
+from scalemon.demo_train.parallel import (
+    OPTIMIZERS,
+    DistEnv,
+    any_rank,
+    build_optimizer,
+    control_group,
+    gradient_sync,
+    setup_distributed,
+    wrap_model,
+)
+from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,93 +58,288 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # model and data
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     p.add_argument("--data", help="a text file to train on (default: Python's own sources)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per rank per forward pass (the micro-batch)")
     p.add_argument("--block-size", type=int, help="context length (default: the preset's)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradients synced on the last only)")
     # optimisation
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--optimizer", default="auto", choices=("auto", *OPTIMIZERS),
+                   help="AdamW: fused (our Triton kernel), torch, torch-fused "
+                        "(auto: torch-fused on GPU, torch on CPU)")
     p.add_argument("--seed", type=int, default=1337)
+    # memory and speed techniques
+    p.add_argument("--amp", default="auto", choices=("auto", *AMP_MODES),
+                   help="mixed precision (auto: bf16 on a GPU that has it, else off)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="0 DDP, 1 ZeroRedundancyOptimizer, 2/3 FSDP2 (3 reshards parameters)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    # checkpoints
+    p.add_argument("--ckpt-dir", help="save checkpoints here (and on SIGTERM)")
+    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (0: all)")
+    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint")
+    # faults, for demonstrations and tests
+    p.add_argument("--inject-hang", type=rank_step, metavar="RANK:STEP",
+                   help="that rank stops before the collectives of that step")
+    p.add_argument("--inject-crash", type=rank_step, metavar="RANK:STEP",
+                   help="that rank raises before that step (first attempt only)")
+    p.add_argument("--inject-overflow", type=int, metavar="STEP",
+                   help="inf gradients at that step (skipped under --amp fp16)")
     # system
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--monitor", action="store_true", help="stream metrics to scalemon")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this many seconds per step (slows the demo down to watch it)")
-    p.add_argument("--stats-json", help="rank 0 writes per-step wall times here (benchmarks)")
-    return p.parse_args(argv)
+    p.add_argument("--stats-json", help="rank 0 writes per-step times, losses, ... here")
+    args = p.parse_args(argv)
+    if args.grad_accum < 1 or args.batch_size < 1:
+        p.error("--grad-accum and --batch-size must be at least 1")
+    return args
 
 
-def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
-    """Initialise the process group when launched by torchrun; returns (rank, world, device)."""
-    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+def print0(env: DistEnv, *args: Any) -> None:
+    """Print on rank 0 only."""
+    if env.rank == 0:
+        print(*args, flush=True)
+
+
+@dataclass
+class Trainer:
+    """Everything the training loop uses, built by `build()`."""
+
+    args: argparse.Namespace
+    env: DistEnv
+    amp: str
+    model: GPT  # holds the state (an FSDP module for --zero 2/3)
+    module: nn.Module  # what the step calls (DDP wrapper, or the model)
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    data: ByteBatches
+    state: TrainState
+    faults: Faults
+    memory: MemoryEstimate
+    tokens_per_step: int  # per rank
+    flops_per_token: int
+    peak_flops: float | None
+    start_step: int = 0
+    ckpt: Checkpointer | None = None
+    term: TermSignal | None = None
+    group: Any = None  # the CPU group for agreements
+    monitor: Any = None
+
+
+def resolve_defaults(args: argparse.Namespace, device: torch.device) -> tuple[str, str]:
+    """(amp, optimizer) with `auto` made concrete for this device."""
+    cuda = device.type == "cuda"
+    amp = args.amp
+    if amp == "auto":
+        amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
+    opt = args.optimizer
+    if opt == "auto":
+        opt = "torch-fused" if cuda else "torch"
+    return amp, opt
+
+
+def run_config(args: argparse.Namespace, env: DistEnv, amp: str, opt: str,
+               config: GPTConfig) -> dict[str, Any]:
+    """The run's settings as plain JSON values (sent to the monitor, kept in checkpoints)."""
+    flags = {k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+             for k, v in vars(args).items()}
+    return {**flags, "amp": amp, "optimizer": opt, "model": asdict(config),
+            "world_size": env.world_size}
+
+
+def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
+    """Model, data, parallelism, optimizer, scaler, checkpoint (resumed), monitor, estimate."""
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    amp, opt = resolve_defaults(args, env.device)
+    overrides = {"block_size": args.block_size} if args.block_size else {}
+    config = GPTConfig.preset(args.preset, **overrides)
+    model = GPT(config, activation_checkpointing=args.activation_checkpointing).to(env.device)
+    n_params, flops_per_token = model.num_params(non_embedding=False), model.flops_per_token()
+    data = ByteBatches(load_corpus(args.data, config.block_size), config.block_size,
+                       args.batch_size * args.grad_accum, rank=env.rank,
+                       world_size=env.world_size, seed=args.seed)
+    module = wrap_model(model, env, args.zero, args.compile)
+    optimizer = build_optimizer(model, opt, args.zero, env, args.lr, args.weight_decay)
+    scaler = make_scaler(amp, env.device, sharded=args.zero >= 2 and env.distributed)
+    settings = run_config(args, env, amp, opt, config)
+    zero = args.zero if env.distributed else 0  # one process: nothing to shard
+    memory = estimate_memory(config, n_params, args.batch_size, amp=amp, zero=zero,
+                             world_size=env.world_size,
+                             activation_checkpointing=args.activation_checkpointing)
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    t = Trainer(
+        args=args, env=env, amp=amp, model=model, module=module, optimizer=optimizer,
+        scaler=scaler, data=data, state=TrainState(model, optimizer, data, scaler, settings),
+        faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow),
+        memory=memory, tokens_per_step=args.batch_size * args.grad_accum * config.block_size,
+        flops_per_token=flops_per_token, peak_flops=peak_flops(device_name),
+        group=control_group(env),
+    )
+    print0(env, f"training {args.preset} ({model.num_params() / 1e6:.2f}M params) on "
+                f"{env.world_size} rank(s), {env.device.type}: amp {amp}, ZeRO-{zero}, "
+                f"optimizer {opt}, grad-accum {args.grad_accum}, activation checkpointing "
+                f"{'on' if args.activation_checkpointing else 'off'}, compile "
+                f"{'on' if args.compile else 'off'}; "
+                f"{t.tokens_per_step * env.world_size} tokens/step")
+    print0(env, memory.describe())
+    if args.ckpt_dir:
+        t.ckpt = Checkpointer(args.ckpt_dir, args.keep, t.group, log=lambda m: print0(env, m))
+        t.term = TermSignal()
+        if args.resume:
+            t.start_step = t.ckpt.load_latest(t.state) or 0
+    if args.monitor:  # after resuming, so the loss scaler's restored scale is the baseline
+        import scalemon.agent as sm
+
+        t.monitor = sm.init(model=module, optimizer=optimizer, scaler=scaler, config=settings)
+        if t.monitor is not None:
+            t.monitor.info("memory_estimate", memory.as_dict())
+    return t
+
+
+def forward_backward(t: Trainer, step: int) -> torch.Tensor:
+    """Gradients of one step's batch, over --grad-accum micro-batches with the gradient
+    all-reduce on the last only; returns the step's mean loss (detached)."""
+    device, accum = t.env.device, t.args.grad_accum
+    x, y = t.data.next_batch()  # batch_size * grad_accum sequences, cut into micro-batches
+    total = torch.zeros((), device=device)
+    for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+        last = i == accum - 1
+        with gradient_sync(t.module, enabled=last):
+            with autocast(t.amp, device):
+                _, loss = t.module(xb.to(device, non_blocking=True),
+                                   yb.to(device, non_blocking=True))
+            loss = loss / accum
+            scaled = t.scaler.scale(loss) if t.scaler is not None else loss
+            if last:
+                scaled = t.faults.overflow(step, scaled)
+            scaled.backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(t: Trainer) -> None:
+    """Update the weights (through the loss scaler, which skips a step with inf/NaN
+    gradients and lowers the scale) and clear the gradients."""
+    if t.scaler is not None:
+        t.scaler.step(t.optimizer)
+        t.scaler.update()
     else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device
-                            if use_cuda else None)
-    return dist.get_rank(), dist.get_world_size(), device
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
 
 
-def write_stats(path: str, step_times: list[float], monitor: object | None) -> None:
-    """Per-step wall times and the agent's own cost, for bench/agent_overhead.py."""
-    stats = {"step_times_s": step_times}
-    if monitor is not None:
-        stats["agent_time_total_s"] = monitor.agent_time_total_s
-        stats["agent_steps"] = monitor.steps_logged
-    with open(path, "w") as f:
-        json.dump(stats, f)
+def train(t: Trainer) -> int:
+    """The loop; returns the exit code (non-zero after saving on SIGTERM)."""
+    args, env = t.args, t.env
+    stats: dict[str, list] = {"steps": [], "step_times_s": [], "work_times_s": [], "losses": [],
+                              "loss_scales": []}
+    scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
+    for step in range(t.start_step + 1, args.max_steps + 1):
+        t0 = time.perf_counter()
+        t.faults.before_step(step, t.monitor)
+        loss = forward_backward(t, step)
+        optimizer_step(t)
+        work_s = time.perf_counter() - t0
+        if t.monitor is not None:
+            tokens_per_s = t.tokens_per_step / work_s
+            mfu = {} if t.peak_flops is None else {
+                "mfu": t.flops_per_token * tokens_per_s / t.peak_flops}
+            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step,
+                          tokens_per_s=tokens_per_s, **mfu)
+        if env.rank == 0:
+            value = loss.item()
+            print(f"step {step} loss {value:.4f}", flush=True)
+            if t.scaler is not None:  # one extra host read per step, rank 0 and fp16 only
+                new_scale = t.scaler.get_scale()
+                if new_scale < scale:
+                    print(f"amp: step {step} skipped (inf/NaN gradients), loss scale "
+                          f"{scale:g} -> {new_scale:g}", flush=True)
+                scale = new_scale
+            stats["steps"].append(step)
+            stats["losses"].append(value)
+            stats["loss_scales"].append(scale)
+            stats["work_times_s"].append(time.perf_counter() - t0)
+        if args.step_delay:
+            time.sleep(args.step_delay)
+        stats["step_times_s"].append(time.perf_counter() - t0)
+        if t.ckpt is not None:
+            stop = any_rank(t.term.received, t.group)
+            due = args.ckpt_every > 0 and step % args.ckpt_every == 0
+            if (due or stop or step == args.max_steps) and t.ckpt.last_saved != step:
+                t.ckpt.save(step, t.state, "SIGTERM" if stop else "periodic")
+            if stop:
+                print0(env, f"SIGTERM: stopped after step {step} with a checkpoint")
+                finish(t, stats, TermSignal.EXIT_CODE)
+                return TermSignal.EXIT_CODE
+    finish(t, stats, 0)
+    return 0
+
+
+def finish(t: Trainer, stats: dict[str, list], code: int) -> None:
+    """Throughput summary, measured memory (GPU), stats file, monitor exit."""
+    env = t.env
+    work = stats["work_times_s"][1:] or stats["work_times_s"]  # the first step warms up
+    tokens_per_s = t.tokens_per_step * len(work) / sum(work) if work else None
+    summary: dict[str, Any] = {"tokens_per_s_per_rank": tokens_per_s}
+    if tokens_per_s is not None:
+        mfu = (f", MFU {100 * t.flops_per_token * tokens_per_s / t.peak_flops:.1f}%"
+               if t.peak_flops else ", MFU n/a (device peak unknown)")
+        print0(env, f"throughput: {tokens_per_s:,.0f} tokens/s per rank, "
+                    f"{tokens_per_s * env.world_size:,.0f} in all{mfu}")
+    if env.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(env.device)
+        summary["mem_peak_bytes"] = peak
+        print0(env, f"memory: estimate {t.memory.total / 2**20:.1f} MiB, measured peak "
+                    f"{peak / 2**20:.1f} MiB allocated ({peak / t.memory.total:.2f}x)")
+        if t.monitor is not None:
+            t.monitor.info("memory_measured", {"peak_allocated": peak,
+                                               "estimate": t.memory.total})
+    if t.args.stats_json and env.rank == 0:
+        write_stats(t, stats, summary)
+    if t.monitor is not None:
+        t.monitor.finish(code)
+
+
+def write_stats(t: Trainer, stats: dict[str, list], summary: dict[str, Any]) -> None:
+    """Rank 0's per-step record, for tests and bench/ (step_times_s as before)."""
+    out: dict[str, Any] = {**stats, **summary}
+    out.update(
+        world_size=t.env.world_size, tokens_per_step=t.tokens_per_step,
+        flops_per_token=t.flops_per_token, peak_flops=t.peak_flops,
+        memory_estimate=t.memory.as_dict(), config=t.state.config,
+        device=torch.cuda.get_device_name(t.env.device) if t.env.device.type == "cuda" else "cpu",
+    )
+    if t.monitor is not None:  # the agent's own cost, for bench/agent_overhead.py
+        out["agent_time_total_s"] = t.monitor.agent_time_total_s
+        out["agent_steps"] = t.monitor.steps_logged
+    with open(t.args.stats_json, "w") as f:
+        json.dump(out, f)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train; returns the process exit code."""
+    """Build, train, close; returns the process exit code."""
     args = parse_args(argv)
-    rank, world, device = setup_distributed(args.device)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    overrides = {"block_size": args.block_size} if args.block_size else {}
-    config = GPTConfig.preset(args.preset, **overrides)
-    data = ByteBatches(load_corpus(args.data, config.block_size), config.block_size,
-                       args.batch_size, rank=rank, world_size=world, seed=args.seed)
-    model = GPT(config).to(device)
-    ddp_model = DDP(model) if world > 1 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                  weight_decay=args.weight_decay)
-    monitor = None
-    if args.monitor:
-        import scalemon.agent as sm
-
-        monitor = sm.init(model=ddp_model, optimizer=optimizer,
-                          config={**vars(args), "model": asdict(config), "world_size": world})
-    tokens_per_step = args.batch_size * config.block_size
-    if rank == 0:
-        print(f"training {args.preset} ({model.num_params() / 1e6:.2f}M params) on {world} "
-              f"rank(s), {device.type}, {tokens_per_step * world} tokens/step", flush=True)
-    step_times: list[float] = []
-    for step in range(1, args.max_steps + 1):
-        t0 = time.perf_counter()
-        x, y = (t.to(device, non_blocking=True) for t in data.next_batch())
-        _, loss = ddp_model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if monitor is not None:
-            monitor.log(step, loss=loss.detach(), tokens=tokens_per_step)
-        if rank == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
-        if args.step_delay:
-            time.sleep(args.step_delay)
-        step_times.append(time.perf_counter() - t0)
-    if args.stats_json and rank == 0:
-        write_stats(args.stats_json, step_times, monitor)
-    if monitor is not None:
-        monitor.finish()
-    if world > 1:
+    env = setup_distributed(args.device)
+    trainer = build(args, env)
+    code = train(trainer)
+    if trainer.term is not None:
+        trainer.term.restore()
+    # free DDP and ZeroRedundancyOptimizer before their process group: left to interpreter
+    # shutdown, ZeRO-1 with gloo sometimes aborts ("terminate called without an active
+    # exception") after training finished
+    del trainer
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
@@ -145,7 +146,15 @@ def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = ()) 
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a process group started with start_new_session=True."""
+    """Kill a process started with start_new_session=True, its group and every descendant
+    (torchrun puts its workers in sessions of their own, out of the group's reach)."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     proc.wait(timeout=10)

@@ -1,0 +1,93 @@
+"""Faults injected on purpose, for demonstrations and tests of the monitor and of recovery.
+
+    --inject-hang RANK:STEP    that rank stops before the collectives of step STEP (it sleeps
+                               forever in phase "injected-hang"); the others wait in the
+                               gradient all-reduce until the job is killed
+    --inject-crash RANK:STEP   that rank raises before step STEP, in the first attempt only
+                               (TORCHELASTIC_RESTART_COUNT == 0), so a job restarted by
+                               `torchrun --max-restarts N` resumes and goes on
+    --inject-overflow STEP     rank 0's backward of step STEP yields inf gradients (all ranks
+                               see them after the all-reduce): with --amp fp16 the loss scaler
+                               skips that step and halves the scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HANG_PHASE = "injected-hang"
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by --inject-crash."""
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """A (rank, step) pair given as `RANK:STEP`."""
+
+    rank: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}"
+
+
+def rank_step(text: str) -> RankStep:
+    """argparse type for `RANK:STEP`."""
+    try:
+        rank, step = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP, e.g. 1:5; got {text!r}") from None
+    if rank < 0 or step < 1:
+        raise argparse.ArgumentTypeError(f"need RANK >= 0 and STEP >= 1; got {text!r}")
+    return RankStep(rank, step)
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this job's workers (0 in the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class Faults:
+    """The faults planned for this rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        hang: RankStep | None = None,
+        crash: RankStep | None = None,
+        overflow_step: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.hang_step = hang.step if hang and hang.rank == rank else None
+        first_attempt = restart_count() == 0
+        self.crash_step = crash.step if crash and crash.rank == rank and first_attempt else None
+        self.overflow_step = overflow_step if rank == 0 else None
+
+    def before_step(self, step: int, monitor: Any = None) -> None:
+        """Crash or hang here if planned for this step (before any of its collectives)."""
+        if step == self.crash_step:
+            print(f"rank {self.rank}: injected crash before step {step}", file=sys.stderr,
+                  flush=True)
+            raise InjectedCrash(f"--inject-crash {self.rank}:{step}")
+        if step == self.hang_step:
+            print(f"rank {self.rank}: injected hang before step {step}", file=sys.stderr,
+                  flush=True)
+            if monitor is not None:
+                monitor.set_phase(HANG_PHASE)
+            while True:
+                time.sleep(3600)
+
+    def overflow(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call backward on: `loss`, or `loss * inf` at the planted step."""
+        if step == self.overflow_step:
+            return loss * float("inf")
+        return loss
