@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from scalemon import __version__, protocol
@@ -111,6 +112,20 @@ def cmd_hub(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_attach(args: argparse.Namespace) -> int:
+    """Open the dashboard on a job."""
+    from scalemon.tui.attach import attach
+
+    return attach(args.target, stats_path=args.stats_json)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start the monitored demo job and open the dashboard on it."""
+    from scalemon.tui.demo import demo
+
+    return demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
     from scalemon.hub.main import add_arguments as add_hub_arguments
@@ -131,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user")
     jobs.add_argument("--json", action="store_true")
     jobs.set_defaults(func=cmd_jobs)
+
+    attach = sub.add_parser("attach", help="open the dashboard on a job")
+    attach.add_argument("target", nargs="?",
+                        help="job id or hub address (default: the live job, or pick from a list)")
+    attach.add_argument("--stats-json", type=Path, metavar="PATH",
+                        help="on exit, write redraw times and message counts here (benchmarks)")
+    attach.set_defaults(func=cmd_attach)
+
+    demo = sub.add_parser("demo", help="run a monitored 2-rank demo job and open the dashboard")
+    from scalemon.tui.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
 
     hub = sub.add_parser("hub", help="run a job's hub (ranks start one by themselves)")
     add_hub_arguments(hub)

@@ -1,0 +1,199 @@
+"""How the dashboard copes with many ranks: CPU, redraw time and delivery (no torch needed).
+
+For each rank count, starts a real hub, the real dashboard (`scalemon attach JOB`) in a
+160x50 tmux pane of a private tmux server (a real terminal, nothing shared), and simulated
+ranks in a sender process: every rank sends a `step` (the fields of a GPU run with AMP, one
+straggler) 10 times a second and a `heartbeat` once a second. It reports the dashboard
+process's CPU use while the ranks send, its redraw times (timer tick to the screen being
+refreshed; written by `--stats-json` on exit) and how many of the messages sent it received.
+Results go to bench/results/.
+
+    python bench/dashboard_load.py                  # 8, 64, 512 ranks, 20 s each
+    python bench/dashboard_load.py --ranks 512 --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import zmq
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO))
+
+from scalemon.client import HubClient  # noqa: E402
+from scalemon.jobs import HubAddress, JobFile, jobs_dir  # noqa: E402
+from scalemon.tui.sim import SimJob  # noqa: E402
+
+RANK_TYPES = ("hello", "step", "heartbeat")
+
+
+def send_ranks(address: str, job: str, ranks: int, seconds: float, rate: float,
+               go: mp.Event, sent: mp.Value) -> None:
+    """Simulated ranks: hello, then `rate` steps/s per rank and a heartbeat per second."""
+    ctx = zmq.Context()
+    sim = SimJob(job=job, ranks=ranks, straggler=ranks // 2, step_s=1.0 / rate)
+    socks = []
+    for _ in range(ranks):
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.LINGER, 5000)
+        s.connect(HubAddress.parse(address).ingest)
+        socks.append(s)
+    count = 0
+    go.wait()
+    for r, s in enumerate(socks):
+        s.send(sim.frame(r, "hello", sim.hello(r), time.time()))
+        count += 1
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < seconds:
+        step += 1
+        now = time.time()
+        for r, body in enumerate(sim.step_bodies(step, now)):
+            socks[r].send(sim.frame(r, "step", body, now))
+            count += 1
+        if step % int(rate) == 0:
+            for r, s in enumerate(socks):
+                s.send(sim.frame(r, "heartbeat", sim.heartbeat(r, step), now))
+                count += 1
+        delay = start + step / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+    sent.value = count
+    for s in socks:
+        s.close()
+    ctx.term()
+
+
+def tmux(server: str, *args: str) -> str:
+    """Run a tmux command on our private server."""
+    out = subprocess.run(["tmux", "-L", server, *args], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout
+
+
+def find_dashboard(job: str, timeout: float = 60.0) -> psutil.Process:
+    """The `scalemon attach` process of this run."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if "attach" in cmd and job in cmd:
+                return proc
+        time.sleep(0.2)
+    raise RuntimeError("the dashboard did not start")
+
+
+def hub_head(address: HubAddress) -> int:
+    return HubClient(address, timeout_s=5).request("ping")["head"]
+
+
+def run_one(ranks: int, seconds: float, rate: float, size: str) -> dict:
+    """One measurement; returns its figures."""
+    home = Path(tempfile.mkdtemp(prefix="smb", dir="/tmp"))
+    job = f"load{ranks}"
+    server = f"smbench-{os.getpid()}-{ranks}"
+    stats_path = home / "stats.json"
+    hub = subprocess.Popen([sys.executable, "-m", "scalemon.hub", "--job", job, "--home",
+                            str(home), "--lost-after", "60", "--linger", "600"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        job_file = jobs_dir(home) / f"{job}.json"
+        end = time.monotonic() + 30
+        while not job_file.exists() and time.monotonic() < end:
+            time.sleep(0.1)
+        address = HubAddress.parse(JobFile.read(job_file).address)
+        width, height = size.split("x")
+        cmd = (f"env SCALEMON_HOME={home} {sys.executable} -m scalemon attach {job} "
+               f"--stats-json {stats_path}")
+        tmux(server, "new-session", "-d", "-s", "bench", "-x", width, "-y", height, cmd)
+        dash = find_dashboard(job)
+        time.sleep(2.0)  # attached and idle
+        go, sent = mp.Event(), mp.Value("q", 0)
+        sender = mp.Process(target=send_ranks, args=(address.base, job, ranks, seconds, rate,
+                                                     go, sent))
+        sender.start()
+        time.sleep(1.0)  # sockets connected
+        cpu0, t0 = dash.cpu_times(), time.monotonic()
+        go.set()
+        sender.join(seconds + 120)
+        cpu1, t1 = dash.cpu_times(), time.monotonic()
+        cpu_pct = 100.0 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
+        head = hub_head(address)
+        time.sleep(3.0)  # let the dashboard drain what is queued
+        screen = tmux(server, "capture-pane", "-p", "-t", "bench")
+        tmux(server, "send-keys", "-t", "bench", "q")
+        end = time.monotonic() + 30
+        while not stats_path.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        stats = json.loads(stats_path.read_text())
+    finally:
+        tmux(server, "kill-server")
+        hub.terminate()
+        hub.wait(timeout=10)
+        shutil.rmtree(home, ignore_errors=True)
+    received = sum(stats["by_type"].get(t, 0) for t in RANK_TYPES)
+    redraws = stats["redraw_ms"]
+    ordered = sorted(redraws)
+    return {
+        "ranks": ranks, "steps_per_s_per_rank": rate, "seconds": seconds,
+        "messages_sent": sent.value, "hub_records": head, "dashboard_received": received,
+        "delivery": received / sent.value if sent.value else None,
+        "dashboard_cpu_pct_of_one_core": cpu_pct,
+        "redraws": len(redraws),
+        "redraw_ms_median": statistics.median(redraws) if redraws else None,
+        "redraw_ms_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        if ordered else None,
+        "redraws_per_s": len(redraws) / max(1e-9, t1 - t0 + 5),
+        "terminal": size,
+        "screen_header": screen.splitlines()[:3],
+    }
+
+
+def main() -> int:
+    """Run the benchmark and print a table."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
+    p.add_argument("--size", default="160x50", help="terminal size of the dashboard")
+    args = p.parse_args()
+    if shutil.which("tmux") is None:
+        print("tmux is needed (the dashboard runs in a real terminal)", file=sys.stderr)
+        return 2
+    rows = [run_one(n, args.seconds, args.rate, args.size) for n in args.ranks]
+    print(f"{'ranks':>6} {'msg/s':>7} {'sent':>8} {'received':>9} {'delivery':>9} "
+          f"{'CPU %':>6} {'redraw med ms':>14} {'p99 ms':>7} {'redraws/s':>9}")
+    for r in rows:
+        print(f"{r['ranks']:>6} {r['messages_sent'] / r['seconds']:>7.0f} "
+              f"{r['messages_sent']:>8} {r['dashboard_received']:>9} {r['delivery']:>9.4f} "
+              f"{r['dashboard_cpu_pct_of_one_core']:>6.1f} {r['redraw_ms_median']:>14.1f} "
+              f"{r['redraw_ms_p99']:>7.1f} {r['redraws_per_s']:>9.1f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "dashboard_load-cpu.json"
+    out.write_text(json.dumps({
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "results": rows,
+    }, indent=1))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The real dashboard app (App.run_test + Pilot) against real hub processes fed by scripted
+ranks: table values, lost ranks, plots that follow the data, rank detail, help, reconnects,
+the job picker."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+
+import zmq
+
+from scalemon.jobs import HubAddress, run_dir
+from scalemon.tui.app import DashboardApp
+from scalemon.tui.attach import make_app
+from scalemon.tui.feed import HubFeed
+from scalemon.tui.screens.help import HelpScreen
+from scalemon.tui.screens.overview import OverviewScreen
+from scalemon.tui.screens.pick_job import PickJobScreen
+from scalemon.tui.screens.rank_detail import RankDetailScreen
+from scalemon.tui.screenshot import simulated_app
+from scalemon.tui.sim import SimJob
+from scalemon.tui.views import COLUMNS
+from scalemon.tui.widgets.header import JobHeader
+from scalemon.tui.widgets.plot import LinePlot
+from scalemon.tui.widgets.rank_table import RankTable
+
+COL = {key: i for i, (key, _, _) in enumerate(COLUMNS)}
+
+
+class SimSender:
+    """Scripted ranks: one PUSH socket per rank, messages from a SimJob stamped with now."""
+
+    def __init__(self, ctx: zmq.Context, address: HubAddress, sim: SimJob) -> None:
+        self.sim = sim
+        self.socks = {}
+        for rank in range(sim.ranks):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address.ingest)
+            self.socks[rank] = sock
+        self.sent: dict[int, dict] = {}  # rank -> last step body
+
+    def send(self, rank: int, mtype: str, body: dict) -> None:
+        self.socks[rank].send(self.sim.frame(rank, mtype, body, time.time()))
+
+    def hello(self) -> None:
+        for rank in self.socks:
+            self.send(rank, "hello", self.sim.hello(rank))
+
+    def step(self, step: int, ranks: list[int] | None = None) -> None:
+        bodies = self.sim.step_bodies(step, time.time())
+        for rank in ranks if ranks is not None else list(self.socks):
+            self.send(rank, "step", bodies[rank])
+            self.sent[rank] = bodies[rank]
+
+    def heartbeat(self, step: int, ranks: list[int] | None = None) -> None:
+        for rank in ranks if ranks is not None else list(self.socks):
+            self.send(rank, "heartbeat", self.sim.heartbeat(rank, step))
+
+
+async def until(pilot, predicate: Callable[[], object], timeout: float = 10.0,
+                each: Callable[[], None] | None = None) -> None:
+    """Let the app run until `predicate()` holds; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"not reached within {timeout} s: {predicate.__doc__ or ''}")
+        if each is not None:
+            each()
+        await pilot.pause(0.1)
+
+
+def cells(app: DashboardApp) -> dict[int, list[str]]:
+    """The rank table as text: rank -> cells."""
+    table = app.screen.query_one(RankTable)
+    return {rank: list(row) for rank, row in table.cells_by_rank().items()}
+
+
+def header(app: DashboardApp) -> str:
+    return str(app.screen.query_one(JobHeader).render())
+
+
+def test_table_shows_every_rank_with_its_values_and_plots_follow_the_data(start_hub, zctx):
+    hub = start_hub("tuiA")
+    sim = SimJob(job="tuiA", ranks=3, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=hub.address))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)  # the subscription needs a moment to reach the hub
+            ranks.hello()
+            for step in range(1, 6):
+                ranks.step(step)
+            ranks.heartbeat(5)
+            await until(pilot, lambda: (c := cells(app)) and len(c) == 3
+                        and all(row[COL["step"]] == "5" for row in c.values()))
+            table = cells(app)
+            assert sorted(table) == [0, 1, 2]
+            for rank, row in table.items():
+                body = ranks.sent[rank]
+                assert row[COL["loss"]] == f"{body['loss']:.4f}"
+                assert row[COL["step_ms"]] == f"{body['step_time_s'] * 1000:.1f}"
+                assert row[COL["allreduce_ms"]] == f"{body['allreduce_time_s'] * 1000:.1f}"
+                assert row[COL["optimizer_ms"]] == f"{body['optimizer_time_s'] * 1000:.1f}"
+                assert row[COL["state"]] == "running" and row[COL["host"]] == "node0"
+                # no GPU, no AMP: "n/a", never a number that looks like zero
+                for key in ("loss_scale", "mem_alloc", "mem_resv", "mem_peak", "nvml",
+                            "gpu_util"):
+                    assert row[COL[key]] == "n/a", key
+                assert row[COL["cpu"]] == f"{98 + rank % 4}"
+            assert "job tuiA" in header(app) and "world 3" in header(app)
+            assert "hub connected" in header(app)
+
+            loss_plot = app.screen.query_one("#plot-loss", LinePlot)
+            await until(pilot, lambda: "step 5" in "".join(loss_plot.text_rows()))
+            before = loss_plot.text_rows()
+            for step in range(6, 41):
+                ranks.step(step)
+            await until(pilot, lambda: "step 40" in "".join(loss_plot.text_rows()))
+            after = loss_plot.text_rows()
+            assert after != before
+            dots = sum(ch != " " and 0x2800 < ord(ch) <= 0x28FF for row in after for ch in row)
+            assert dots > 20  # a drawn line, not an empty box
+            time_plot = app.screen.query_one("#plot-time", LinePlot)
+            assert "compute" in time_plot.text_rows()[0]
+            await pilot.press("q")
+        assert app.return_code in (None, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_rank_that_stops_sending_turns_lost(start_hub, zctx):
+    hub = start_hub("tuiB", "--lost-after", "1.5")
+    sim = SimJob(job="tuiB", ranks=3, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+    step = [0]
+
+    def keep_going() -> None:  # ranks 0 and 1 stay alive, rank 2 is silent
+        step[0] += 1
+        ranks.step(10 + step[0], ranks=[0, 1])
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=hub.address))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)
+            ranks.hello()
+            for s in range(1, 11):
+                ranks.step(s)
+            await until(pilot, lambda: len(cells(app)) == 3)
+            states = lambda: [row[COL["state"]] for row in cells(app).values()]  # noqa: E731
+            await until(pilot, lambda: states() == ["running", "running", "lost"], timeout=15,
+                        each=keep_going)
+            table = cells(app)
+            assert "lost ranks: 2" in header(app)
+            assert float(table[2][COL["hb_age"]]) >= 1.0
+
+    asyncio.run(scenario())
+
+
+def test_enter_opens_the_rank_detail_and_help_and_palette_work(start_hub, zctx):
+    hub = start_hub("tuiC")
+    sim = SimJob(job="tuiC", ranks=2, gpu=True, amp=True)
+    ranks = SimSender(zctx, hub.address, sim)
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=hub.address))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)
+            ranks.hello()
+            for s in range(1, 31):
+                ranks.step(s)
+            ranks.heartbeat(30)
+            await until(pilot, lambda: len(cells(app)) == 2
+                        and cells(app)[1][COL["step"]] == "30")
+            await pilot.press("down", "enter")
+            await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
+            assert app.screen.rank == 1
+            title = app.screen.query_one("#detail-title")
+            await until(pilot, lambda: "rank 1" in str(title.render()))
+            mem = app.screen.query_one("#detail-mem_alloc_gib", LinePlot)
+            await until(pilot, lambda: mem.spec.has_data)
+            assert [line.label for line in mem.spec.lines] == ["alloc", "resv", "peak"]
+            assert app.screen.query_one("#detail-loss", LinePlot).spec.has_data
+            await pilot.press("right")
+            await until(pilot, lambda: "rank 0" in str(title.render()))
+            await pilot.press("escape")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen))
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            await pilot.press("escape")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen))
+            commands = [c.title for c in app.get_system_commands(app.screen)]
+            assert "rank 1" in commands and "Help" in commands
+            await pilot.press("q")
+
+    asyncio.run(scenario())
+
+
+def test_hub_that_goes_away_shows_disconnected_and_reconnects_without_gaps(home, start_hub,
+                                                                          zctx):
+    hub = start_hub("tuiD")
+    sim = SimJob(job="tuiD", ranks=2, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+
+    async def scenario() -> None:
+        feed = HubFeed(job="tuiD", home=home, timeout_s=1.0, retry_s=0.3)
+        app = DashboardApp(feed)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)
+            ranks.hello()
+            for s in range(1, 6):
+                ranks.step(s)
+            await until(pilot, lambda: len(cells(app)) == 2
+                        and cells(app)[0][COL["step"]] == "5")
+            await pilot.pause(0.6)  # the hub flushes its history file every 0.25 s
+            hub.kill(signal.SIGKILL)
+            await until(pilot, lambda: "disconnected, retrying" in header(app), timeout=15)
+            start_hub("tuiD")  # same job: reopens the history, same record numbers
+            for s in range(6, 9):
+                ranks.step(s)
+            await until(pilot, lambda: cells(app)[0][COL["step"]] == "8", timeout=20)
+            assert "hub connected" in header(app) and feed.attaches == 2
+            with app.data.lock:
+                steps = app.data.by_type["step"]
+                assert steps == 16 and app.data.records == app.data.next_seq
+
+    asyncio.run(scenario())
+
+
+def test_attach_without_a_job_offers_the_live_jobs(home, start_hub, zctx):
+    assert "no live scalemon job" in make_app(None, home=home)
+    start_hub("tuiE1")
+    hub2 = start_hub("tuiE2")
+    ranks = SimSender(zctx, hub2.address, SimJob(job="tuiE2", ranks=1, gpu=False, amp=False))
+    ranks.hello()
+    ranks.step(1)
+    app = make_app(None, home=home)
+    assert isinstance(app, DashboardApp)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, PickJobScreen))
+            order = [j.job for j in app.screen.jobs]
+            await pilot.press(*(["down"] * order.index("tuiE2")), "enter")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen))
+            await until(pilot, lambda: "job tuiE2" in header(app) and len(cells(app)) == 1)
+
+    asyncio.run(scenario())
+    assert "no live hub and no history" in make_app("nosuchjob", home=home)
+
+
+def test_a_hub_with_a_new_history_under_the_same_job_makes_the_dashboard_start_over(
+        home, start_hub, zctx):
+    hub = start_hub("tuiF")
+    sim = SimJob(job="tuiF", ranks=2, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(job="tuiF", home=home, timeout_s=1.0, retry_s=0.3))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)
+            ranks.hello()
+            for s in range(1, 11):
+                ranks.step(s)
+            await until(pilot, lambda: len(cells(app)) == 2
+                        and cells(app)[1][COL["step"]] == "10")
+            hub.kill(signal.SIGKILL)
+            (run_dir("tuiF", home) / "history.smlog").unlink()
+            await until(pilot, lambda: "disconnected, retrying" in header(app), timeout=15)
+            start_hub("tuiF")  # numbering starts at 0 again
+            one = SimSender(zctx, hub.address, SimJob(job="tuiF", ranks=1, gpu=False,
+                                                      amp=False))
+            one.hello()
+            for s in range(500, 503):
+                one.step(s)
+            await until(pilot, lambda: list(cells(app)) == [0]
+                        and cells(app)[0][COL["step"]] == "502", timeout=20)
+            with app.data.lock:
+                assert app.data.by_type == {"hello": 1, "step": 3}
+
+    asyncio.run(scenario())
+
+
+def test_many_ranks_scroll_and_mouse_selection():
+    """40 ranks in 80x24: End scrolls to the last rank and its row gets its text; a click
+    moves the cursor, a click on the highlighted row opens its detail."""
+    app = simulated_app(ranks=40, gpu=True, steps=30, straggler=None)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: len(app.screen.query_one(RankTable).rank_ids) == 40)
+            table = app.screen.query_one(RankTable)
+            assert 39 not in table.rows  # off screen: not formatted
+            await pilot.press("end")
+            await until(pilot, lambda: 39 in table.rows and table.rank_at_cursor() == 39)
+            assert table.rows[39].cells[COL["step"]] == "30"
+            assert table.scroll_offset.y > 0
+            await pilot.press("home")
+            await until(pilot, lambda: table.scroll_offset.y == 0)
+            await pilot.click(RankTable, offset=(10, 3))  # header is line 0: rank 2
+            await until(pilot, lambda: table.rank_at_cursor() == 2)
+            await pilot.click(RankTable, offset=(10, 3))
+            await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
+            assert app.screen.rank == 2
+            await pilot.press("l")  # from the detail the binding still works
+
+    asyncio.run(scenario())
+
+
+def test_attach_to_a_job_whose_hub_is_gone_replays_its_history(home, start_hub, zctx):
+    hub = start_hub("tuiG")
+    ranks = SimSender(zctx, hub.address, SimJob(job="tuiG", ranks=2, gpu=False, amp=False))
+    ranks.hello()
+    for s in range(1, 8):
+        ranks.step(s)
+    time.sleep(0.5)
+    hub.kill(signal.SIGTERM)  # flushes its history and removes its job file
+    app = make_app("tuiG", home=home)
+    assert isinstance(app, DashboardApp)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: len(cells(app)) == 2
+                        and cells(app)[1][COL["step"]] == "7")
+            assert "hub offline" in header(app)
+
+    asyncio.run(scenario())

@@ -1,0 +1,87 @@
+"""`scalemon demo` as a person runs it: in a real terminal (tmux), watch, press q."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+ROW = re.compile(r"^\s*(\d+)\s+running\s+(\d+)\s+(\d+\.\d{4})\s", re.M)
+
+
+class Tmux:
+    """One session on a private tmux server (its own socket), killed at the end."""
+
+    def __init__(self, name: str) -> None:
+        self.server = name
+        self.session = name
+
+    def run(self, *args: str) -> str:
+        out = subprocess.run(["tmux", "-L", self.server, *args], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", self.session)
+
+    def kill(self) -> None:
+        self.run("kill-session", "-t", self.session)
+        self.run("kill-server")
+
+
+def job_processes(job: str) -> list[psutil.Process]:
+    """Processes whose environment names this job (torchrun, ranks, hub)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SCALEMON_JOB_ID") == job:
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def ranks_on(screen: str) -> dict[int, tuple[int, str]]:
+    """rank -> (step, loss) from the table on a captured screen."""
+    return {int(r): (int(step), loss) for r, step, loss in ROW.findall(screen)}
+
+
+def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home: Path):
+    job = f"tuidemo{os.getpid()}"
+    scalemon = Path(sys.executable).with_name("scalemon")
+    cmd = (f"env SCALEMON_HOME={home} OMP_NUM_THREADS=1 {scalemon} demo --job {job} "
+           f"--step-delay 0.05; echo DEMO-EXIT=$?; sleep 60")
+    tmux = Tmux(f"smtest-{os.getpid()}")
+    try:
+        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "120", "-y", "40", cmd)
+        first = wait_for(lambda: (r := ranks_on(tmux.screen())) and len(r) == 2
+                         and min(s for s, _ in r.values()) >= 3 and r, timeout=180,
+                         interval=0.5)
+        later = wait_for(lambda: (r := ranks_on(tmux.screen())) and len(r) == 2
+                         and min(s for s, _ in r.values()) > max(s for s, _ in first.values())
+                         and r, timeout=60, interval=0.5)
+        screen = tmux.screen()
+        assert sorted(later) == [0, 1]
+        assert later[0][1] != first[0][1]  # the loss moves with the steps
+        assert f"job {job}" in screen and "world 2" in screen and "hub connected" in screen
+        assert "loss" in screen and "n/a" in screen  # CPU ranks: no GPU memory
+        assert sum(0x2800 < ord(ch) <= 0x28FF for ch in screen) > 30, "no plot drawn"
+        assert job_processes(job), "the job should be running"
+        tmux.run("send-keys", "-t", tmux.session, "q")
+        wait_for(lambda: "DEMO-EXIT=0" in tmux.screen(), timeout=60, interval=0.5)
+        wait_for(lambda: not job_processes(job), timeout=30, interval=0.5)
+    finally:
+        print(tmux.screen())
+        tmux.kill()
+        for proc in job_processes(job):
+            proc.kill()

@@ -1,0 +1,176 @@
+"""The dashboard's data layer, without textual: series, braille raster, model, formats."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scalemon.protocol import Message
+from scalemon.tui import format as fmt
+from scalemon.tui.model import DashboardData, step_values
+from scalemon.tui.series import Series
+from scalemon.tui.sim import SimJob
+from scalemon.tui.views import COLUMNS, overview
+from scalemon.tui.widgets.braille import column_envelope, line_mask, pack, rasterize
+
+
+def test_series_stays_bounded_and_keeps_the_extremes():
+    s = Series(cap=64)
+    values = [math.sin(i / 50) for i in range(10_000)]
+    values[7777] = 42.0  # one spike among 10k points
+    for i, v in enumerate(values):
+        s.add(i, v)
+    x, lo, hi, mean = s.arrays()
+    assert len(x) <= 64 and s.stride >= 128
+    assert hi.max() == pytest.approx(42.0) and lo.min() == pytest.approx(-1.0, abs=1e-3)
+    assert x[0] < 200 and x[-1] > 9_800  # the whole run, evenly
+    assert np.all(np.diff(x) > 0)
+    assert np.all(lo <= mean + 1e-6) and np.all(mean <= hi + 1e-6)
+
+
+def test_series_ignores_non_finite_values_and_shows_the_filling_bucket():
+    s = Series(cap=4)
+    s.add(1, float("nan"))
+    assert len(s) == 0
+    for i in range(5):
+        s.add(i, float(i))
+    assert s.stride == 2 and len(s.xs) == 2  # halved once: (0,1) (2,3), then 4 is filling
+    x, lo, hi, _ = s.arrays()
+    assert list(x) == [0.5, 2.5, 4] and list(lo) == [0, 2, 4] and list(hi) == [1, 3, 4]
+
+
+def test_braille_column_envelope_and_packing():
+    lo, hi = column_envelope(np.array([0.0, 1, 2, 3]), np.array([0.0, 5, 1, 2]),
+                             np.array([0.0, 5, 1, 2]), 0.0, 4.0, 2)
+    assert list(lo) == [0, 1] and list(hi) == [5, 2]
+    mask = np.zeros((4, 2), dtype=bool)
+    mask[:, 0] = True  # left column of dots, all four rows
+    assert pack(mask).tolist() == [[0x01 | 0x02 | 0x04 | 0x40]]
+
+
+def test_braille_line_is_continuous_and_rising():
+    x = np.arange(100.0)
+    raster = rasterize([(x, x, x, 3, False)], rows=4, cols=10, x_range=(0, 99),
+                       y_range=(0, 99))
+    mask = np.zeros((16, 20), dtype=bool)
+    for r in range(4):
+        for c in range(10):
+            code = raster.codes[r, c]
+            for dy in range(4):
+                for dx in range(2):
+                    bit = [[0x01, 0x08], [0x02, 0x10], [0x04, 0x20], [0x40, 0x80]][dy][dx]
+                    mask[r * 4 + dy, c * 2 + dx] = bool(code & bit)
+    lit_rows = [np.flatnonzero(mask[:, c]) for c in range(20)]
+    assert all(len(rows) for rows in lit_rows)  # every pixel column lit: no holes
+    assert lit_rows[0].max() == 15 and lit_rows[-1].min() == 0  # bottom-left to top-right
+    assert set(raster.colors[raster.codes > 0].tolist()) == {3}
+
+
+def test_line_mask_interpolates_missing_columns():
+    col = np.array([0.0, np.nan, np.nan, 3.0])
+    mask = line_mask(col, col, 0.0, 3.0, 4)
+    assert mask.any(axis=0).all()
+
+
+def test_formats_say_na_never_zero():
+    assert fmt.ms(None) == "n/a" and fmt.gib(None) == "n/a" and fmt.pct(None) == "n/a"
+    assert fmt.used_of(None, 80 << 30) == "n/a"
+    assert fmt.ms(0.0123) == "12.3" and fmt.gib(3 << 30) == "3.00"
+    assert fmt.num(float("nan")) == "nan" and fmt.scale(65536.0) == "65536"
+    assert fmt.signed_ms(0.021) == "+21.0" and fmt.duration(3725) == "1:02:05"
+
+
+def test_compute_time_is_clamped_and_missing_values_are_left_out():
+    v = step_values({"step": 1, "step_time_s": 0.1, "allreduce_time_s": 0.2,
+                     "optimizer_time_s": 0.01, "loss": None, "tokens": 100})
+    assert v["compute_ms"] == 0.0 and v["step_ms"] == pytest.approx(100.0)
+    assert v["tokens_per_s"] == pytest.approx(1000.0)
+    assert "loss" not in v and "mem_alloc_gib" not in v
+
+
+def test_the_rank_that_reaches_the_all_reduce_late_is_named():
+    sim = SimJob(ranks=8, straggler=5, straggler_s=0.04)
+    data = DashboardData()
+    data.apply_messages(sim.run(60))
+    view = overview(data, now=sim.end_t(60) + 0.5)
+    assert [r for r, _ in view.summary.stragglers] == [5]
+    assert view.summary.straggler_basis == "all-reduce arrival"
+    assert view.summary.stragglers[0][1] == pytest.approx(0.04 * 0.7, rel=0.3)
+    styles = {row.rank: row.style for row in view.rows}
+    assert styles[5] == "straggler" and all(styles[r] == "" for r in range(8) if r != 5)
+    # every rank's step time is the same (the all-reduce equalises it): not a usable signal
+    steps = {row.cells[4] for row in view.rows}
+    assert len(steps) == 1
+
+
+def test_no_straggler_without_one():
+    sim = SimJob(ranks=4)
+    data = DashboardData()
+    data.apply_messages(sim.run(60))
+    assert overview(data, now=sim.end_t(60)).summary.stragglers == []
+
+
+def test_summary_rates_state_and_na_cells_of_a_cpu_job():
+    sim = SimJob(ranks=2, gpu=False, amp=False, step_s=0.1)
+    data = DashboardData()
+    data.apply_messages(sim.run(100, finish=True))
+    view = overview(data, now=sim.end_t(100) + 1.0)
+    s = view.summary
+    assert s.state == "finished" and s.step_min == s.step_max == 100
+    assert s.elapsed_s == pytest.approx(10.0, abs=0.1)
+    cells = dict(zip([c[0] for c in COLUMNS], view.rows[0].cells, strict=True))
+    assert cells["loss_scale"] == "n/a" and cells["mem_alloc"] == "n/a" and cells["nvml"] == "n/a"
+    assert cells["state"] == "finished" and cells["step"] == "100"
+    assert view.plots is not None and not view.plots["scale"].has_data
+    assert view.plots["scale"].empty.startswith("n/a")
+    assert view.plots["memory"].title.startswith("RSS")
+
+
+def test_rates_while_running():
+    sim = SimJob(ranks=2, step_s=0.1)
+    data = DashboardData()
+    data.apply_messages(sim.run(100))
+    s = overview(data, now=sim.end_t(100) + 0.1).summary
+    assert s.steps_per_s == pytest.approx(10.0, rel=0.05)
+    assert s.tokens_per_s == pytest.approx(2 * 8192 * 10.0, rel=0.05)
+    assert s.state == "running"
+    stalled = overview(data, now=sim.end_t(100) + 60).summary
+    assert stalled.state == "stalled" and stalled.steps_per_s == 0.0
+
+
+def test_lost_rank_and_band_mode_for_many_ranks():
+    sim = SimJob(ranks=16)
+    msgs = sim.run(20)
+    msgs.append(Message("rank_state", "sim", -1, 1, sim.end_t(20) + 6,
+                        {"target": 3, "state": "lost", "reason": "no message for 5.1 s"}))
+    data = DashboardData()
+    data.apply_messages(msgs)
+    view = overview(data, now=sim.end_t(20) + 6)
+    assert view.summary.state == "degraded" and "lost ranks: 3" in view.summary.state_text
+    assert view.rows[3].style == "lost" and view.rows[3].cells[1] == "lost"
+    loss = view.plots["loss"]
+    assert [line.band for line in loss.lines] == [True, False]  # 16 ranks: band + mean
+
+
+def test_long_history_is_folded_in_chunks_and_only_visible_rows_are_formatted():
+    sim = SimJob(ranks=4)
+    data = DashboardData()
+    versions = []
+    data.apply_batch((i, m) for i, m in enumerate(sim.run(1500)))
+    versions.append(data.version)
+    assert versions[0] >= 3  # > CHUNK records: the lock was released in between
+    assert data.next_seq == data.records
+    view = overview(data, sim.end_t(1500), plots=False, visible=(1, 3))
+    assert view.rank_ids == [0, 1, 2, 3] and [r.rank for r in view.rows] == [1, 2]
+    assert view.plots is None
+
+
+def test_headless_modules_do_not_import_textual():
+    code = ("import sys; import scalemon.tui.model, scalemon.tui.views, scalemon.tui.feed, "
+            "scalemon.tui.sim, scalemon.tui.widgets.braille, scalemon.cli; "
+            "assert 'textual' not in sys.modules, 'textual imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,139 @@
+"""Where the dashboard's records come from. `Feed.run` is the body of the receiver thread.
+
+`HubFeed` owns its `HubStream` (SUB + DEALER sockets, used on that thread only): it attaches
+from the record after the last one folded (0 at first: the whole history), polls with a short
+timeout, folds each batch into `DashboardData`, and when the hub stops answering it reports
+"disconnected", waits and attaches again, resuming at the same record number. A hub restarted
+for the same job keeps its numbering; one whose history restarted at 0 makes it start over.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from scalemon import protocol
+from scalemon.client import HubStream, HubUnreachable
+from scalemon.jobs import HubAddress, live_jobs, run_dir
+from scalemon.protocol import Message, ProtocolError
+from scalemon.tui.model import DashboardData, record_key
+
+StopCheck = Callable[[], bool]
+StatusHook = Callable[[str, str], None]
+
+
+class Feed(ABC):
+    """A source of records for the dashboard."""
+
+    label = ""
+
+    @abstractmethod
+    def run(self, data: DashboardData, stop: StopCheck, on_status: StatusHook) -> None:
+        """Fold records into `data` until `stop()` is true (called on the receiver thread)."""
+
+
+class HubFeed(Feed):
+    """A live hub, by job id (looked up in the job files on every attempt) or by address."""
+
+    def __init__(self, job: str | None = None, address: HubAddress | None = None,
+                 home: Path | None = None, timeout_s: float = 2.0, retry_s: float = 1.0) -> None:
+        if job is None and address is None:
+            raise ValueError("HubFeed needs a job id or an address")
+        self.job = job
+        self.address = address
+        self.home = home
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.label = job or (address.base if address else "")
+        self.attaches = 0  # successful attaches (the first one included)
+
+    def _resolve(self) -> HubAddress | None:
+        if self.job is not None:
+            for jf in live_jobs(self.home, clean=False):
+                if jf.job == self.job:
+                    self.address = HubAddress.parse(jf.address)
+                    break
+        return self.address
+
+    def run(self, data: DashboardData, stop: StopCheck, on_status: StatusHook) -> None:
+        def status(state: str, detail: str = "") -> None:
+            if data.set_conn(state, detail):
+                on_status(state, detail)
+
+        while not stop():
+            address = self._resolve()
+            if address is None:
+                if data.next_seq == 0 and self._replay_history(data):
+                    status("offline", "no live hub: showing the history file; waiting for one")
+                elif data.conn.status != "offline":
+                    status("waiting", f"no hub for job {self.job} yet")
+                _sleep(self.retry_s, stop)
+                continue
+            stream = HubStream(address, since=data.next_seq, timeout_s=self.timeout_s)
+            try:
+                if not self._same_history(stream, data):
+                    data.reset()  # a new (or shortened) history under the same name
+                    stream.next_seq = 0
+                self.attaches += 1
+                status("connected", address.base)
+                while not stop():
+                    batch = stream.poll(0.1)
+                    if batch:
+                        data.apply_batch(batch)
+                    if stream.rejected:
+                        with data.lock:
+                            data.rejected += stream.rejected
+                        stream.rejected = 0
+            except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError) as exc:
+                status("disconnected", _short(exc))
+            finally:
+                stream.close()
+            _sleep(self.retry_s, stop)
+
+
+    @staticmethod
+    def _same_history(stream: HubStream, data: DashboardData) -> bool:
+        """True when the hub still holds the last record we folded under the same number
+        (a hub killed before flushing, or a recreated run directory, renumbers records)."""
+        if data.next_seq == 0:
+            stream.client.request("ping")  # raises HubUnreachable when nobody answers
+            return True
+        records, _ = stream.client.fetch(data.next_seq - 1, 1)
+        if not records:
+            return False
+        try:
+            return record_key(protocol.decode(records[0])) == data.last_key
+        except ProtocolError:
+            return False
+
+    def _replay_history(self, data: DashboardData) -> bool:
+        """Fold the job's history file when its hub is gone; True when there was one."""
+        from scalemon.hub.history import read_records
+
+        path = run_dir(self.job, self.home) / "history.smlog" if self.job else None
+        if path is None or not path.exists():
+            return False
+        batch: list[tuple[int, Message]] = []
+        for seq, record in enumerate(read_records(path)):
+            try:
+                batch.append((seq, protocol.decode(record)))
+            except ProtocolError:
+                with data.lock:
+                    data.rejected += 1
+        data.apply_batch(batch)
+        return True
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split(":")[0] if isinstance(exc, HubUnreachable) else str(exc)
+    return text[:80]
+
+
+def _sleep(seconds: float, stop: StopCheck) -> None:
+    end = time.monotonic() + seconds
+    while not stop() and time.monotonic() < end:
+        time.sleep(0.05)

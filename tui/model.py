@@ -1,0 +1,314 @@
+"""`DashboardData`: everything the dashboard knows about one job, folded from hub records.
+
+The receiver thread calls `apply_batch`; the UI thread reads through `views`, which copies what
+a redraw needs while holding `lock`. Besides the shared `JobState` reducer it keeps, per rank,
+bounded series of every metric (x = step), job-wide min/mean/max per step, each rank's arrival
+at the step's first gradient all-reduce against the median rank (smoothed), and samples for
+step and token rates.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scalemon.jobstate import JobState, RankView
+from scalemon.protocol import Message
+from scalemon.tui import format as fmt
+from scalemon.tui.series import Marks, Series
+
+GIB = fmt.GIB
+STEP_WINDOW = 32
+"""Steps whose cross-rank aggregate is still open; older ones are closed with what arrived."""
+EMA = 0.3
+CHUNK = 2000
+"""Records folded per lock hold, so a long history never freezes the screen."""
+
+AGGREGATED = ("loss", "loss_scale", "step_ms", "compute_ms", "allreduce_ms", "optimizer_ms",
+              "mem_alloc_gib", "tokens_per_s")
+
+
+@dataclass
+class ConnState:
+    """How the receiver is doing: connecting, connected, waiting, disconnected or offline."""
+
+    status: str = "connecting"
+    detail: str = ""
+    since: float = field(default_factory=time.time)
+
+
+class RankTrack:
+    """The per-rank history the reducer does not keep."""
+
+    __slots__ = ("series", "skipped", "samples", "tokens", "late_ema", "compute_ema", "cap")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.series: dict[str, Series] = {}
+        self.skipped = Marks()
+        self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
+        self.tokens = 0
+        self.late_ema: float | None = None
+        self.compute_ema: float | None = None
+
+    def add(self, name: str, x: float, value: float) -> None:
+        """Append to series `name`, made on first use."""
+        series = self.series.get(name)
+        if series is None:
+            series = self.series[name] = Series(self.cap)
+        series.add(x, value)
+
+    def rates(self, now: float) -> tuple[float | None, float | None]:
+        """(steps/s, tokens/s) over the last 10 s of samples; 0 when nothing came for 5 s."""
+        if len(self.samples) < 2:
+            return None, None
+        t1, s1, k1 = self.samples[-1]
+        if now - t1 > 5.0:
+            return 0.0, 0.0
+        t0, s0, k0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
+        if t1 <= t0:
+            return None, None
+        return (s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+
+
+class _StepAcc:
+    """Cross-rank min/max/sum of each metric at one step, plus all-reduce arrival times."""
+
+    __slots__ = ("ranks", "lo", "hi", "sum", "n", "issue", "compute")
+
+    def __init__(self) -> None:
+        self.ranks = 0
+        self.lo: dict[str, float] = {}
+        self.hi: dict[str, float] = {}
+        self.sum: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.issue: dict[int, float] = {}
+        self.compute: dict[int, float] = {}
+
+
+def record_key(msg: Message) -> tuple:
+    """What identifies a record across hub restarts: sender, its seq, type and time."""
+    return (msg.rank, msg.seq, msg.type, msg.t)
+
+
+def _number(value: Any) -> float | None:
+    """A finite-or-not float from a body field; None for absent, null or non-numbers."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def step_values(body: dict[str, Any]) -> dict[str, float]:
+    """The plotted values of one `step` body, in display units; absent ones left out."""
+    st = _number(body.get("step_time_s"))
+    ar = _number(body.get("allreduce_time_s"))
+    opt = _number(body.get("optimizer_time_s"))
+    tokens = _number(body.get("tokens"))
+    out: dict[str, float | None] = {
+        "loss": _number(body.get("loss")),
+        "loss_scale": _number(body.get("loss_scale")),
+        "step_ms": None if st is None else st * 1e3,
+        # all-reduce overlaps backward under DDP, so this is a lower bound of the compute time
+        "compute_ms": None if st is None else max(0.0, st - (ar or 0.0) - (opt or 0.0)) * 1e3,
+        "allreduce_ms": None if ar is None else ar * 1e3,
+        "optimizer_ms": None if opt is None else opt * 1e3,
+        "agent_ms": None if (a := _number(body.get("agent_time_s"))) is None else a * 1e3,
+        "tokens_per_s": tokens / st if tokens is not None and st else None,
+    }
+    for name, key in (("mem_alloc_gib", "mem_allocated_bytes"),
+                      ("mem_resv_gib", "mem_reserved_bytes"), ("mem_peak_gib", "mem_peak_bytes")):
+        value = _number(body.get(key))
+        out[name] = None if value is None else value / GIB
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
+    """The plotted values of one `heartbeat` body, in display units."""
+    out: dict[str, float | None] = {
+        "cpu_pct": _number(body.get("cpu_pct")),
+        "gpu_util_pct": _number(body.get("gpu_util_pct")),
+        "gpu_power_w": _number(body.get("gpu_power_w")),
+        "gpu_temp_c": _number(body.get("gpu_temp_c")),
+    }
+    for name, key in (("rss_gib", "rss_bytes"), ("nvml_used_gib", "gpu_mem_used_bytes")):
+        value = _number(body.get(key))
+        out[name] = None if value is None else value / GIB
+    return {k: v for k, v in out.items() if v is not None}
+
+
+class DashboardData:
+    """Thread-safe fold of one job's records for the dashboard."""
+
+    def __init__(self, job: str | None = None, cap: int | None = None) -> None:
+        self.lock = threading.Lock()
+        self._job = job
+        self._cap = cap
+        self.version = 0  # bumped on every change the screen may show
+        self.conn = ConnState()
+        self.rejected = 0  # records the receiver could not decode
+        self.loss_mode = "auto"  # "auto", "ranks" or "band"
+        self._reset()
+
+    def _reset(self) -> None:
+        self.state = JobState(job=self._job)
+        self.next_seq = 0  # record number of the next record expected from the hub
+        self.last_key: tuple | None = None  # identity of the last record folded
+        self.records = 0
+        self.by_type: dict[str, int] = {}
+        self.tracks: dict[int, RankTrack] = {}
+        self.agg: dict[str, Series] = {name: Series(1024) for name in AGGREGATED}
+        self.skipped = Marks()
+        self._open: dict[int, _StepAcc] = {}
+        self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
+        self._expected: int | None = None  # ranks expected at each step; None = recount
+        self.last_step_t: float | None = None
+
+    # ---- receiver side -------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget everything (the hub's history was recreated)."""
+        with self.lock:
+            self._reset()
+            self.version += 1
+
+    def set_conn(self, status: str, detail: str = "") -> bool:
+        """Record the receiver's status; True when it changed."""
+        with self.lock:
+            if self.conn.status == status and self.conn.detail == detail:
+                return False
+            since = self.conn.since if self.conn.status == status else time.time()
+            self.conn = ConnState(status, detail, since)
+            self.version += 1
+            return True
+
+    def apply_batch(self, batch: Iterable[tuple[int, Message]]) -> None:
+        """Fold (record number, message) pairs in, a few thousand per lock hold."""
+        batch = list(batch)
+        for start in range(0, len(batch), CHUNK):
+            with self.lock:
+                for seq, msg in batch[start:start + CHUNK]:
+                    self._apply(msg)
+                    self.next_seq = seq + 1
+                    self.last_key = record_key(msg)
+                self.version += 1
+
+    def apply_messages(self, messages: Iterable[Message]) -> None:
+        """Fold messages that carry no record numbers (a replay)."""
+        self.apply_batch((self.next_seq + i, m) for i, m in enumerate(messages))
+
+    def _cap_now(self) -> int:
+        if self._cap:
+            return self._cap
+        world = self.state.world_size or len(self.state.ranks)
+        return 512 if world <= 64 else 256
+
+    def _track(self, rank: int) -> RankTrack:
+        track = self.tracks.get(rank)
+        if track is None:
+            track = self.tracks[rank] = RankTrack(self._cap_now())
+            self._expected = None
+        return track
+
+    def _apply(self, msg: Message) -> None:
+        self.records += 1
+        self.by_type[msg.type] = self.by_type.get(msg.type, 0) + 1
+        before = self.state.ranks.get(msg.rank)
+        old_state = before.state if before is not None else None
+        view = self.state.apply(msg)
+        if view is None:  # hub record (rank_state)
+            self._expected = None
+            return
+        if view.state != old_state:
+            self._expected = None
+        if msg.type == "step":
+            self._on_step(msg, view)
+        elif msg.type == "heartbeat":
+            track = self._track(msg.rank)
+            x = msg.body.get("step")
+            x = float(x if isinstance(x, int) else (view.step or 0))
+            for name, value in heartbeat_values(msg.body).items():
+                track.add(name, x, value)
+
+    def _on_step(self, msg: Message, view: RankView) -> None:
+        track = self._track(msg.rank)
+        step = msg.body["step"]
+        values = step_values(msg.body)
+        for name, value in values.items():
+            track.add(name, step, value)
+        if msg.body.get("skipped"):
+            track.skipped.add(step)
+            self.skipped.add(step)
+        tokens = msg.body.get("tokens")
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            track.tokens += tokens
+        if not track.samples or msg.t - track.samples[-1][0] >= 0.5:
+            track.samples.append((msg.t, step, track.tokens))
+        self.last_step_t = msg.t if self.last_step_t is None else max(self.last_step_t, msg.t)
+        if view.steps_received == 1:
+            self._expected = None
+        self._accumulate(msg.rank, step, values, _number(msg.body.get("allreduce_issue_t")))
+
+    def _accumulate(self, rank: int, step: int, values: dict[str, float],
+                    issue_t: float | None) -> None:
+        if step in self._closed and step not in self._open:
+            return  # arrived after its step was closed: kept per rank only
+        acc = self._open.get(step)
+        if acc is None:
+            acc = self._open[step] = _StepAcc()
+        acc.ranks += 1
+        for name in AGGREGATED:
+            value = values.get(name)
+            if value is None or not math.isfinite(value):
+                continue
+            if name in acc.n:
+                acc.lo[name] = min(acc.lo[name], value)
+                acc.hi[name] = max(acc.hi[name], value)
+                acc.sum[name] += value
+                acc.n[name] += 1
+            else:
+                acc.lo[name] = acc.hi[name] = acc.sum[name] = value
+                acc.n[name] = 1
+        if issue_t is not None and math.isfinite(issue_t):
+            acc.issue[rank] = issue_t
+        if "compute_ms" in values:
+            acc.compute[rank] = values["compute_ms"] / 1e3
+        if self._expected is None:
+            self._expected = sum(1 for v in self.state.ranks.values()
+                                 if v.state == "running" and v.steps_received)
+        if acc.ranks >= max(1, self._expected):
+            self._close(step)
+        if len(self._open) > STEP_WINDOW:
+            for old in sorted(self._open)[: len(self._open) - STEP_WINDOW]:
+                self._close(old)
+
+    def _close(self, step: int) -> None:
+        acc = self._open.pop(step)
+        self._closed.append(step)
+        for name, n in acc.n.items():
+            self.agg[name].add(step, acc.lo[name], acc.hi[name], acc.sum[name] / n)
+        if len(acc.issue) >= 2:
+            median = statistics.median(acc.issue.values())
+            for rank, t in acc.issue.items():
+                track = self._track(rank)
+                late = t - median
+                track.add("late_ms", step, late * 1e3)
+                track.late_ema = late if track.late_ema is None else (
+                    (1 - EMA) * track.late_ema + EMA * late)
+        if len(acc.compute) >= 2:
+            median = statistics.median(acc.compute.values())
+            for rank, c in acc.compute.items():
+                track = self._track(rank)
+                slower = c - median
+                track.compute_ema = slower if track.compute_ema is None else (
+                    (1 - EMA) * track.compute_ema + EMA * slower)
+
+    def rank_ids(self) -> list[int]:
+        """Known ranks in order."""
+        with self.lock:
+            return sorted(self.state.ranks)

@@ -1,0 +1,50 @@
+"""What a plot shows, as plain data: built by the model under its lock, drawn by the widget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scalemon.tui.series import Series
+
+
+@dataclass
+class Line:
+    """One series: a line through (x, lo..hi), or a filled min..max band when `band`."""
+
+    label: str
+    x: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    color: int = 0  # index into the widget's palette
+    band: bool = False
+
+    @classmethod
+    def from_series(cls, label: str, series: Series | None, color: int = 0, *,
+                    band: bool = False, mean: bool = False) -> Line | None:
+        """A line from a series' buckets: their envelope, or their means when `mean`."""
+        if series is None or len(series) == 0:
+            return None
+        x, lo, hi, avg = series.arrays()
+        if mean:
+            lo = hi = avg
+        return cls(label, x, lo, hi, color, band)
+
+
+@dataclass
+class PlotSpec:
+    """Everything one plot panel draws. `empty` is the text shown when there is no data."""
+
+    title: str
+    unit: str = ""
+    lines: list[Line] = field(default_factory=list)
+    log: bool = False
+    marks: np.ndarray | None = None  # x positions to flag (skipped steps)
+    marks_label: str = ""
+    empty: str = "no data yet"
+
+    @property
+    def has_data(self) -> bool:
+        """True when at least one line has a point."""
+        return any(len(line.x) for line in self.lines)

@@ -1,0 +1,1 @@
+"""Screens of the dashboard: overview, rank detail, help, job picker."""

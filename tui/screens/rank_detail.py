@@ -1,0 +1,89 @@
+"""The rank detail screen: identity, state and every series of one rank over the steps."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, VerticalScroll
+from textual.events import Resize
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from scalemon.tui.model import DashboardData
+from scalemon.tui.views import DETAIL_PLOTS, rank_detail
+from scalemon.tui.widgets.plot import LinePlot
+
+
+class RankDetailScreen(Screen[None]):
+    """All of one rank. Escape goes back; left/right step through the ranks."""
+
+    BINDINGS = [
+        Binding("escape,backspace", "back", "Back"),
+        Binding("left,comma", "step_rank(-1)", "Prev rank"),
+        Binding("right,full_stop", "step_rank(1)", "Next rank"),
+    ]
+    DEFAULT_CSS = """
+    RankDetailScreen #detail-title { height: 1; padding: 0 1; background: $boost;
+                                     text-style: bold; }
+    RankDetailScreen #facts { height: auto; padding: 0 1; }
+    RankDetailScreen #detail-plots { grid-size: 2; grid-gutter: 0 1; height: auto;
+                                     grid-rows: 9; }
+    """
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="detail-title")
+        with VerticalScroll(id="detail-body"):
+            yield Static(id="facts")
+            with Grid(id="detail-plots"):
+                for group in DETAIL_PLOTS:
+                    yield LinePlot(id=f"detail-{group[0]}")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#detail-body").focus()
+
+    def on_resize(self, event: Resize) -> None:
+        """Three plot columns on wide terminals, two otherwise."""
+        columns = 3 if event.size.width >= 150 else 2
+        self.query_one("#detail-plots", Grid).styles.grid_size_columns = columns
+
+    def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
+        """Redraw from the data (plots only when `plots`)."""
+        detail = rank_detail(data, self.rank, now)
+        title = self.query_one("#detail-title", Static)
+        if detail is None:
+            title.update(f"rank {self.rank}: not seen (yet)")
+            return
+        facts = detail.facts
+        title.update(f"rank {self.rank}  ·  {facts[0][1]}  ·  Esc back, ←/→ other ranks")
+        table = Table.grid(padding=(0, 2), expand=True)
+        half = (len(facts) + 1) // 2
+        for _ in range(2):
+            table.add_column(style="dim", no_wrap=True)
+            table.add_column(overflow="fold")
+        for i in range(half):
+            left = facts[i]
+            right = facts[half + i] if half + i < len(facts) else ("", "")
+            table.add_row(left[0], left[1], right[0], right[1])
+        self.query_one("#facts", Static).update(table)
+        if plots:
+            for group, spec in zip(DETAIL_PLOTS, detail.plots, strict=True):
+                self.query_one(f"#detail-{group[0]}", LinePlot).update_spec(spec)
+
+    def action_back(self) -> None:
+        """Back to the overview."""
+        self.dismiss()
+
+    def action_step_rank(self, delta: int) -> None:
+        """Show the previous or next known rank."""
+        ranks = self.app.data.rank_ids()  # type: ignore[attr-defined]
+        if not ranks:
+            return
+        i = ranks.index(self.rank) if self.rank in ranks else 0
+        self.rank = ranks[(i + delta) % len(ranks)]
+        self.app.redraw_now()  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""Widgets of the dashboard: braille line plot, rank table, job header."""

@@ -1,0 +1,92 @@
+"""`JobHeader`: job id, world size, state, progress, rates, drops, stragglers and the hub link."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widget import Widget
+
+from scalemon.tui import format as fmt
+from scalemon.tui.views import Summary
+
+STATE_STYLES = {
+    "running": "bold green",
+    "finished": "bold green",
+    "waiting": "bold yellow",
+    "stalled": "bold magenta",
+    "degraded": "bold red",
+    "ended": "bold red",
+}
+CONN_STYLES = {
+    "connected": "green",
+    "offline": "grey50",
+    "connecting": "yellow",
+    "waiting": "yellow",
+    "disconnected": "bold red",
+}
+
+
+def header_text(s: Summary) -> Text:
+    """Three lines: identity and state; progress, rates and drops; hub link and stragglers."""
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append("job ", style="dim").append(s.job or "?", style="bold")
+    world = fmt.NA if s.world_size is None else str(s.world_size)
+    t.append("  world ", style="dim").append(world)
+    if s.world_size is not None and s.ranks_seen != s.world_size:
+        t.append(f" ({s.ranks_seen} seen)", style="yellow")
+    t.append("  elapsed ", style="dim").append(fmt.duration(s.elapsed_s))
+    t.append("  ")
+    t.append(s.state_text, style=STATE_STYLES.get(s.state, "bold"))
+    t.append("\n")
+    if s.step_min is None:
+        t.append("step ", style="dim").append(fmt.NA)
+    elif s.step_min == s.step_max:
+        t.append("step ", style="dim").append(str(s.step_max), style="bold")
+    else:
+        t.append("step min/max ", style="dim").append(f"{s.step_min}/{s.step_max}", style="bold")
+    t.append("  steps/s ", style="dim").append(fmt.num(s.steps_per_s, 2))
+    t.append("  tokens/s ", style="dim").append(fmt.si(s.tokens_per_s))
+    t.append("  dropped ", style="dim").append(str(s.dropped),
+                                               style="bold red" if s.dropped else "")
+    t.append("  seq gaps ", style="dim").append(str(s.gaps), style="bold red" if s.gaps else "")
+    if s.rejected:
+        t.append("  undecodable ", style="dim").append(str(s.rejected), style="bold red")
+    t.append("\n")
+    conn = s.conn
+    t.append("hub ", style="dim")
+    label = "disconnected, retrying" if conn.status == "disconnected" else conn.status
+    t.append(label, style=CONN_STYLES.get(conn.status, ""))
+    if conn.status not in ("connected", "disconnected") and conn.detail:
+        t.append(f" ({conn.detail})", style="dim")
+    t.append("  stragglers ", style="dim")
+    if s.stragglers:
+        parts = [f"rank {r} {v * 1000:+.0f} ms" for r, v in s.stragglers[:3]]
+        more = f" (+{len(s.stragglers) - 3})" if len(s.stragglers) > 3 else ""
+        t.append(", ".join(parts) + more, style="bold yellow")
+        t.append(f" ({s.straggler_basis} vs median)", style="dim")
+    else:
+        t.append("none" if s.straggler_basis else fmt.NA)
+    return t
+
+
+class JobHeader(Widget):
+    """The overview's header: three lines, repainted only when their text changes (a fixed
+    height, so an update never re-lays out the screen)."""
+
+    DEFAULT_CSS = """
+    JobHeader { height: 3; padding: 0 1; background: $boost; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._text = Text("connecting...")
+
+    def render(self) -> Text:
+        """The current header text."""
+        return self._text
+
+    def show(self, summary: Summary) -> None:
+        """Redraw from a summary (only when the text changed)."""
+        text = header_text(summary)
+        if text.plain != self._text.plain or text.spans != self._text.spans:
+            self._text = text
+            self.refresh()
