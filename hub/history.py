@@ -14,6 +14,9 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from scalemon import protocol
+from scalemon.protocol import Message, ProtocolError
+
 log = logging.getLogger("scalemon.hub")
 
 _LEN = 4
@@ -109,3 +112,15 @@ def read_records(path: Path) -> Iterator[bytes]:
             if len(record) < int.from_bytes(head, "big"):
                 return
             yield record
+
+
+def read_messages(path: Path) -> tuple[list[tuple[int, Message]], int]:
+    """Decode a history file without a hub: ([(record number, message)], rejected count)."""
+    messages: list[tuple[int, Message]] = []
+    rejected = 0
+    for seq, record in enumerate(read_records(path)):
+        try:
+            messages.append((seq, protocol.decode(record)))
+        except ProtocolError:
+            rejected += 1
+    return messages, rejected

@@ -28,17 +28,14 @@ def _json_safe(value: Any) -> Any:
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
-    from scalemon.hub.history import read_records
+    from scalemon.hub.history import read_messages
 
     path = run_dir(job) / "history.smlog"
     if not path.exists():
         return None
     state = JobState(job=job)
-    for record in read_records(path):
-        try:
-            state.apply(protocol.decode(record))
-        except protocol.ProtocolError:
-            continue
+    for _, msg in read_messages(path)[0]:
+        state.apply(msg)
     return {"state": state.to_json(), "hub": None, "source": str(path)}
 
 

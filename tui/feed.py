@@ -19,7 +19,7 @@ import zmq
 from scalemon import protocol
 from scalemon.client import HubStream, HubUnreachable
 from scalemon.jobs import HubAddress, live_jobs, run_dir
-from scalemon.protocol import Message, ProtocolError
+from scalemon.protocol import ProtocolError
 from scalemon.tui.model import DashboardData, record_key
 
 StopCheck = Callable[[], bool]
@@ -112,18 +112,14 @@ class HubFeed(Feed):
 
     def _replay_history(self, data: DashboardData) -> bool:
         """Fold the job's history file when its hub is gone; True when there was one."""
-        from scalemon.hub.history import read_records
+        from scalemon.hub.history import read_messages
 
         path = run_dir(self.job, self.home) / "history.smlog" if self.job else None
         if path is None or not path.exists():
             return False
-        batch: list[tuple[int, Message]] = []
-        for seq, record in enumerate(read_records(path)):
-            try:
-                batch.append((seq, protocol.decode(record)))
-            except ProtocolError:
-                with data.lock:
-                    data.rejected += 1
+        batch, rejected = read_messages(path)
+        with data.lock:
+            data.rejected += rejected
         data.apply_batch(batch)
         return True
 
