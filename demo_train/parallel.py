@@ -88,17 +88,27 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(t.item())
 
 
-def wrap_model(model: GPT, env: DistEnv, zero: int, compile: bool = False) -> nn.Module:
+def wrap_model(
+    model: GPT, env: DistEnv, zero: int, compile: bool = False, python_comm_hook: bool = False
+) -> nn.Module:
     """Compile the blocks (in place, so parameter names do not change) and wrap for `zero`.
     Returns the module to call in the training step; `model` itself stays the module whose
-    state is checkpointed (FSDP2 turns it into an FSDP module in place)."""
+    state is checkpointed (FSDP2 turns it into an FSDP module in place).
+
+    `python_comm_hook` gives DDP torch's own Python all-reduce hook instead of its built-in
+    C++ one: the baseline for the monitor's timed hook (any Python hook changes DDP's timing)."""
     if compile:
         for block in model.transformer.h:
             block.compile()
     if not env.distributed:
         return model
     if zero <= 1:
-        return DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        if python_comm_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, allreduce_hook)
+        return ddp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

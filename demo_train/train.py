@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mixed precision (auto: bf16 on a GPU that has it, else off)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0 DDP, 1 ZeroRedundancyOptimizer, 2/3 FSDP2 (3 reshards parameters)")
+    p.add_argument("--python-comm-hook", action="store_true",
+                   help="DDP with torch's Python all-reduce hook (the baseline of the monitor's "
+                        "timed hook in bench/agent_overhead.py; ignored with --monitor)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
@@ -166,7 +169,8 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
     data = ByteBatches(load_corpus(args.data, config.block_size), config.block_size,
                        args.batch_size * args.grad_accum, rank=env.rank,
                        world_size=env.world_size, seed=args.seed)
-    module = wrap_model(model, env, args.zero, args.compile)
+    module = wrap_model(model, env, args.zero, args.compile,
+                        python_comm_hook=args.python_comm_hook and not args.monitor)
     optimizer = build_optimizer(model, opt, args.zero, env, args.lr, args.weight_decay)
     scaler = make_scaler(amp, env.device, sharded=args.zero >= 2 and env.distributed)
     settings = run_config(args, env, amp, opt, config)
