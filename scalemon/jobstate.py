@@ -157,7 +157,7 @@ class JobState:
         b = msg.body
         view.step = b["step"]
         view.steps_received += 1
-        vars(view).update({name: b.get(name) for name in STEP_FIELDS})
+        vars(view).update({name: b.get(name) for name in STEP_FIELDS})  # absent -> None
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 

@@ -116,7 +116,7 @@ class ProtocolError(ValueError):
     """A frame that is not a valid scalemon message; the text says what was wrong."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """A decoded, validated message."""
 
