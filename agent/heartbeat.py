@@ -83,9 +83,8 @@ class Heartbeat:
             if self._stop.wait(self.interval_s):
                 return
 
-    def stop(self, final_beat: bool = True) -> None:
+    def stop(self) -> None:
         """Stop the thread (returns within one interval), sending a last reading."""
         self._stop.set()
         self._thread.join(timeout=self.interval_s + 1)
-        if final_beat:
-            self.beat()
+        self.beat()

@@ -41,11 +41,7 @@ class GpuReader:
         if self.handle is None and index is not None:
             self.handle = _query(pynvml.nvmlDeviceGetHandleByIndex, index)
         self.reason = "ok" if self.handle is not None else "GPU not found by NVML"
-
-    @property
-    def available(self) -> bool:
-        """True when readings can be taken."""
-        return self.handle is not None
+        log.debug("scalemon: NVML readings: %s", self.reason)
 
     def read(self) -> dict[str, float | int | None]:
         """One reading; every value None where NVML cannot give it."""

@@ -27,7 +27,7 @@ from .autostart import hub_address
 from .env import RankEnv, read_rank_env
 from .heartbeat import Heartbeat, Phase
 from .nvml import GpuReader, pci_bus_id_of
-from .steps import ScaleTracker, StepRecord
+from .steps import ScaleTracker, StepRecord, StepShared
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
 from .transport import Sender
 
@@ -77,15 +77,18 @@ class Run:
         self.address = hub_address(self.env, hub)
         self.phase = Phase()
         self.scaler = scaler
-        self._cuda = _uses_cuda(model)
-        self._events = EventPool() if self._cuda else None
-        self._pinned: list[torch.Tensor] = []
-        self._opt_timer = SpanTimer(self._cuda, self._events)
-        self._comm_timer = SpanTimer(self._cuda, self._events)
+        self.device = _cuda_device(model)  # the model's GPU, None on CPU
+        self._cuda = self.device is not None
+        events = EventPool(self.device) if self._cuda else None
+        self._opt_timer = SpanTimer(events)
+        self._comm_timer = SpanTimer(events)
         self._hooks: list[Any] = []
         self._last_log_t: float | None = None
         init_scale = getattr(scaler, "_init_scale", None)
-        self._scales = ScaleTracker(float(init_scale) if init_scale is not None else None)
+        self._shared = StepShared(
+            ScaleTracker(float(init_scale) if init_scale is not None else None), self.phase,
+            events,
+        )
         self.agent_time_total_s = 0.0
         self._previous_log_s = 0.0
         self.steps_logged = 0
@@ -107,12 +110,11 @@ class Run:
     def _gpu_ids(self) -> tuple[str | None, int | None]:
         if not self._cuda:
             return None, None
-        index = torch.cuda.current_device()
-        return pci_bus_id_of(index), index
+        return pci_bus_id_of(self.device.index), self.device.index
 
     def _hello(self, model: torch.nn.Module | None, config: dict[str, Any] | None) -> None:
         backend = dist_backend()
-        device = torch.cuda.get_device_name() if self._cuda else "cpu"
+        device = torch.cuda.get_device_name(self.device) if self._cuda else "cpu"
         self.sender.submit("hello", {
             "host": self.env.host,
             "pid": self.pid,
@@ -120,7 +122,7 @@ class Run:
             "local_rank": self.env.local_rank,
             "restart_count": self.env.restart_count,
             "agent_version": scalemon.__version__,
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),
             "device": device,
             "backend": backend,
             "config": config,
@@ -168,18 +170,19 @@ class Run:
         t0 = time.perf_counter()
         step_time = None if self._last_log_t is None else t0 - self._last_log_t
         self._last_log_t = t0
+        step = _host_int(step, "step")
         self.phase.step = step
         hooks_s, self.phase.cost_s = self.phase.cost_s, 0.0
-        body: dict[str, Any] = {"step": int(step), "tokens": tokens, "step_time_s": step_time,
+        body: dict[str, Any] = {"step": step, "tokens": _host_int(tokens, "tokens"),
+                                "step_time_s": step_time,
                                 "agent_time_s": hooks_s + self._previous_log_s}
         if extra:
             body["extra"] = extra
-        record = StepRecord(body, self._opt_timer.take(), self._comm_timer.take(),
-                            self._scales, self._events, self._pinned)
+        record = StepRecord(body, self._opt_timer.take(), self._comm_timer.take(), self._shared)
         scale = self.scaler._scale if self.scaler is not None else None
         if self._cuda:
             record.stage(loss, scale)
-            body.update(cuda_memory())
+            body.update(cuda_memory(self.device))
         else:  # host values are read now: the caller may change them in place later
             body["loss"] = _host_float(loss)
             body["loss_scale"] = _host_float(scale)
@@ -206,7 +209,10 @@ class Run:
             return
         self._finished = True
         try:
-            self.heartbeat.stop()
+            try:
+                self.heartbeat.stop()  # sends a last reading
+            except Exception as exc:
+                log.debug("scalemon: last heartbeat failed: %s", exc)
             reason = reason or ("finished" if exit_code == 0 else "exit")
             body = {"reason": reason, "exit_code": exit_code, "step": self.phase.step,
                     "error": self._disabled_reason}
@@ -223,11 +229,11 @@ class Run:
 
     def _excepthook(self, etype: type, value: BaseException, tb: Any) -> None:
         try:
+            self._previous_excepthook(etype, value, tb)  # the traceback first, at once
+        finally:
             if not self._finished:
                 self._disabled_reason = "".join(traceback.format_exception_only(etype, value))
                 self.finish(exit_code=1, reason="exception")
-        finally:
-            self._previous_excepthook(etype, value, tb)
 
     def _atexit(self) -> None:
         if not self._finished:
@@ -255,14 +261,16 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _uses_cuda(model: torch.nn.Module | None) -> bool:
+def _cuda_device(model: torch.nn.Module | None) -> torch.device | None:
+    """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
     if not torch.cuda.is_available():
-        return False
-    if model is not None:
-        param = next(model.parameters(), None)
-        if param is not None:
-            return param.is_cuda
-    return torch.cuda.is_initialized()
+        return None
+    param = next(model.parameters(), None) if model is not None else None
+    if param is not None:
+        return param.device if param.is_cuda else None
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def dist_backend() -> str | None:
@@ -275,13 +283,22 @@ def dist_backend() -> str | None:
         return None
 
 
-def cuda_memory() -> dict[str, int]:
-    """Allocator counters of the current device (host-side, no sync)."""
+def cuda_memory(device: torch.device) -> dict[str, int]:
+    """Allocator counters of `device` (host-side, no sync)."""
     return {
-        "mem_allocated_bytes": torch.cuda.memory_allocated(),
-        "mem_reserved_bytes": torch.cuda.memory_reserved(),
-        "mem_peak_bytes": torch.cuda.max_memory_allocated(),
+        "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+        "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+        "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
     }
+
+
+def _host_int(value: Any, name: str) -> int | None:
+    """An int from a Python/NumPy integer or a CPU tensor; never reads a GPU tensor (a sync)."""
+    if value is None or type(value) is int:
+        return value
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        raise TypeError(f"{name} is a CUDA tensor: pass a Python int (reading it would sync)")
+    return int(value)
 
 
 def _host_float(value: Any) -> float | None:

@@ -8,6 +8,8 @@ where the callback takes the end time.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
@@ -16,16 +18,22 @@ import torch.distributed as dist
 
 from .heartbeat import Phase
 
+log = logging.getLogger("scalemon.agent")
+
 
 class EventPool:
-    """Reusable CUDA timing events (creating one per use costs more than recording it)."""
+    """Reusable CUDA timing events of one device (creating one costs more than recording it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._free: list[torch.cuda.Event] = []
 
-    def get(self) -> torch.cuda.Event:
-        """A free event."""
-        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+    def record(self) -> torch.cuda.Event:
+        """A free event, recorded now on the current stream of the model's device (which need
+        not be the current device)."""
+        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def put(self, *events: torch.cuda.Event) -> None:
         """Return events once their elapsed time was read."""
@@ -55,30 +63,20 @@ class Interval:
 class SpanTimer:
     """Collects the intervals of one kind (optimizer steps, all-reduces) between two `take`s."""
 
-    def __init__(self, cuda: bool, events: EventPool | None) -> None:
-        self.cuda = cuda
-        self.events = events
+    def __init__(self, events: EventPool | None) -> None:
+        self.events = events  # None: host timing
         self.spans: list[Interval] = []
 
     def begin(self, nbytes: int = 0) -> Interval:
-        """Open a span now (on the current stream for CUDA)."""
-        if self.cuda:
-            ev = self.events.get()
-            ev.record()
-            span = Interval(ev, nbytes, time.time())
-        else:
-            span = Interval(time.perf_counter(), nbytes, time.time())
+        """Open a span now (on the device's current stream for CUDA)."""
+        start = time.perf_counter() if self.events is None else self.events.record()
+        span = Interval(start, nbytes, time.time())
         self.spans.append(span)
         return span
 
     def end(self, span: Interval) -> None:
         """Close `span` now."""
-        if self.cuda:
-            ev = self.events.get()
-            ev.record()
-            span.end = ev
-        else:
-            span.end = time.perf_counter()
+        span.end = time.perf_counter() if self.events is None else self.events.record()
 
     def take(self) -> list[Interval]:
         """The spans since the last take (the caller resolves and recycles them)."""
@@ -145,12 +143,19 @@ class AllReduceTimer:
         self.phase = phase
         self._group: Any = None
         self._group_size = 1
+        self._lock = threading.Lock()  # gloo completes futures on several threads
 
-    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Install on a DDP model (before its first backward)."""
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Install on a DDP model (before its first backward). DDP takes one comm hook: when
+        the model has one already, returns False and leaves it alone."""
         self._group = ddp_model.process_group or dist.group.WORLD
         self._group_size = self._group.size()
-        ddp_model.register_comm_hook(state=self._group, hook=self.hook)
+        try:
+            ddp_model.register_comm_hook(state=self._group, hook=self.hook)
+        except RuntimeError as exc:
+            log.warning("scalemon: all-reduce timing off, the model has a comm hook (%s)", exc)
+            return False
+        return True
 
     def hook(self, process_group, bucket):  # noqa: ANN001, ANN201 - DDP inspects annotations
         """Average the bucket across ranks, recording when it was issued and completed.
@@ -173,7 +178,11 @@ class AllReduceTimer:
             if span is not None:
                 try:
                     self.timer.end(span)
-                    self.phase.collectives_completed += 1
+                    if self.timer.events is None:
+                        # gloo runs this once the data arrived; NCCL runs it at once, so on
+                        # CUDA completion is counted when the step's events say so (steps.py)
+                        with self._lock:
+                            self.phase.collectives_completed += 1
                 except Exception:
                     pass
             return f.value()[0]

@@ -44,13 +44,17 @@ class Sender:
         self.socket_hwm = socket_hwm
         self.close_timeout_s = close_timeout_s
         self.flush_interval_s = flush_interval_s
-        self.dropped = 0
+        self.dropped = 0  # changed under _drop_lock: several threads drop
         self.sent = 0
+        self._drop_lock = threading.Lock()
+        self._warned: set[str] = set()
         self._seq = itertools.count()
         self._queue: deque[tuple[str, int, float, dict[str, Any]]] = deque()
         # steps whose body a callable finishes on this thread once device values are ready;
         # kept apart so a stuck GPU cannot hold back heartbeats
-        self._deferred: deque[tuple[str, int, float, Callable[[bool], dict | None]]] = deque()
+        self._deferred: deque[tuple[str, int, float, Callable[[float | None], dict | None]]] = (
+            deque()
+        )
         self._wake = threading.Event()
         self._stopping = False
         self._failed = False
@@ -65,9 +69,16 @@ class Sender:
     def _admit(self) -> int | None:
         seq = next(self._seq)
         if self._failed or self._stopping or self.queued >= self.max_queue:
-            self.dropped += 1
+            self._drop()
             return None
         return seq
+
+    def _drop(self, why: str | None = None) -> None:
+        with self._drop_lock:
+            self.dropped += 1
+        if why and why not in self._warned:  # each kind of problem is logged once
+            self._warned.add(why)
+            log.warning("scalemon: dropped a message: %s", why)
 
     def submit(self, mtype: str, body: dict[str, Any]) -> bool:
         """Queue a message (any thread); False when it was dropped."""
@@ -77,9 +88,10 @@ class Sender:
         self._queue.append((mtype, seq, time.time(), body))
         return True
 
-    def submit_deferred(self, mtype: str, finish: Callable[[bool], dict | None]) -> bool:
-        """Queue a message whose body `finish(wait)` builds on the sender thread; it returns
-        None while not ready (unless `wait`). Deferred messages keep their order."""
+    def submit_deferred(self, mtype: str, finish: Callable[[float | None], dict | None]) -> bool:
+        """Queue a message whose body `finish(deadline)` builds on the sender thread; it returns
+        None while not ready (waiting until the monotonic deadline, if any). Deferred messages
+        keep their order."""
         seq = self._admit()
         if seq is None:
             return False
@@ -99,10 +111,11 @@ class Sender:
                 self._wake.wait(self.flush_interval_s)
                 stopping = self._stopping
                 self._drain(sock)
-                self._drain_deferred(sock, wait=stopping)
-                if stopping:
-                    self._drain(sock)  # the exit message, queued after the last step
+                if stopping:  # wait a little for the device, then give up on what is stuck
+                    self._drain_deferred(sock, time.monotonic() + self.close_timeout_s, True)
+                    self._drain(sock)  # a last heartbeat queued while stopping
                     break
+                self._drain_deferred(sock, None, False)
         except Exception as exc:  # never let the monitor take the rank down
             self._failed = True
             log.warning("scalemon: sending to %s failed, monitoring is off: %s", self.endpoint, exc)
@@ -113,32 +126,69 @@ class Sender:
     def _drain(self, sock: zmq.Socket) -> None:
         while self._queue:
             mtype, seq, t, body = self._queue.popleft()
-            self._send(sock, protocol.encode(mtype, self.job, self.rank, seq, body, t))
+            self._send(sock, mtype, seq, t, body)
 
-    def _drain_deferred(self, sock: zmq.Socket, wait: bool) -> None:
+    def _drain_deferred(self, sock: zmq.Socket, deadline: float | None, final: bool) -> None:
         while self._deferred:
             mtype, seq, t, finish = self._deferred[0]
             try:
-                body = finish(wait)
+                body = finish(deadline)
             except Exception as exc:
-                log.warning("scalemon: dropping a %s message that failed to build: %s", mtype, exc)
                 self._deferred.popleft()
-                self.dropped += 1
+                self._drop(f"building a {mtype} message failed: {type(exc).__name__}: {exc}")
                 continue
-            if body is None:
-                return
+            if body is None and not final:
+                return  # not ready: later messages wait behind it, in order
             self._deferred.popleft()
-            self._send(sock, protocol.encode(mtype, self.job, self.rank, seq, body, t))
+            if body is None:
+                self._drop(f"a {mtype} whose device values never became ready (GPU stuck?)")
+            else:
+                self._send(sock, mtype, seq, t, body)
 
-    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+    def _send(self, sock: zmq.Socket, mtype: str, seq: int, t: float, body: dict) -> None:
+        """Check, pack and send one message; anything the hub would refuse is dropped here,
+        with the reason logged once, rather than rejected silently over there."""
+        try:
+            body = plain_values(body)
+            protocol.check_body(mtype, body)
+            frame = protocol.encode(mtype, self.job, self.rank, seq, body, t)
+        except Exception as exc:
+            self._drop(f"invalid {mtype} message: {exc}")
+            return
         try:
             sock.send(frame, zmq.NOBLOCK)
             self.sent += 1
         except zmq.Again:
-            self.dropped += 1
+            self._drop()
+
 
     def close(self) -> None:
         """Send what is queued (bounded by `close_timeout_s`) and stop the thread."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=self.close_timeout_s * 2 + 1)
+
+
+def plain_values(body: dict[str, Any]) -> dict[str, Any]:
+    """NumPy scalars, 0-d CPU tensors and subclasses of str/int/float in a body (and one level
+    down) become plain Python values."""
+    if all(type(v) in _PLAIN for v in body.values()):
+        return body
+    return {k: _plain(v, nested=True) for k, v in body.items()}
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any, nested: bool = False) -> Any:
+    if type(value) in _PLAIN:
+        return value
+    for kind in _PLAIN[:-1]:  # subclasses (torch's version string, IntEnum, np.float64)
+        if isinstance(value, kind):
+            return kind(value)
+    if nested and isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    is_cuda = getattr(value, "is_cuda", False)
+    if hasattr(value, "item") and not is_cuda and getattr(value, "ndim", 0) == 0:
+        return value.item()  # numpy scalar, 0-d CPU tensor; a CUDA one stays and is refused
+    return value

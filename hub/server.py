@@ -21,11 +21,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
 from scalemon import protocol
-from scalemon.jobs import HubAddress, JobFile, jobs_dir, private_dir, run_dir
+from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
 from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, ProtocolError
 
@@ -75,8 +74,10 @@ class Hub:
         self.started = time.time()
         self._own_seq = 0
         self._last_recv: dict[int, float] = {}
-        self._procs: dict[int, psutil.Process] = {}
-        self._ended_since: float | None = None
+        self._seen_alive: set[int] = set()
+        self._last_any_recv = time.monotonic()
+        self._ended_since = 0.0
+        self._ending_state: str | None = None
         self._stop = threading.Event()
         self._job_file: JobFile | None = None
         self._replay_history()
@@ -195,20 +196,33 @@ class Hub:
                 break
             self.received += 1
             try:
-                msg = protocol.decode(frame)
-                if msg.job != self.job:
-                    raise ProtocolError(f"message for job {msg.job!r} sent to hub of {self.job!r}")
-                if msg.rank == HUB_RANK:
-                    raise ProtocolError(f"rank {HUB_RANK} is reserved for the hub's own records")
+                msg = self._accept(frame)
             except ProtocolError as exc:
                 self._reject(exc, len(frame))
                 continue
             self.history.append(frame)
             accepted.append(frame)
-            self._last_recv[msg.rank] = now
+            self._last_recv[msg.rank] = self._last_any_recv = now
             self._apply(msg)
         if accepted:
             feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(first_seq), *accepted])
+
+    def _accept(self, frame: bytes) -> protocol.Message:
+        """Decode a rank's frame and check it belongs here; raises ProtocolError."""
+        try:
+            msg = protocol.decode(frame)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # decode should raise nothing else; never crash on input
+            raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+        if msg.job != self.job:
+            raise ProtocolError(f"message for job {msg.job!r} sent to hub of {self.job!r}")
+        if msg.rank == HUB_RANK:
+            raise ProtocolError(f"rank {HUB_RANK} is reserved for the hub's own records")
+        world = self.state.world_size
+        if world is not None and msg.rank >= world and msg.type != "hello":
+            raise ProtocolError(f"rank {msg.rank} is outside world size {world}")
+        return msg
 
     def _apply(self, msg: protocol.Message) -> None:
         try:
@@ -238,16 +252,26 @@ class Hub:
         self._detect_lost(feed, now)
         if self._job_file and self._job_file.world_size != self.state.world_size:
             self._write_job_file()
-        job_state = self.state.state
-        if job_state in ("finished", "ended", "waiting"):
+        job_state = self._lifecycle_state(now)
+        if job_state != self._ending_state:  # each ending state counts its own linger
+            self._ending_state, self._ended_since = job_state, now
+        if job_state in ("finished", "ended", "waiting", "abandoned"):
             # a hub whose ranks never came waits at least WAITING_S before giving up
             wait_s = max(self.linger_s, WAITING_S) if job_state == "waiting" else self.linger_s
-            self._ended_since = self._ended_since or now
             if now - self._ended_since >= wait_s:
                 log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
-        else:
-            self._ended_since = None
+
+    def _lifecycle_state(self, now: float) -> str:
+        """The job state, plus `abandoned`: every rank seen has stopped or is lost and none
+        spoke for `linger_s`, though fewer than world_size ever reported (ranks elsewhere)."""
+        job_state = self.state.state
+        views = self.state.ranks.values()
+        if (job_state in ("running", "degraded") and views
+                and all(v.state != "running" for v in views)
+                and now - self._last_any_recv >= self.linger_s):
+            return "abandoned"
+        return job_state
 
     def _detect_lost(self, feed: zmq.Socket, now: float) -> None:
         host = socket.gethostname()
@@ -257,21 +281,20 @@ class Hub:
             silent = now - self._last_recv.get(rank, now)
             if silent > self.lost_after_s:
                 reason = f"no message for {silent:.1f} s"
-            elif view.host == host and view.pid and not self._process_alive(view.pid):
+            elif view.host == host and view.pid and self._process_gone(view.pid):
                 reason = f"process {view.pid} is gone without reporting an exit (killed?)"
             else:
                 continue
             log.warning("rank %d lost: %s", rank, reason)
             self._record(feed, "rank_state", {"target": rank, "state": "lost", "reason": reason})
 
-    def _process_alive(self, pid: int) -> bool:
-        proc = self._procs.get(pid)
-        try:
-            if proc is None:
-                proc = self._procs[pid] = psutil.Process(pid)
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
+    def _process_gone(self, pid: int) -> bool:
+        """True when a rank's process, once seen alive here, is gone. A pid never seen alive
+        proves nothing: the rank may run in another PID namespace under the same host name."""
+        if pid_alive(pid):
+            self._seen_alive.add(pid)
             return False
+        return pid in self._seen_alive
 
     # --- requests from dashboards and the CLI -------------------------------------------
     def _serve_rpc(self, rpc: zmq.Socket) -> None:
@@ -287,6 +310,9 @@ class Hub:
             except ProtocolError as exc:
                 self._reject(exc, len(payload))
                 reply = protocol.encode_reply(ok=False, error=str(exc))
+            except Exception as exc:  # a request must never take the hub down
+                log.exception("request failed")
+                reply = protocol.encode_reply(ok=False, error=f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(zmq.ZMQError):  # the requester went away
                 rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
 

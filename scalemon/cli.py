@@ -16,12 +16,14 @@ from scalemon.jobstate import JobState
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN/inf become strings so the output is strict JSON."""
+    """NaN/inf and bytes become strings, keys strings, so the output is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
 
@@ -43,17 +45,23 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     """Print the job's state (JSON with --json)."""
     from scalemon.client import HubClient, HubUnreachable
 
+    job = args.target
     try:
         job, address = resolve_hub(args.target)
         reply = HubClient(address, timeout_s=args.timeout).state()
         reply["source"] = address.base
     except (JobLookupError, HubUnreachable, ValueError, protocol.ProtocolError) as exc:
-        reply = _offline_state(args.target) if args.target and "://" not in args.target else None
+        problem, reply = str(exc), None
+        if job and "://" not in job:  # a job id: its history file may still be there
+            try:
+                reply = _offline_state(job)
+            except ValueError as bad_id:
+                problem = str(bad_id)
         if reply is None:
-            print(f"scalemon snapshot: {exc}", file=sys.stderr)
+            print(f"scalemon snapshot: {problem}", file=sys.stderr)
             return 2
-        print(f"scalemon snapshot: hub not reachable, replaying {reply['source']}",
-              file=sys.stderr)
+        print(f"scalemon snapshot: hub not reachable ({problem.split(':')[0]}), "
+              f"replaying {reply['source']}", file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
     if args.json:
         print(json.dumps(_json_safe(out), indent=1))

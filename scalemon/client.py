@@ -8,7 +8,6 @@ has and fetches any range the feed skipped (slow subscriber, late connect).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -22,6 +21,11 @@ PAGE = 10_000
 
 class HubUnreachable(ConnectionError):
     """The hub did not answer in time."""
+
+
+class HistoryReset(ProtocolError):
+    """The hub's history is shorter than what this stream already delivered: a new hub with
+    another history under the same name. Start over from record 0."""
 
 
 class HubClient:
@@ -83,11 +87,15 @@ class HubStream:
         self.next_seq = since
         self.rejected = 0
         self._last_sync = 0.0
+        self._undelivered: list[tuple[int, Message]] = []  # kept if a call fails half-way
 
     def poll(self, timeout_s: float = 0.1, sync_every_s: float = 1.0) -> list[tuple[int, Message]]:
-        """Records that arrived since the last call (waits up to `timeout_s` for the first)."""
-        out: list[tuple[int, Message]] = []
-        if self.sub.poll(int(timeout_s * 1000), zmq.POLLIN):
+        """Records that arrived since the last call (waits up to `timeout_s` for the first).
+
+        Raises HubUnreachable or HistoryReset; records taken before the error are returned by
+        the next call, so none is lost or repeated."""
+        out = self._undelivered
+        if self.sub.poll(0 if out else int(timeout_s * 1000), zmq.POLLIN):
             while True:
                 try:
                     frames = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -98,12 +106,17 @@ class HubStream:
         if not out and now - self._last_sync >= sync_every_s:
             self._last_sync = now
             self.catch_up(out)
+        self._undelivered = []
         return out
 
     def catch_up(self, out: list[tuple[int, Message]]) -> None:
         """Fetch everything from `next_seq` to the hub's head over RPC."""
         while True:
             records, head = self.client.fetch(self.next_seq)
+            if head < self.next_seq:
+                raise HistoryReset(
+                    f"the hub holds {head} records but {self.next_seq} were already delivered"
+                )
             self._take(self.next_seq, records, out)
             if not records or self.next_seq >= head:
                 return
@@ -136,12 +149,6 @@ class HubStream:
                 out.append((seq, protocol.decode(records[i])))
             except ProtocolError:
                 self.rejected += 1
-
-    def iter_until(self, deadline_s: float) -> Iterator[tuple[int, Message]]:
-        """Yield records until `deadline_s` seconds have passed."""
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            yield from self.poll(timeout_s=min(0.1, max(0.0, end - time.monotonic())))
 
     def close(self) -> None:
         """Close both sockets."""

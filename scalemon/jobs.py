@@ -9,6 +9,7 @@ Layout (all directories mode 0700, since ipc sockets are reachable by whoever ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,13 +138,16 @@ class JobFile:
 
     def is_alive(self) -> bool:
         """True when the hub process still runs (always assumed for another host)."""
-        if self.host != socket.gethostname():
-            return True
-        try:
-            proc = psutil.Process(self.pid)
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return self.host != socket.gethostname() or pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """True when process `pid` of this machine exists and is not a zombie."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
@@ -155,9 +159,10 @@ def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
     for path in sorted(directory.glob("*.json")):
         try:
             jf = JobFile.read(path)
-        except ValueError:
-            if clean and time.time() - path.stat().st_mtime > 60:
-                path.unlink(missing_ok=True)
+        except ValueError:  # half-written, or removed by its hub while we looked
+            with contextlib.suppress(OSError):
+                if clean and time.time() - path.stat().st_mtime > 60:
+                    path.unlink(missing_ok=True)
             continue
         if jf.is_alive():
             found.append(jf)

@@ -14,6 +14,7 @@ tables for people writing their own clients.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +101,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "error": (_OPT_STR, False),
         "dropped": (_OPT_INT, False),
     },
-    # Written by the hub: a rank changed state.
+    # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
     "rank_state": {
         "target": ((int,), True),
         "state": ((str,), True),
@@ -128,18 +129,6 @@ class Message:
     body: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = PROTOCOL_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        """The message as a plain map, the same layout as on the wire."""
-        return {
-            "v": list(self.version),
-            "type": self.type,
-            "job": self.job,
-            "rank": self.rank,
-            "seq": self.seq,
-            "t": self.t,
-            "body": self.body,
-        }
-
 
 def encode(
     type: str, job: str, rank: int, seq: int, body: dict[str, Any], t: float | None = None
@@ -157,11 +146,6 @@ def encode(
         },
         use_bin_type=True,
     )
-
-
-def encode_message(msg: Message) -> bytes:
-    """Pack a `Message` (as `encode`, keeping its own time)."""
-    return msgpack.packb(msg.to_dict(), use_bin_type=True)
 
 
 def _unpack(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> Any:
@@ -203,15 +187,22 @@ def decode(frame: bytes) -> Message:
         if type(value) is not typ:
             raise ProtocolError(f"header field {key!r} is {value!r}, expected {typ.__name__}")
     t = obj.get("t")
-    if type(t) not in (int, float):
-        raise ProtocolError(f"header field 't' is {t!r}, expected a number of seconds")
+    if type(t) not in (int, float) or not math.isfinite(t):
+        raise ProtocolError(f"header field 't' is {t!r}, expected a finite number of seconds")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise ProtocolError(f"'body' is {type(body).__name__}, expected a map")
     mtype = obj["type"]
     _check_sender(mtype, obj["rank"])
     _check_body(mtype, body, version)
+    if mtype == "rank_state" and body["state"] not in RANK_STATES:
+        raise ProtocolError(f"rank_state.state {body['state']!r} is not one of {RANK_STATES}")
     return Message(mtype, obj["job"], obj["rank"], obj["seq"], float(t), body, version)
+
+
+def check_body(mtype: str, body: dict[str, Any]) -> None:
+    """Validate a body before sending it (what `decode` would refuse); raises ProtocolError."""
+    _check_body(mtype, body, PROTOCOL_VERSION)
 
 
 def _check_sender(mtype: str, rank: int) -> None:
@@ -242,6 +233,24 @@ def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> N
         if type(value) not in types and not (type(value) is int and float in types):
             expected = "/".join(t.__name__ for t in types)
             raise ProtocolError(f"{mtype}.{name} is {value!r}, expected {expected}")
+        if type(value) in (dict, list, tuple):
+            _check_plain(value, f"{mtype}.{name}")
+
+
+def _check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Nested values (`info.value`, `config`, `extra`): string keys, no bytes, bounded depth."""
+    if depth > 32:
+        raise ProtocolError(f"{where} is nested more than 32 levels deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) is not str:
+                raise ProtocolError(f"{where} has a non-string key {key!r}")
+            _check_plain(item, f"{where}.{key}", depth + 1)
+    elif isinstance(value, (list, tuple)):  # a tuple packs as a list
+        for item in value:
+            _check_plain(item, where, depth + 1)
+    elif type(value) not in (str, int, float, bool, type(None)):
+        raise ProtocolError(f"{where} holds a {type(value).__name__}; only JSON-like values")
 
 
 _REQUIRED = {
@@ -273,7 +282,7 @@ def decode_request(frame: bytes) -> tuple[str, dict[str, Any]]:
         raise ProtocolError("request is not a map")
     check_version(obj.get("v"))
     op = obj.get("op")
-    if op not in RPC_OPS:
+    if type(op) is not str or op not in RPC_OPS:
         raise ProtocolError(f"unknown request op {op!r}; known: {sorted(RPC_OPS)}")
     args = {}
     for name, typ in RPC_OPS[op].items():

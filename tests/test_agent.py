@@ -114,6 +114,29 @@ def test_loss_values_arrive_exactly(start_hub):
     assert state["ranks"][0]["step"] == 4
 
 
+def test_numpy_and_tensor_values_are_sent_and_bad_ones_dropped_with_a_warning(start_hub, caplog):
+    import numpy as np
+
+    from scalemon import protocol
+
+    hub = start_hub("agentD")
+    run = Run(job="agentD", hub=hub.address.base)
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        run.log(np.int64(1), loss=torch.tensor(2.0), tokens=np.int32(64),
+                grad_norm=torch.tensor(0.5), lr=np.float32(0.25))
+        run.info("bad", {1: "int key"})  # the hub would refuse it: dropped here, said why
+        run.log(2, loss=1.5, tokens=64)
+        run.finish()
+    assert not run.disabled
+    assert "invalid info message" in caplog.text and "non-string key" in caplog.text
+    records, _ = HubClient(hub.address).fetch(0)
+    steps = [m.body for m in map(protocol.decode, records) if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2]
+    assert steps[0]["tokens"] == 64 and steps[0]["extra"] == {"grad_norm": 0.5, "lr": 0.25}
+    assert [m.type for m in map(protocol.decode, records)].count("info") == 0
+    assert run.sender.dropped == 1
+
+
 class ExplodingOptimizer(torch.optim.SGD):
     def register_step_pre_hook(self, hook):
         raise RuntimeError("hook registry is broken")

@@ -146,6 +146,9 @@ def test_garbage_is_counted_and_logged_and_loses_no_valid_message(start_hub, zct
     for _ in range(10):
         assert rpc_bad.poll(5000)
         assert b"not msgpack" in rpc_bad.recv_multipart()[-1]
+    rpc_bad.send(msgpack.packb({"v": [1, 0], "op": {"not": "a name"}}))
+    assert rpc_bad.poll(5000)
+    assert b"unknown request op" in rpc_bad.recv_multipart()[-1]
     rpc_bad.send(msgpack.packb({"v": [9, 0], "op": "state"}))
     assert rpc_bad.poll(5000)
     with pytest.raises(protocol.ProtocolError, match="not compatible"):
@@ -261,3 +264,29 @@ def test_snapshot_replays_history_after_the_hub_is_gone(start_hub, zctx):
     assert out.returncode == 0, out.stderr
     assert "replaying" in out.stderr
     assert json.loads(out.stdout)["ranks"][0]["loss"] == 3.5
+
+
+def test_hub_of_a_job_whose_other_ranks_never_reported_exits_after_lingering(start_hub, zctx):
+    hub = start_hub("jobM", "--linger", "1")
+    rank = FakeRank(zctx, hub.address, "jobM", 0)
+    rank.hello(world_size=4)  # ranks 1-3 run on nodes that cannot reach this hub
+    rank.step(1)
+    rank.send("exit", {"reason": "finished", "exit_code": 0, "step": 1})
+    assert hub_state(hub)["state"]["state"] != "finished"  # 1 of 4 ranks is not the job
+    assert hub.proc.wait(timeout=15) == 0
+    assert "abandoned" in hub.log.read_text()
+
+
+def test_stream_refuses_a_history_shorter_than_what_it_delivered(start_hub, zctx):
+    from scalemon.client import HistoryReset
+
+    hub = start_hub("jobN")
+    rank = FakeRank(zctx, hub.address, "jobN", 0)
+    for step in range(1, 4):
+        rank.step(step)
+    wait_for(lambda: hub_state(hub)["head"] == 3)
+    stream = HubStream(hub.address, since=10)  # as if it had seen 10 records of another hub
+    with pytest.raises(HistoryReset, match="holds 3 records but 10"):
+        for _ in range(50):
+            stream.poll(0.05, sync_every_s=0)
+    stream.close()

@@ -60,6 +60,10 @@ def test_newer_minor_version_is_accepted_with_unknown_fields_and_types():
         (raw(type="rank_state", body={"target": 0, "state": "lost"}), "only the hub writes"),
         (raw(rank=-1), "only the hub writes"),
         (raw(rank=-5), "negative"),
+        (raw(t=float("nan")), "finite"),
+        (raw(type="info", body={"key": "k", "value": {b"k": "x"}}), "non-string key"),
+        (raw(type="info", body={"key": "k", "value": [b"raw"]}), "only JSON-like"),
+        (raw(type="rank_state", rank=-1, body={"target": 0, "state": "sleepy"}), "not one of"),
     ],
 )
 def test_malformed_frames_raise_protocol_error_naming_the_problem(frame, reason):
@@ -91,6 +95,8 @@ def test_requests_and_replies():
     assert (op, args) == ("fetch", {"since": 3, "limit": 10})
     with pytest.raises(ProtocolError, match="unknown request op"):
         protocol.decode_request(protocol.encode_request("drop_tables"))
+    with pytest.raises(ProtocolError, match="unknown request op"):
+        protocol.decode_request(msgpack.packb({"v": [1, 0], "op": ["state"]}))
     with pytest.raises(ProtocolError, match="fetch.since"):
         protocol.decode_request(protocol.encode_request("fetch", since="0", limit=1))
     assert protocol.decode_reply(protocol.encode_reply(head=4))["head"] == 4
