@@ -117,6 +117,11 @@ class JobState:
     started_t: float | None = None
     last_t: float | None = None
 
+    def __post_init__(self) -> None:
+        # message type -> handler, looked up once (subclasses may override `_on_<type>`)
+        self._handlers = {name[4:]: getattr(self, name) for name in dir(self)
+                          if name.startswith("_on_")}
+
     def rank(self, rank: int) -> RankView:
         """The view of `rank`, created on first sight."""
         view = self.ranks.get(rank)
@@ -128,19 +133,23 @@ class JobState:
         """Fold one message in; returns the rank view it changed (None for hub-level ones)."""
         self.messages += 1
         self.job = self.job or msg.job
-        self.started_t = msg.t if self.started_t is None else min(self.started_t, msg.t)
-        self.last_t = msg.t if self.last_t is None else max(self.last_t, msg.t)
-        handler = getattr(self, "_on_" + msg.type, None)
+        t = msg.t
+        if self.started_t is None or t < self.started_t:
+            self.started_t = t
+        if self.last_t is None or t > self.last_t:
+            self.last_t = t
+        handler = self._handlers.get(msg.type)
         if msg.rank == HUB_RANK:
             return handler(msg) if handler else None
-        view = self.rank(msg.rank)
+        view = self.ranks.get(msg.rank) or self.rank(msg.rank)
         if msg.type == "hello":  # a new agent process numbers from 0 again
             view.last_seq, view.seq_seen = None, 0
         view.seq_seen += 1
-        view.last_seq = msg.seq if view.last_seq is None else max(view.last_seq, msg.seq)
+        if view.last_seq is None or msg.seq > view.last_seq:
+            view.last_seq = msg.seq
         # messages may arrive out of order (steps wait for the device), so count, not compare
         view.seq_gaps = max(0, view.last_seq + 1 - view.seq_seen)
-        view.last_seen_t = msg.t
+        view.last_seen_t = t
         if handler:
             handler(msg, view)
         return view

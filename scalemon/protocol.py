@@ -174,6 +174,7 @@ def check_version(v: Any) -> tuple[int, int]:
 
 
 _ENVELOPE = {"type": str, "job": str, "rank": int, "seq": int}
+_OUR_VERSION = list(PROTOCOL_VERSION)
 
 
 def decode(frame: bytes) -> Message:
@@ -181,11 +182,15 @@ def decode(frame: bytes) -> Message:
     obj = _unpack(frame)
     if not isinstance(obj, dict):
         raise ProtocolError(f"message is a {type(obj).__name__}, expected a map")
-    version = check_version(obj.get("v"))
-    for key, typ in _ENVELOPE.items():
-        value = obj.get(key)
-        if type(value) is not typ:
-            raise ProtocolError(f"header field {key!r} is {value!r}, expected {typ.__name__}")
+    v = obj.get("v")
+    version = PROTOCOL_VERSION if v == _OUR_VERSION else check_version(v)  # fast path
+    get = obj.get
+    if not (type(get("type")) is str and type(get("job")) is str
+            and type(get("rank")) is int and type(get("seq")) is int):
+        for key, typ in _ENVELOPE.items():
+            value = get(key)
+            if type(value) is not typ:
+                raise ProtocolError(f"header field {key!r} is {value!r}, expected {typ.__name__}")
     t = obj.get("t")
     if type(t) not in (int, float) or not math.isfinite(t):
         raise ProtocolError(f"header field 't' is {t!r}, expected a finite number of seconds")
@@ -221,9 +226,9 @@ def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> N
         if version[1] > PROTOCOL_VERSION[1]:
             return  # a newer minor version may add message types; pass them through
         raise ProtocolError(f"unknown message type {mtype!r}")
-    missing = _REQUIRED[mtype] - body.keys()
-    if missing:
-        raise ProtocolError(f"{mtype} message lacks required field {min(missing)!r}")
+    for name in _REQUIRED[mtype]:
+        if name not in body:
+            raise ProtocolError(f"{mtype} message lacks required field {name!r}")
     for name, value in body.items():
         field_spec = spec.get(name)
         if field_spec is None:
@@ -254,7 +259,7 @@ def _check_plain(value: Any, where: str, depth: int = 0) -> None:
 
 
 _REQUIRED = {
-    mtype: frozenset(name for name, (_, required) in spec.items() if required)
+    mtype: tuple(name for name, (_, required) in spec.items() if required)
     for mtype, spec in MESSAGE_FIELDS.items()
 }
 
