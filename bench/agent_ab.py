@@ -38,6 +38,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("agent", "control"), default="agent")
+    p.add_argument("--watch", choices=("all", "no-comm", "log-only"), default="all",
+                   help="what the agent hooks on B: everything, all but the all-reduce (torch's "
+                        "hook instead), or nothing (log() only)")
     p.add_argument("--blocks", type=int, default=24, help="blocks per model")
     p.add_argument("--block-steps", type=int, default=50)
     args = p.parse_args()
@@ -49,7 +52,11 @@ def main() -> int:
     run = None
     if args.mode == "agent":  # sends to a hub that is not there: messages are dropped, counted
         home = tempfile.mkdtemp(prefix="smab", dir="/tmp")
-        run = Run(ddp_b, opt_b, job="ab", hub=f"ipc://{home}/nohub")
+        hooked = args.watch != "log-only"
+        run = Run(ddp_b if hooked else None, opt_b if hooked else None, job="ab",
+                  hub=f"ipc://{home}/nohub", time_collectives=args.watch == "all")
+        if args.watch != "all":
+            ddp_b.register_comm_hook(None, allreduce_hook)
     else:
         ddp_b.register_comm_hook(None, allreduce_hook)
     x = torch.randint(0, 256, (8, 64))
@@ -70,7 +77,8 @@ def main() -> int:
         a, b = (statistics.median(times[k][skip:]) for k in ("A", "B"))
         agent = "" if run is None else (
             f"  agent {1e6 * run.agent_time_total_s / run.steps_logged:.1f} us/step")
-        print(f"{args.mode}: A {1e3 * a:.3f} ms  B {1e3 * b:.3f} ms  B/A {b / a:.4f}{agent}")
+        print(f"{args.mode}/{args.watch}: A {1e3 * a:.3f} ms  B {1e3 * b:.3f} ms  "
+              f"B/A {b / a:.4f}{agent}")
     if run is not None:
         run.finish()
     dist.destroy_process_group()
