@@ -111,14 +111,19 @@ class HubStream:
 
     def catch_up(self, out: list[tuple[int, Message]]) -> None:
         """Fetch everything from `next_seq` to the hub's head over RPC."""
-        while True:
-            records, head = self.client.fetch(self.next_seq)
+        self._fetch(None, out)
+
+    def _fetch(self, stop: int | None, out: list[tuple[int, Message]]) -> None:
+        """Fetch records from `next_seq` up to `stop` (None: the hub's head) in pages."""
+        while stop is None or self.next_seq < stop:
+            limit = PAGE if stop is None else min(PAGE, stop - self.next_seq)
+            records, head = self.client.fetch(self.next_seq, limit)
             if head < self.next_seq:
                 raise HistoryReset(
                     f"the hub holds {head} records but {self.next_seq} were already delivered"
                 )
             self._take(self.next_seq, records, out)
-            if not records or self.next_seq >= head:
+            if not records or (stop is None and self.next_seq >= head):
                 return
 
     def _take_batch(self, frames: list[bytes], out: list[tuple[int, Message]]) -> None:
@@ -129,15 +134,8 @@ class HubStream:
             return
         records = frames[2:]
         if first > self.next_seq:
-            self._fetch_range(first, out)
+            self._fetch(first, out)
         self._take(first, records, out)
-
-    def _fetch_range(self, stop: int, out: list[tuple[int, Message]]) -> None:
-        while self.next_seq < stop:
-            records, _ = self.client.fetch(self.next_seq, min(PAGE, stop - self.next_seq))
-            if not records:
-                return
-            self._take(self.next_seq, records, out)
 
     def _take(self, first: int, records: list[bytes], out: list[tuple[int, Message]]) -> None:
         for i in range(max(0, self.next_seq - first), len(records)):
