@@ -204,6 +204,8 @@ class Hub:
             accepted.append(frame)
             self._last_recv[msg.rank] = self._last_any_recv = now
             self._apply(msg)
+            if msg.type == "hello":
+                self._note_pid(msg.rank)
         if accepted:
             feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(first_seq), *accepted])
 
@@ -272,6 +274,13 @@ class Hub:
                 and now - self._last_any_recv >= self.linger_s):
             return "abandoned"
         return job_state
+
+    def _note_pid(self, rank: int) -> None:
+        """Look at a rank's pid as its hello arrives, so a rank killed before the next
+        housekeeping round is still known to have been alive here."""
+        view = self.state.ranks.get(rank)
+        if view is not None and view.host == socket.gethostname() and view.pid:
+            self._process_gone(view.pid)
 
     def _detect_lost(self, feed: zmq.Socket, now: float) -> None:
         host = socket.gethostname()
