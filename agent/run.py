@@ -27,13 +27,12 @@ from .autostart import hub_address
 from .env import RankEnv, read_rank_env
 from .heartbeat import Heartbeat, Phase
 from .nvml import GpuReader, pci_bus_id_of
-from .steps import ScaleTracker, StepRecord, StepShared
+from .steps import ScaleTracker, StepFinisher
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
 from .transport import Sender
 
 log = logging.getLogger("scalemon.agent")
 F = TypeVar("F", bound=Callable[..., Any])
-NO_DEVICE_MEMORY = {"mem_allocated_bytes": None, "mem_reserved_bytes": None, "mem_peak_bytes": None}
 
 
 def guarded(method: F) -> F:
@@ -85,7 +84,7 @@ class Run:
         self._hooks: list[Any] = []
         self._last_log_t: float | None = None
         init_scale = getattr(scaler, "_init_scale", None)
-        self._shared = StepShared(
+        self._steps = StepFinisher(
             ScaleTracker(float(init_scale) if init_scale is not None else None), self.phase,
             events,
         )
@@ -142,9 +141,11 @@ class Run:
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
-        t0 = time.perf_counter()
-        self.phase.set("forward-backward")
-        self.phase.cost_s += time.perf_counter() - t0
+        t = time.perf_counter()
+        phase = self.phase
+        if phase.name != "forward-backward":
+            phase.name, phase.since = "forward-backward", t
+        phase.cost_s += time.perf_counter() - t
 
     # --- per step ----------------------------------------------------------------------------
     def log(
@@ -152,12 +153,13 @@ class Run:
         step: int,
         loss: torch.Tensor | float | None = None,
         tokens: int | None = None,
-        **extra: float | int | str | None,
+        **extra: float | int | str | torch.Tensor | None,
     ) -> None:
         """Report one finished step. `loss` may be a device tensor: it is never synced.
 
         Call it after `optimizer.step()` (and `scaler.update()` with AMP). Extra keyword values
-        (numbers or strings) are sent along under `extra`. Never raises.
+        (numbers, strings, one-element tensors such as a CUDA grad norm, read without a sync)
+        are sent along under `extra`; any other value is left out with a warning. Never raises.
         """
         if self.disabled or _forked:
             return  # a forked child (DataLoader worker) must not use the parent's sockets
@@ -167,30 +169,39 @@ class Run:
             self.disable(f"log: {type(exc).__name__}: {exc}")
 
     def _log(self, step: int, loss: Any, tokens: int | None, extra: dict[str, Any]) -> None:
+        # The training thread's share of a step message: read host clocks and values, leave one
+        # tuple for the sender thread, which builds the body. Every operation here runs with
+        # caches cold from the step, so there are as few as possible.
         t0 = time.perf_counter()
-        step_time = None if self._last_log_t is None else t0 - self._last_log_t
-        self._last_log_t = t0
-        step = _host_int(step, "step")
-        self.phase.step = step
-        hooks_s, self.phase.cost_s = self.phase.cost_s, 0.0
-        body: dict[str, Any] = {"step": step, "tokens": _host_int(tokens, "tokens"),
-                                "step_time_s": step_time,
-                                "agent_time_s": hooks_s + self._previous_log_s}
-        if extra:
-            body["extra"] = extra
-        record = StepRecord(body, self._opt_timer.take(), self._comm_timer.take(), self._shared)
+        last, self._last_log_t = self._last_log_t, t0
+        phase = self.phase
+        if type(step) is not int:
+            step = _host_int(step, "step")
+        if tokens is not None and type(tokens) is not int:
+            tokens = _host_int(tokens, "tokens")
+        phase.step = step
+        hooks_s, phase.cost_s = phase.cost_s, 0.0
         scale = self.scaler._scale if self.scaler is not None else None
         if self._cuda:
-            record.stage(loss, scale)
-            body.update(cuda_memory(self.device))
+            staged = self._steps.stage(loss, scale, extra)
+            loss = scale = None
+            memory = cuda_memory(self.device)
         else:  # host values are read now: the caller may change them in place later
-            body["loss"] = _host_float(loss)
-            body["loss_scale"] = _host_float(scale)
-            body.update(NO_DEVICE_MEMORY)
-        self.sender.submit_deferred("step", record.resolve)
-        self.phase.set("data")
-        self._previous_log_s = time.perf_counter() - t0  # reported with the next step
-        self.agent_time_total_s += hooks_s + self._previous_log_s
+            staged = memory = None
+            if loss is not None and type(loss) is not float:
+                loss = _host_float(loss)
+            if scale is not None:
+                scale = _host_float(scale)
+        opt, comm = self._opt_timer, self._comm_timer
+        opt_spans, opt.spans = opt.spans, []
+        comm_spans, comm.spans = comm.spans, []
+        self.sender.submit_deferred("step", self._steps.finish, (
+            step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
+            extra, loss, scale, memory, opt_spans, comm_spans, staged,
+        ))
+        phase.name, phase.since = "data", time.perf_counter()
+        self._previous_log_s = log_s = phase.since - t0  # reported with the next step
+        self.agent_time_total_s += hooks_s + log_s
         self.steps_logged += 1
 
     @guarded
@@ -217,7 +228,8 @@ class Run:
             body = {"reason": reason, "exit_code": exit_code, "step": self.phase.step,
                     "error": self._disabled_reason}
             # deferred, so it leaves after the last step; `dropped` is read when it leaves
-            self.sender.submit_deferred("exit", lambda _: {**body, "dropped": self.sender.dropped})
+            self.sender.submit_deferred(
+                "exit", lambda _arg, _deadline: {**body, "dropped": self.sender.dropped})
             self.sender.close()
             for hook in self._hooks:
                 hook.remove()
@@ -283,12 +295,16 @@ def dist_backend() -> str | None:
         return None
 
 
-def cuda_memory(device: torch.device) -> dict[str, int]:
-    """Allocator counters of `device` (host-side, no sync)."""
+def cuda_memory(device: torch.device) -> dict[str, int | None]:
+    """Allocator counters of `device` (host-side, no sync), from one call: each of
+    `torch.cuda.memory_allocated()` and friends flattens and sorts the allocator's whole
+    statistics (some hundred entries) in Python, three times the work for three numbers."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    allocated = stats.get("allocated_bytes", {}).get("all", {})
     return {
-        "mem_allocated_bytes": torch.cuda.memory_allocated(device),
-        "mem_reserved_bytes": torch.cuda.memory_reserved(device),
-        "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+        "mem_allocated_bytes": allocated.get("current"),
+        "mem_reserved_bytes": stats.get("reserved_bytes", {}).get("all", {}).get("current"),
+        "mem_peak_bytes": allocated.get("peak"),
     }
 
 

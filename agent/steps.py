@@ -3,14 +3,27 @@ microseconds, and the sender thread turns them into the `step` body once they ar
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .heartbeat import Phase
-from .timing import EventPool, Interval, summarize
+from .timing import EventPool, Span, summarize
+from .transport import plain_value
+
+log = logging.getLogger("scalemon.agent")
+
+# What the training thread leaves per step, one tuple (cheaper to build than a dict there):
+# step, tokens, step time, agent time, extra, loss and loss scale (host floats; None on CUDA),
+# device memory (dict or None), optimizer spans, all-reduce spans, and on CUDA the staged device
+# scalars (event, pinned buffer, has loss, has scale, names of staged `extra` values), else None.
+RawStep = tuple[
+    int, "int | None", "float | None", float, "dict | None", "float | None", "float | None",
+    "dict | None", list[Span], list[Span], "tuple | None",
+]
+NO_DEVICE_MEMORY = {"mem_allocated_bytes": None, "mem_reserved_bytes": None, "mem_peak_bytes": None}
 
 
 class ScaleTracker:
@@ -32,69 +45,87 @@ class ScaleTracker:
         self.previous = scale
 
 
-@dataclass
-class StepShared:
-    """What every step record of a run uses: loss-scale accounting, the CUDA event pool and
-    pinned buffers (None on CPU), and the phase whose completed-collective count it advances."""
+class StepFinisher:
+    """Stages device scalars on the training thread (CUDA) and finishes step bodies on the
+    sender thread. Holds what every step of a run shares: loss-scale accounting, the CUDA
+    event pool and pinned buffers (None and unused on CPU), and the phase whose
+    completed-collective count it advances on CUDA."""
 
-    scales: ScaleTracker
-    phase: Phase
-    events: EventPool | None = None
-    pinned: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, scales: ScaleTracker, phase: Phase, events: EventPool | None) -> None:
+        self.scales = scales
+        self.phase = phase
+        self.events = events
+        self.pinned: dict[int, list[torch.Tensor]] = {}  # free pinned buffers by length
+        self._warned: set[str] = set()
 
-
-class StepRecord:
-    """One logged step whose device values may still be in flight."""
-
-    __slots__ = ("body", "opt_spans", "comm_spans", "shared", "event", "buf", "has")
-
-    def __init__(
-        self, body: dict[str, Any], opt_spans: list[Interval], comm_spans: list[Interval],
-        shared: StepShared,
-    ) -> None:
-        self.body = body
-        self.opt_spans = opt_spans
-        self.comm_spans = comm_spans
-        self.shared = shared
-        self.event: torch.cuda.Event | None = None
-        self.buf: torch.Tensor | None = None
-        self.has = (False, False)
-
-    def stage(self, loss: Any, scale: torch.Tensor | None) -> None:
-        """Copy device scalars to pinned host memory behind a CUDA event (no sync)."""
-        pinned = self.shared.pinned
-        buf = pinned.pop() if pinned else torch.empty(2, pin_memory=True)
-        for i, value in enumerate((loss, scale)):
+    def stage(self, loss: Any, scale: torch.Tensor | None, extra: dict[str, Any] | None) -> tuple:
+        """Copy device scalars (loss, loss scale, and one-element CUDA tensors among the extra
+        values) to pinned host memory behind a CUDA event (no sync)."""
+        names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
+        values = [loss, scale, *(extra[k] for k in names)]
+        free = self.pinned.get(len(values))
+        buf = free.pop() if free else torch.empty(len(values), pin_memory=True)
+        for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
                 buf[i].copy_(value.detach().reshape(()), non_blocking=True)
             elif value is not None:
                 buf[i] = float(value)
-        self.buf = buf
-        self.has = (loss is not None, scale is not None)
-        self.event = self.shared.events.record()
+        return (self.events.record(), buf, loss is not None, scale is not None, names)
 
-    def resolve(self, deadline: float | None) -> dict[str, Any] | None:
+    def finish(self, raw: RawStep, deadline: float | None) -> dict[str, Any] | None:
         """The finished body, or None while the device has not reached this step (waiting
         until the monotonic `deadline` at most, when one is given)."""
-        if self.event is not None:
-            while not self.event.query():
+        (step, tokens, step_time, agent_time, extra, loss, scale, memory, opt_spans, comm_spans,
+         staged) = raw
+        body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
+                                "agent_time_s": agent_time, "loss": loss, "loss_scale": scale}
+        body.update(memory or NO_DEVICE_MEMORY)
+        if staged is not None:
+            event, buf, has_loss, has_scale, names = staged
+            while not event.query():
                 if deadline is None or time.monotonic() >= deadline:
                     return None
                 time.sleep(0.001)
-            loss, scale = self.buf.tolist()  # host memory, written by the completed copy
-            self.body["loss"] = loss if self.has[0] else None
-            self.body["loss_scale"] = scale if self.has[1] else None
-            self.shared.pinned.append(self.buf)
-            self.shared.events.put(self.event)
-            self.shared.phase.collectives_completed += len(self.comm_spans)
-        events = self.shared.events
-        opt = summarize(self.opt_spans, events)
-        comm = summarize(self.comm_spans, events)
-        body = self.body
+            values = buf.tolist()  # host memory, written by the completed copy
+            body["loss"] = values[0] if has_loss else None
+            body["loss_scale"] = values[1] if has_scale else None
+            for name, value in zip(names, values[2:], strict=True):
+                extra[name] = value
+            self.pinned.setdefault(len(values), []).append(buf)
+            self.events.put(event)
+            self.phase.collectives_completed += len(comm_spans)
+        if extra:
+            body["extra"] = self._sendable(extra)
+        wall_offset = time.time() - time.perf_counter()
+        opt = summarize(opt_spans, self.events, wall_offset)
+        comm = summarize(comm_spans, self.events, wall_offset)
         body["optimizer_time_s"] = opt["seconds"]
         body["allreduce_time_s"] = comm["seconds"]
         body["allreduce_count"] = comm["count"]
         body["allreduce_bytes"] = comm["bytes"]
         body["allreduce_issue_t"] = comm["issue_t"]
-        self.shared.scales.account(body)
+        self.scales.account(body)
         return body
+
+    def _sendable(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """`extra` with NumPy/tensor scalars made plain; a value that cannot be sent (a tensor
+        with several elements, an object) is left out, with a warning once per name, so one
+        bad value never costs the step."""
+        out = {}
+        for name, value in extra.items():
+            value = plain_value(value)
+            if type(value) in _SENDABLE:
+                out[name] = value
+            elif name not in self._warned:
+                self._warned.add(name)
+                log.warning("scalemon: log(%s=...) is of type %s; only numbers, strings and "
+                            "one-element tensors are sent, so that value is left out",
+                            name, type(value).__name__)
+        return out
+
+
+_SENDABLE = (bool, int, float, str, type(None))
+
+
+def _device_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda and value.numel() == 1

@@ -4,6 +4,12 @@ On CUDA both use `torch.cuda.Event(enable_timing=True)` pairs whose elapsed time
 after a later event says they completed. On CPU (gloo) host `perf_counter` is the truth: the
 optimizer runs on the calling thread and gloo completes the all-reduce future on its own thread,
 where the callback takes the end time.
+
+The hooks run on the training thread once or a few times per step, so they do as little as
+possible: a clock read, a few attribute writes and a list append. A span is a small list
+`[issued_at, start, end, sent]`: `issued_at` a host `perf_counter` reading, `start`/`end`
+floats on the host or recorded CUDA events, `end` None until the span closed, `sent` None or the
+tensor sent (its byte count is read later, on the sender thread).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch.distributed as dist
 from .heartbeat import Phase
 
 log = logging.getLogger("scalemon.agent")
+
+Span = list  # [issued_at: float, start: float|Event, end: float|Event|None, sent: Tensor|None]
 
 
 class EventPool:
@@ -40,66 +48,42 @@ class EventPool:
         self._free.extend(events)
 
 
-class Interval:
-    """One timed span: host seconds, or a pair of CUDA events read later."""
-
-    __slots__ = ("start", "end", "nbytes", "issue_t")
-
-    def __init__(self, start: Any, nbytes: int = 0, issue_t: float = 0.0) -> None:
-        self.start = start
-        self.end: Any = None
-        self.nbytes = nbytes
-        self.issue_t = issue_t
-
-    def seconds(self) -> float | None:
-        """Duration; for CUDA events call only once they completed."""
-        if self.end is None:
-            return None
-        if isinstance(self.start, float):
-            return self.end - self.start
-        return self.start.elapsed_time(self.end) / 1000.0
-
-
 class SpanTimer:
-    """Collects the intervals of one kind (optimizer steps, all-reduces) between two `take`s."""
+    """Collects the spans of one kind (optimizer steps, all-reduces) until the step's `log()`
+    swaps the list for a new one."""
 
     def __init__(self, events: EventPool | None) -> None:
         self.events = events  # None: host timing
-        self.spans: list[Interval] = []
-
-    def begin(self, nbytes: int = 0) -> Interval:
-        """Open a span now (on the device's current stream for CUDA)."""
-        start = time.perf_counter() if self.events is None else self.events.record()
-        span = Interval(start, nbytes, time.time())
-        self.spans.append(span)
-        return span
-
-    def end(self, span: Interval) -> None:
-        """Close `span` now."""
-        span.end = time.perf_counter() if self.events is None else self.events.record()
-
-    def take(self) -> list[Interval]:
-        """The spans since the last take (the caller resolves and recycles them)."""
-        spans, self.spans = self.spans, []
-        return spans
+        self.spans: list[Span] = []
 
 
-def summarize(spans: list[Interval], events: EventPool | None) -> dict[str, Any]:
-    """Total seconds, count, bytes and first issue time of completed spans; recycles events."""
+def span_seconds(span: Span) -> float | None:
+    """A span's duration, None while open; for CUDA call only once its events completed."""
+    start, end = span[1], span[2]
+    if end is None:
+        return None
+    if type(start) is float:
+        return end - start
+    return start.elapsed_time(end) / 1000.0
+
+
+def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -> dict[str, Any]:
+    """Total seconds, count, bytes and first issue time (wall clock: `perf_counter` time plus
+    `wall_offset`) of completed spans; recycles their CUDA events."""
     total = 0.0
     complete = 0
     for span in spans:
-        s = span.seconds()
+        s = span_seconds(span)
         if s is not None:
             total += s
             complete += 1
-        if events is not None and not isinstance(span.start, float):
-            events.put(span.start, *([span.end] if span.end is not None else []))
+        if events is not None and type(span[1]) is not float:
+            events.put(*(ev for ev in span[1:3] if ev is not None))
     return {
         "seconds": total if complete else None,
         "count": len(spans),
-        "bytes": sum(s.nbytes for s in spans),
-        "issue_t": spans[0].issue_t if spans else None,
+        "bytes": sum(span[3].nbytes for span in spans if span[3] is not None),
+        "issue_t": min(span[0] for span in spans) + wall_offset if spans else None,
     }
 
 
@@ -109,25 +93,31 @@ class OptimizerTimer:
     def __init__(self, optimizer: torch.optim.Optimizer, timer: SpanTimer, phase: Phase) -> None:
         self.timer = timer
         self.phase = phase
-        self._open: Interval | None = None
+        self._open: Span | None = None
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
         ]
 
     def _pre(self, *_: Any) -> None:
-        t0 = time.perf_counter()
-        self.phase.set("optimizer")
-        self._open = self.timer.begin()
-        self.phase.cost_s += time.perf_counter() - t0
+        t = time.perf_counter()
+        phase = self.phase
+        phase.name, phase.since = "optimizer", t
+        events = self.timer.events
+        self._open = [t, t if events is None else events.record(), None, None]
+        phase.cost_s += time.perf_counter() - t
 
     def _post(self, *_: Any) -> None:
-        t0 = time.perf_counter()
-        if self._open is not None:
-            self.timer.end(self._open)
+        t = time.perf_counter()
+        span = self._open
+        if span is not None:
+            events = self.timer.events
+            span[2] = t if events is None else events.record()
+            self.timer.spans.append(span)
             self._open = None
-        self.phase.set("after-optimizer")
-        self.phase.cost_s += time.perf_counter() - t0
+        phase = self.phase
+        phase.name, phase.since = "after-optimizer", t
+        phase.cost_s += time.perf_counter() - t
 
     def remove(self) -> None:
         """Unregister the hooks."""
@@ -162,29 +152,35 @@ class AllReduceTimer:
 
         Unannotated on purpose: DDP compares the annotations with the real classes, and
         `from __future__ import annotations` turns them into strings."""
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         tensor = bucket.buffer()
+        phase = self.phase
+        span = None
         try:
-            self.phase.set("allreduce")
-            self.phase.collectives_issued += 1
-            span = self.timer.begin(tensor.nbytes)
+            phase.name, phase.since = "allreduce", t
+            phase.collectives_issued += 1
+            events = self.timer.events
+            span = [t, t if events is None else events.record(), None, tensor]
+            self.timer.spans.append(span)
         except Exception:
             span = None
-        self.phase.cost_s += time.perf_counter() - t0
+        phase.cost_s += time.perf_counter() - t
         tensor.div_(self._group_size)
         fut = dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
+        return fut.then(lambda f: self._done(f, span))
 
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            if span is not None:
-                try:
-                    self.timer.end(span)
-                    if self.timer.events is None:
-                        # gloo runs this once the data arrived; NCCL runs it at once, so on
-                        # CUDA completion is counted when the step's events say so (steps.py)
-                        with self._lock:
-                            self.phase.collectives_completed += 1
-                except Exception:
-                    pass
-            return f.value()[0]
-
-        return fut.then(done)
+    def _done(self, fut: torch.futures.Future, span: Span | None) -> torch.Tensor:
+        """Close the span: gloo runs this once the data arrived; NCCL runs it at once, so on
+        CUDA completion is counted when the step's events say so (steps.py)."""
+        if span is not None:
+            try:
+                events = self.timer.events
+                if events is None:
+                    span[2] = time.perf_counter()
+                    with self._lock:
+                        self.phase.collectives_completed += 1
+                else:
+                    span[2] = events.record()
+            except Exception:
+                pass
+        return fut.value()[0]

@@ -52,9 +52,8 @@ class Sender:
         self._queue: deque[tuple[str, int, float, dict[str, Any]]] = deque()
         # steps whose body a callable finishes on this thread once device values are ready;
         # kept apart so a stuck GPU cannot hold back heartbeats
-        self._deferred: deque[tuple[str, int, float, Callable[[float | None], dict | None]]] = (
-            deque()
-        )
+        self._deferred: deque[tuple[str, int, float, Callable[[Any, float | None], dict | None],
+                                    Any]] = deque()
         self._wake = threading.Event()
         self._stopping = False
         self._failed = False
@@ -88,14 +87,18 @@ class Sender:
         self._queue.append((mtype, seq, time.time(), body))
         return True
 
-    def submit_deferred(self, mtype: str, finish: Callable[[float | None], dict | None]) -> bool:
-        """Queue a message whose body `finish(deadline)` builds on the sender thread; it returns
-        None while not ready (waiting until the monotonic deadline, if any). Deferred messages
-        keep their order."""
-        seq = self._admit()
-        if seq is None:
+    def submit_deferred(
+        self, mtype: str, finish: Callable[[Any, float | None], dict | None], arg: Any = None,
+    ) -> bool:
+        """Queue a message whose body `finish(arg, deadline)` builds on the sender thread; it
+        returns None while not ready (waiting until the monotonic deadline, if any). Deferred
+        messages keep their order. The training thread's path: kept to a few operations."""
+        seq = next(self._seq)
+        if self._failed or self._stopping or (
+                len(self._queue) + len(self._deferred) >= self.max_queue):
+            self._drop()
             return False
-        self._deferred.append((mtype, seq, time.time(), finish))
+        self._deferred.append((mtype, seq, time.time(), finish, arg))
         return True
 
     def _run(self) -> None:
@@ -130,9 +133,9 @@ class Sender:
 
     def _drain_deferred(self, sock: zmq.Socket, deadline: float | None, final: bool) -> None:
         while self._deferred:
-            mtype, seq, t, finish = self._deferred[0]
+            mtype, seq, t, finish, arg = self._deferred[0]
             try:
-                body = finish(deadline)
+                body = finish(arg, deadline)
             except Exception as exc:
                 self._deferred.popleft()
                 self._drop(f"building a {mtype} message failed: {type(exc).__name__}: {exc}")
@@ -161,7 +164,6 @@ class Sender:
         except zmq.Again:
             self._drop()
 
-
     def close(self) -> None:
         """Send what is queued (bounded by `close_timeout_s`) and stop the thread."""
         self._stopping = True
@@ -178,6 +180,19 @@ def plain_values(body: dict[str, Any]) -> dict[str, Any]:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def plain_value(value: Any) -> Any:
+    """A NumPy scalar, one-element CPU tensor or str/int/float subclass as a plain Python value;
+    anything else unchanged."""
+    if type(value) in _PLAIN:
+        return value
+    value = _plain(value)
+    one_element_host_tensor = (
+        type(value) not in _PLAIN and hasattr(value, "numel") and not getattr(value, "is_cuda", 1)
+        and value.numel() == 1
+    )
+    return value.reshape(()).item() if one_element_host_tensor else value
 
 
 def _plain(value: Any, nested: bool = False) -> Any:

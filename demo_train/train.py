@@ -244,7 +244,7 @@ def train(t: Trainer) -> int:
     """The loop; returns the exit code (non-zero after saving on SIGTERM)."""
     args, env = t.args, t.env
     stats: dict[str, list] = {"steps": [], "step_times_s": [], "work_times_s": [], "losses": [],
-                              "loss_scales": []}
+                              "loss_scales": [], "agent_totals_s": []}
     scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
     for step in range(t.start_step + 1, args.max_steps + 1):
         t0 = time.perf_counter()
@@ -258,6 +258,7 @@ def train(t: Trainer) -> int:
                 "mfu": t.flops_per_token * tokens_per_s / t.peak_flops}
             t.monitor.log(step, loss=loss, tokens=t.tokens_per_step,
                           tokens_per_s=tokens_per_s, **mfu)
+            stats["agent_totals_s"].append(t.monitor.agent_time_total_s)  # for bench/
         if env.rank == 0:
             value = loss.item()
             print(f"step {step} loss {value:.4f}", flush=True)

@@ -115,6 +115,8 @@ def test_loss_values_arrive_exactly(start_hub):
 
 
 def test_numpy_and_tensor_values_are_sent_and_bad_ones_dropped_with_a_warning(start_hub, caplog):
+    """Plain-able values go through; an extra value that cannot be sent is left out of its
+    step (said once), and an invalid info message is dropped and counted."""
     import numpy as np
 
     from scalemon import protocol
@@ -123,16 +125,20 @@ def test_numpy_and_tensor_values_are_sent_and_bad_ones_dropped_with_a_warning(st
     run = Run(job="agentD", hub=hub.address.base)
     with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
         run.log(np.int64(1), loss=torch.tensor(2.0), tokens=np.int32(64),
-                grad_norm=torch.tensor(0.5), lr=np.float32(0.25))
+                grad_norm=torch.tensor(0.5), lr=np.float32(0.25), weights=torch.ones(3),
+                one=torch.ones(1, 1), thing=object())
         run.info("bad", {1: "int key"})  # the hub would refuse it: dropped here, said why
         run.log(2, loss=1.5, tokens=64)
         run.finish()
     assert not run.disabled
     assert "invalid info message" in caplog.text and "non-string key" in caplog.text
+    assert "log(weights=...) is of type Tensor" in caplog.text
+    assert "log(thing=...) is of type object" in caplog.text
     records, _ = HubClient(hub.address).fetch(0)
     steps = [m.body for m in map(protocol.decode, records) if m.type == "step"]
     assert [b["step"] for b in steps] == [1, 2]
-    assert steps[0]["tokens"] == 64 and steps[0]["extra"] == {"grad_norm": 0.5, "lr": 0.25}
+    assert steps[0]["tokens"] == 64
+    assert steps[0]["extra"] == {"grad_norm": 0.5, "lr": 0.25, "one": 1.0}
     assert [m.type for m in map(protocol.decode, records)].count("info") == 0
     assert run.sender.dropped == 1
 
@@ -186,6 +192,51 @@ def test_uncaught_exception_reports_exited_with_the_error(start_hub):
     assert view["step"] == 1
 
 
+def test_ddp_all_reduce_spans_carry_bytes_issue_time_and_duration(start_hub, tmp_path):
+    """A 1-rank gloo DDP job: each step reports its all-reduce with the bucket's bytes, a wall
+    clock issue time inside the step, and durations that fit inside the step time."""
+    from scalemon import protocol
+
+    hub = start_hub("agentDDP")
+    script = textwrap.dedent(f"""
+        import os, time, torch, torch.distributed as dist
+        from scalemon.agent.run import Run
+        torch.distributed.init_process_group(
+            "gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32))
+        opt = torch.optim.AdamW(model.parameters())
+        run = Run(model, opt, job="agentDDP", hub={hub.address.base!r})
+        x = torch.randn(8, 64)
+        for step in range(1, 6):
+            t0 = time.time()
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print("window", step, t0, time.time(), flush=True)
+            run.log(step, loss=loss.detach(), tokens=8)
+        run.finish()
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    windows = {int(s): (float(a), float(b)) for _, s, a, b in
+               (line.split() for line in proc.stdout.splitlines() if line.startswith("window"))}
+    records, _ = HubClient(hub.address).fetch(0)
+    steps = [m.body for m in map(protocol.decode, records) if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
+    for b in steps:
+        start, end = windows[b["step"]]
+        assert b["allreduce_count"] == 1  # one bucket for a model this small
+        assert b["allreduce_bytes"] == (64 * 32 + 32) * 4
+        assert start <= b["allreduce_issue_t"] <= end
+        assert 0 < b["allreduce_time_s"] < end - start
+        assert 0 < b["optimizer_time_s"] < end - start
+        assert 0 < b["agent_time_s"] < 0.01
+    assert all(b["step_time_s"] > 0 for b in steps[1:])
+
+
 def test_agent_package_does_not_import_textual():
     code = ("import sys, scalemon.agent, scalemon.agent.run; "
             "assert 'textual' not in sys.modules, 'agent imported textual'")
@@ -220,7 +271,8 @@ def test_cuda_run_logs_device_values_without_syncing(start_hub):
         scaler.update()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            run.log(step, loss=loss.detach(), tokens=64)
+            run.log(step, loss=loss.detach(), tokens=64, loss_x2=2 * loss.detach(),
+                    lr=1e-3)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         losses.append(loss.item())
@@ -231,6 +283,9 @@ def test_cuda_run_logs_device_values_without_syncing(start_hub):
     steps = [m.body for m in map(protocol.decode, records) if m.type == "step"]
     assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
     assert [b["loss"] for b in steps] == pytest.approx(losses, rel=1e-6)
+    assert [b["extra"]["loss_x2"] for b in steps] == pytest.approx([2 * v for v in losses],
+                                                                  rel=1e-6)
+    assert all(b["extra"]["lr"] == 1e-3 for b in steps)
     assert all(b["loss_scale"] == 1024.0 for b in steps)
     assert all(b["optimizer_time_s"] > 0 for b in steps)
     assert all(b["mem_allocated_bytes"] > 0 and b["mem_peak_bytes"] > 0 for b in steps)
