@@ -82,6 +82,7 @@ class Run:
         self._opt_timer = SpanTimer(events)
         self._comm_timer = SpanTimer(events)
         self._hooks: list[Any] = []
+        self._pending_comm: tuple[AllReduceTimer, Any] | None = None  # installed at 1st forward
         self._last_log_t: float | None = None
         init_scale = getattr(scaler, "_init_scale", None)
         self._steps = StepFinisher(
@@ -134,18 +135,38 @@ class Run:
 
     @guarded
     def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
-        """Track forward/backward phases; on DDP also time the gradient all-reduce."""
+        """Track forward/backward phases; on DDP also time the gradient all-reduce.
+
+        The timing comm hook is installed at the model's first forward, not here: DDP takes
+        one comm hook, so a script that registers its own after `init()` keeps it (and the
+        all-reduce goes untimed) instead of getting DDP's "can only be called once" error."""
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
         if time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            AllReduceTimer(self._comm_timer, self.phase).register(model)
+            self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase), model)
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
         t = time.perf_counter()
+        if self._pending_comm is not None:
+            self._install_comm_timer()
         phase = self.phase
         if phase.name != "forward-backward":
             phase.name, phase.since = "forward-backward", t
         phase.cost_s += time.perf_counter() - t
+
+    def _install_comm_timer(self) -> None:
+        timer, model = self._pending_comm
+        self._pending_comm = None
+        if self.disabled:
+            return
+        if getattr(model, "_comm_hooks", None):
+            log.warning("scalemon: all-reduce timing off: the script registered its own DDP "
+                        "comm hook (DDP takes one)")
+            return
+        try:
+            timer.register(model)
+        except Exception as exc:  # never into the training loop
+            log.warning("scalemon: all-reduce timing off: %s: %s", type(exc).__name__, exc)
 
     # --- per step ----------------------------------------------------------------------------
     def log(
