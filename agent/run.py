@@ -159,10 +159,6 @@ class Run:
         self._pending_comm = None
         if self.disabled:
             return
-        if getattr(model, "_comm_hooks", None):
-            log.warning("scalemon: all-reduce timing off: the script registered its own DDP "
-                        "comm hook (DDP takes one)")
-            return
         try:
             timer.register(model)
         except Exception as exc:  # never into the training loop

@@ -11,7 +11,7 @@ import torch
 
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
-from .transport import plain_value
+from .transport import PLAIN_TYPES, plain_value
 
 log = logging.getLogger("scalemon.agent")
 
@@ -114,7 +114,7 @@ class StepFinisher:
         out = {}
         for name, value in extra.items():
             value = plain_value(value)
-            if type(value) in _SENDABLE:
+            if type(value) in PLAIN_TYPES:
                 out[name] = value
             elif name not in self._warned:
                 self._warned.add(name)
@@ -122,9 +122,6 @@ class StepFinisher:
                             "one-element tensors are sent, so that value is left out",
                             name, type(value).__name__)
         return out
-
-
-_SENDABLE = (bool, int, float, str, type(None))
 
 
 def _device_scalar(value: Any) -> bool:

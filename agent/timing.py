@@ -138,6 +138,10 @@ class AllReduceTimer:
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Install on a DDP model (before its first backward). DDP takes one comm hook: when
         the model has one already, returns False and leaves it alone."""
+        if getattr(ddp_model, "_comm_hooks", None):  # DDP's record of Python comm hooks
+            log.warning("scalemon: all-reduce timing off: the script registered its own DDP "
+                        "comm hook (DDP takes one)")
+            return False
         self._group = ddp_model.process_group or dist.group.WORLD
         self._group_size = self._group.size()
         try:

@@ -92,11 +92,9 @@ class Sender:
     ) -> bool:
         """Queue a message whose body `finish(arg, deadline)` builds on the sender thread; it
         returns None while not ready (waiting until the monotonic deadline, if any). Deferred
-        messages keep their order. The training thread's path: kept to a few operations."""
-        seq = next(self._seq)
-        if self._failed or self._stopping or (
-                len(self._queue) + len(self._deferred) >= self.max_queue):
-            self._drop()
+        messages keep their order."""
+        seq = self._admit()
+        if seq is None:
             return False
         self._deferred.append((mtype, seq, time.time(), finish, arg))
         return True
@@ -180,13 +178,12 @@ def plain_values(body: dict[str, Any]) -> dict[str, Any]:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+PLAIN_TYPES = _PLAIN  # what a message value may be once made plain
 
 
 def plain_value(value: Any) -> Any:
     """A NumPy scalar, one-element CPU tensor or str/int/float subclass as a plain Python value;
     anything else unchanged."""
-    if type(value) in _PLAIN:
-        return value
     value = _plain(value)
     one_element_host_tensor = (
         type(value) not in _PLAIN and hasattr(value, "numel") and not getattr(value, "is_cuda", 1)

@@ -25,7 +25,7 @@ import zmq
 
 from scalemon import protocol
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
-from scalemon.jobstate import JobState
+from scalemon.jobstate import JobState, RankView
 from scalemon.protocol import HUB_RANK, ProtocolError
 
 from .history import History
@@ -75,6 +75,7 @@ class Hub:
         self._own_seq = 0
         self._last_recv: dict[int, float] = {}
         self._seen_alive: set[int] = set()
+        self._host = socket.gethostname()
         self._last_any_recv = time.monotonic()
         self._ended_since = 0.0
         self._ending_state: str | None = None
@@ -279,19 +280,22 @@ class Hub:
         """Look at a rank's pid as its hello arrives, so a rank killed before the next
         housekeeping round is still known to have been alive here."""
         view = self.state.ranks.get(rank)
-        if view is not None and view.host == socket.gethostname() and view.pid:
-            self._process_gone(view.pid)
+        if view is not None and (pid := self._local_pid(view)):
+            self._process_gone(pid)
+
+    def _local_pid(self, view: RankView) -> int | None:
+        """The rank's pid when it runs on this hub's host, else None."""
+        return view.pid if view.host == self._host and view.pid else None
 
     def _detect_lost(self, feed: zmq.Socket, now: float) -> None:
-        host = socket.gethostname()
         for rank, view in list(self.state.ranks.items()):
             if view.state != "running":
                 continue
             silent = now - self._last_recv.get(rank, now)
             if silent > self.lost_after_s:
                 reason = f"no message for {silent:.1f} s"
-            elif view.host == host and view.pid and self._process_gone(view.pid):
-                reason = f"process {view.pid} is gone without reporting an exit (killed?)"
+            elif (pid := self._local_pid(view)) and self._process_gone(pid):
+                reason = f"process {pid} is gone without reporting an exit (killed?)"
             else:
                 continue
             log.warning("rank %d lost: %s", rank, reason)
