@@ -30,13 +30,12 @@ from pathlib import Path
 import psutil
 import zmq
 
+from scalemon.client import HubClient
+from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.tui.sim import SimJob
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-sys.path.insert(0, str(REPO))
-
-from scalemon.client import HubClient  # noqa: E402
-from scalemon.jobs import HubAddress, JobFile, jobs_dir  # noqa: E402
-from scalemon.tui.sim import SimJob  # noqa: E402
 
 RANK_TYPES = ("hello", "step", "heartbeat")
 

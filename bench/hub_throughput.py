@@ -26,13 +26,12 @@ from pathlib import Path
 
 import zmq
 
+from scalemon import protocol
+from scalemon.client import HubClient
+from scalemon.jobs import HubAddress
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-sys.path.insert(0, str(REPO))
-
-from scalemon import protocol  # noqa: E402
-from scalemon.client import HubClient  # noqa: E402
-from scalemon.jobs import HubAddress  # noqa: E402
 
 
 def sender(address: str, job: str, ranks: list[int], per_rank: int, go: mp.Event) -> None:

@@ -1,0 +1,90 @@
+"""A normal install, as users get it: the wheel holds every module, and an install of it outside
+the repo imports and runs without the source tree.
+
+The test environment has scalemon installed in editable mode, whose import hook would quietly
+find a module the wheel lacks in the repo. So the installed copy is run with `python -S` (no
+site-packages processing, hence no editable hook) and the dependencies' site-packages on
+PYTHONPATH behind the install target.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+# source folder -> the package it installs as (pyproject.toml [tool.setuptools.package-dir])
+PACKAGE_DIRS = {"scalemon": "scalemon", "agent": "scalemon/agent", "hub": "scalemon/hub",
+                "tui": "scalemon/tui", "demo_train": "scalemon/demo_train"}
+MODULES = ["scalemon.tui.app", "scalemon.tui.screens.overview", "scalemon.tui.widgets.plot",
+           "scalemon.agent", "scalemon.agent.run", "scalemon.hub.main",
+           "scalemon.demo_train.fused_adam", "scalemon.demo_train.train", "scalemon.cli"]
+
+
+def source_modules() -> set[str]:
+    """Every .py file of the source folders, as its path inside the wheel."""
+    found = set()
+    for folder, package in PACKAGE_DIRS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                found.add(f"{package}/{path.relative_to(REPO / folder).as_posix()}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from a copy of the source tree (nothing written into the repo)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        ".ruff_cache", "runs"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    wheels = list((tmp / "dist").glob("scalemon-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def test_the_wheel_holds_every_source_module(wheel: Path):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(source_modules() - names)
+    assert not missing, f"modules missing from the wheel: {missing}"
+    assert any(n.endswith("entry_points.txt") for n in names)
+
+
+def test_installed_outside_the_repo_it_imports_and_runs(wheel: Path, tmp_path: Path):
+    target = tmp_path / "site"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target",
+         str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    deps = sysconfig.get_paths()["purelib"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), deps])}
+    env.pop("PYTHONHOME", None)
+    check = ("import importlib, sys\n"
+             f"for name in {MODULES!r}:\n"
+             "    module = importlib.import_module(name)\n"
+             f"    assert module.__file__.startswith({str(target)!r}), module.__file__\n"
+             "print('imported', len(sys.modules))\n")
+    run = subprocess.run([sys.executable, "-S", "-c", check], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    script = target / "bin" / "scalemon"
+    assert script.exists(), sorted(p.name for p in (target / "bin").iterdir())
+    help_run = subprocess.run([sys.executable, "-S", str(script), "--help"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert help_run.returncode == 0, help_run.stderr[-3000:]
+    for command in ("snapshot", "attach", "demo", "jobs", "hub"):
+        assert command in help_run.stdout
