@@ -50,7 +50,7 @@ def run_job(mode: str, steps: int, kill_at: int, home: Path, tag: str) -> dict:
     job = f"bench-{tag}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "--", str(REPO / "demo_train" / "train.py"),
-           "--max-steps", str(steps), "--stats-json", str(stats)]
+           "--max-steps", str(steps), "--stats-json", str(stats), "--device", "cpu"]
     if mode in ("on", "hub-kill"):
         cmd.append("--monitor")
     if mode == "off-hook":

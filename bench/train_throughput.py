@@ -5,8 +5,9 @@ CPU: every technique flag on the tiny and small presets, 2 gloo ranks under torc
 the variants around it) with tokens/s, MFU against the device's dense bf16 peak, and the
 memory estimate against the measured peak (torch.cuda.max_memory_allocated).
 
-Throughput is all ranks' tokens per median step time of rank 0 (the first --warmup steps
-dropped: they include torch.compile and allocator warm-up). Results go to
+Throughput is all ranks' tokens per step time of rank 0, timed between the trainer's host syncs
+(its --log-every steps; the first --warmup steps dropped: they include torch.compile and
+allocator warm-up). Results go to
 bench/results/train_throughput-<device>.json with the device named.
 
     python bench/train_throughput.py                    # CPU table, then GPU if present
@@ -22,7 +23,6 @@ import os
 import platform
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,9 +95,16 @@ def run(flags: tuple[str, ...], steps: int, nproc: int, tmp: Path, tag: str,
 
 
 def summarize(name: str, flags: tuple[str, ...], stats: dict, warmup: int) -> dict:
-    """tokens/s (all ranks), MFU where the peak is known, memory estimate vs measured."""
-    times = stats["step_times_s"][warmup:] or stats["step_times_s"]
-    step_s = statistics.median(times)
+    """tokens/s (all ranks), MFU where the peak is known, memory estimate vs measured.
+
+    Time is taken between the trainer's host syncs (its logged steps: every step on CPU,
+    every --log-every on a GPU, where the host runs ahead of the device in between), over the
+    intervals that end after `warmup` steps."""
+    intervals = [(step, n, s) for step, n, s in stats["intervals"] if step - n >= warmup]
+    intervals = intervals or stats["intervals"]
+    steps = sum(n for _, n, _ in intervals)
+    step_s = sum(s for _, _, s in intervals) / steps
+    times = [s / n for _, n, s in intervals]
     world = stats["world_size"]
     per_rank = stats["tokens_per_step"] / step_s
     row = {
@@ -108,7 +115,8 @@ def summarize(name: str, flags: tuple[str, ...], stats: dict, warmup: int) -> di
                 if stats["peak_flops"] else None),
         "memory_estimate_bytes": stats["memory_estimate"]["total"],
         "mem_peak_bytes": stats.get("mem_peak_bytes"),
-        "final_loss": stats["losses"][-1], "steps_measured": len(times),
+        "final_loss": stats["losses"][-1], "steps_measured": steps,
+        "step_ms_spread": [1e3 * min(times), 1e3 * max(times)],
     }
     if row["mem_peak_bytes"]:
         row["estimate_over_measured"] = row["memory_estimate_bytes"] / row["mem_peak_bytes"]

@@ -23,6 +23,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .model import GPT
 
 OPTIMIZERS = ("fused", "torch", "torch-fused")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class DeviceChoiceError(RuntimeError):
+    """This rank cannot have the device it asked for; the text says why and what to do."""
+
+
+def choose_device(requested: str, local_rank: int, local_world_size: int,
+                  gpus: int) -> torch.device:
+    """The device of a rank: `cpu`; `cuda`: GPU `local_rank`; `auto`: a GPU per rank when this
+    node has GPUs, else the CPU. NCCL needs one GPU per rank: with fewer visible GPUs than ranks
+    on the node, `cuda` and `auto` raise DeviceChoiceError naming the fix, instead of rank
+    `local_rank` failing on a GPU that does not exist."""
+    if requested not in DEVICES:
+        raise DeviceChoiceError(f"--device {requested!r}: choose one of {', '.join(DEVICES)}")
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if gpus == 0:
+        raise DeviceChoiceError("--device cuda, but no CUDA GPU is visible: use --device cpu")
+    if gpus < local_world_size:
+        raise DeviceChoiceError(
+            f"{local_world_size} ranks on this node but {gpus} visible GPU(s), and each rank "
+            f"needs its own: use --device cpu (gloo), or start at most {gpus} rank(s) per node "
+            f"(torchrun --nproc-per-node {gpus})")
+    return torch.device("cuda", local_rank)
 
 
 @dataclass(frozen=True)
@@ -40,12 +65,15 @@ class DistEnv:
 
 
 def setup_distributed(device_arg: str = "auto") -> DistEnv:
-    """Initialise the process group when launched by torchrun (gloo on CPU, NCCL on GPU)."""
-    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    """Choose this rank's device (`choose_device`; raises DeviceChoiceError) and initialise
+    the process group when launched by torchrun (gloo on CPU, NCCL on GPU)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = choose_device(device_arg, local_rank, local_world_size, gpus)
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         return DistEnv(0, 1, 0, device)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

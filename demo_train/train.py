@@ -13,9 +13,11 @@
     # GPT-2 (124M) shapes on one GPU, bf16 and torch.compile
     python demo_train/train.py --preset gpt2-124m --amp bf16 --compile --batch-size 8
 
-Rank 0 prints `step N loss X` for every step. With --monitor every rank streams its own loss,
-tokens/s, MFU (where the GPU's peak is known), timings, memory and the memory estimate to the
-job's scalemon hub. The flags are the techniques of ../shared/seeds; each lives in a module:
+Rank 0 prints `step N loss X` for every logged step (--log-every: every step on CPU, every 10th
+on CUDA, where reading the loss waits for the GPU). With --monitor every rank streams its own
+loss (every step, without waiting for the GPU), tokens/s and MFU (measured between logged
+steps; MFU where the GPU's peak is known), timings, memory and the memory estimate to the job's
+scalemon hub. The flags are the techniques of ../shared/seeds; each lives in a module:
 precision.py (--amp), parallel.py (--zero, --optimizer, --compile, --grad-accum's no_sync),
 checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +43,9 @@ from scalemon.demo_train.faults import Faults, rank_step
 from scalemon.demo_train.memory import MemoryEstimate, estimate_memory
 from scalemon.demo_train.model import GPT, PRESETS, GPTConfig, peak_flops
 from scalemon.demo_train.parallel import (
+    DEVICES,
     OPTIMIZERS,
+    DeviceChoiceError,
     DistEnv,
     any_rank,
     build_optimizer,
@@ -95,7 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject-overflow", type=int, metavar="STEP",
                    help="inf gradients at that step (skipped under --amp fp16)")
     # system
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto: a GPU per rank where the node has GPUs, else the CPU; with fewer "
+                        "GPUs than ranks on the node the job stops and says so")
+    p.add_argument("--log-every", type=int, metavar="N",
+                   help="read the loss on the host, print it and measure tokens/s every N steps "
+                        "(each read waits for the GPU; default 1 on CPU, 10 on CUDA)")
     p.add_argument("--monitor", action="store_true", help="stream metrics to scalemon")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this many seconds per step (slows the demo down to watch it)")
@@ -103,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.grad_accum < 1 or args.batch_size < 1:
         p.error("--grad-accum and --batch-size must be at least 1")
+    if args.log_every is not None and args.log_every < 1:
+        p.error("--log-every must be at least 1")
     return args
 
 
@@ -130,6 +142,7 @@ class Trainer:
     tokens_per_step: int  # per rank
     flops_per_token: int
     peak_flops: float | None
+    log_every: int
     start_step: int = 0
     ckpt: Checkpointer | None = None
     term: TermSignal | None = None
@@ -185,6 +198,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
         faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow),
         memory=memory, tokens_per_step=args.batch_size * args.grad_accum * config.block_size,
         flops_per_token=flops_per_token, peak_flops=peak_flops(device_name),
+        log_every=args.log_every or (10 if env.device.type == "cuda" else 1),
         group=control_group(env),
     )
     print0(env, f"training {args.preset} ({model.num_params() / 1e6:.2f}M params) on "
@@ -240,40 +254,73 @@ def optimizer_step(t: Trainer) -> None:
     t.optimizer.zero_grad(set_to_none=True)
 
 
+class SyncClock:
+    """Throughput between host sync points. Without a sync the host runs ahead of the GPU, so
+    only the time from one logged step's loss read to the next measures work; --step-delay
+    sleeps are not work and are left out."""
+
+    def __init__(self, step: int, now: float) -> None:
+        self.step, self.t, self.paused = step, now, 0.0
+        self.intervals: list[tuple[int, int, float]] = []  # (logged step, steps, seconds)
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (a sleep) out of the current interval."""
+        self.paused += seconds
+
+    def lap(self, step: int, now: float) -> tuple[int, float]:
+        """Close the interval at logged step `step` (right after its sync): (steps, seconds)."""
+        steps, seconds = step - self.step, max(1e-9, now - self.t - self.paused)
+        self.intervals.append((step, steps, seconds))
+        self.step, self.t, self.paused = step, now, 0.0
+        return steps, seconds
+
+    def tokens_per_s(self, tokens_per_step: int) -> float | None:
+        """Over the whole run, without the first interval (warm-up, compilation) when there
+        are others."""
+        measured = self.intervals[1:] or self.intervals
+        seconds = sum(s for _, _, s in measured)
+        return tokens_per_step * sum(n for _, n, _ in measured) / seconds if measured else None
+
+
 def train(t: Trainer) -> int:
-    """The loop; returns the exit code (non-zero after saving on SIGTERM)."""
+    """The loop; returns the exit code (non-zero after saving on SIGTERM).
+
+    Host values (the loss, the loss scale) are read only on logged steps, every --log-every:
+    each read waits for the GPU, so reading every step would sync every step (nanoGPT's log
+    interval). tokens/s and MFU are measured between those reads, on every rank, and go to the
+    monitor with the logged step; the monitor gets the loss of every step without a sync."""
     args, env = t.args, t.env
-    stats: dict[str, list] = {"steps": [], "step_times_s": [], "work_times_s": [], "losses": [],
-                              "loss_scales": [], "agent_totals_s": []}
+    stats: dict[str, list] = {"steps": [], "step_times_s": [], "losses": [], "loss_scales": [],
+                              "agent_totals_s": [], "intervals": []}
     scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
+    clock = SyncClock(t.start_step, time.perf_counter())
     for step in range(t.start_step + 1, args.max_steps + 1):
         t0 = time.perf_counter()
         t.faults.before_step(step, t.monitor)
         loss = forward_backward(t, step)
         optimizer_step(t)
-        work_s = time.perf_counter() - t0
+        logged = step % t.log_every == 0 or step == args.max_steps
+        measured: dict[str, float] = {}
+        if logged:
+            value = read_loss(loss)  # a sync point
+            steps, seconds = clock.lap(step, time.perf_counter())
+            tokens_per_s = t.tokens_per_step * steps / seconds
+            measured["tokens_per_s"] = tokens_per_s
+            if t.peak_flops is not None:
+                measured["mfu"] = t.flops_per_token * tokens_per_s / t.peak_flops
         if t.monitor is not None:
-            tokens_per_s = t.tokens_per_step / work_s
-            mfu = {} if t.peak_flops is None else {
-                "mfu": t.flops_per_token * tokens_per_s / t.peak_flops}
-            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step,
-                          tokens_per_s=tokens_per_s, **mfu)
+            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step, **measured)
             stats["agent_totals_s"].append(t.monitor.agent_time_total_s)  # for bench/
-        if env.rank == 0:
-            value = loss.item()
+        if logged and env.rank == 0:
             print(f"step {step} loss {value:.4f}", flush=True)
-            if t.scaler is not None:  # one extra host read per step, rank 0 and fp16 only
-                new_scale = t.scaler.get_scale()
-                if new_scale < scale:
-                    print(f"amp: step {step} skipped (inf/NaN gradients), loss scale "
-                          f"{scale:g} -> {new_scale:g}", flush=True)
-                scale = new_scale
+            scale = report_loss_scale(t, step, scale)
             stats["steps"].append(step)
             stats["losses"].append(value)
             stats["loss_scales"].append(scale)
-            stats["work_times_s"].append(time.perf_counter() - t0)
         if args.step_delay:
+            slept = time.perf_counter()
             time.sleep(args.step_delay)
+            clock.pause(time.perf_counter() - slept)
         stats["step_times_s"].append(time.perf_counter() - t0)
         if t.ckpt is not None:
             stop = any_rank(t.term.received, t.group)
@@ -282,17 +329,38 @@ def train(t: Trainer) -> int:
                 t.ckpt.save(step, t.state, "SIGTERM" if stop else "periodic")
             if stop:
                 print0(env, f"SIGTERM: stopped after step {step} with a checkpoint")
-                finish(t, stats, TermSignal.EXIT_CODE)
+                finish(t, stats, clock, TermSignal.EXIT_CODE)
                 return TermSignal.EXIT_CODE
-    finish(t, stats, 0)
+    finish(t, stats, clock, 0)
     return 0
 
 
-def finish(t: Trainer, stats: dict[str, list], code: int) -> None:
+def read_loss(loss: torch.Tensor) -> float:
+    """The step's loss on the host: a sync point (it waits for the GPU to finish the step)."""
+    return loss.item()
+
+
+def report_loss_scale(t: Trainer, step: int, previous: float | None) -> float | None:
+    """Print when the AMP loss scale went down since the last logged step (steps with inf/NaN
+    gradients were skipped); returns the scale now. Reading it is a sync: logged steps only."""
+    if t.scaler is None:
+        return None
+    scale = t.scaler.get_scale()
+    if previous is not None and scale < previous:
+        if t.log_every == 1:
+            print(f"amp: step {step} skipped (inf/NaN gradients), loss scale {previous:g} -> "
+                  f"{scale:g}", flush=True)
+        else:
+            print(f"amp: loss scale {previous:g} -> {scale:g} by step {step}: steps with inf/NaN "
+                  "gradients were skipped", flush=True)
+    return scale
+
+
+def finish(t: Trainer, stats: dict[str, list], clock: SyncClock, code: int) -> None:
     """Throughput summary, measured memory (GPU), stats file, monitor exit."""
     env = t.env
-    work = stats["work_times_s"][1:] or stats["work_times_s"]  # the first step warms up
-    tokens_per_s = t.tokens_per_step * len(work) / sum(work) if work else None
+    tokens_per_s = clock.tokens_per_s(t.tokens_per_step)
+    stats["intervals"] = [list(interval) for interval in clock.intervals]
     summary: dict[str, Any] = {"tokens_per_s_per_rank": tokens_per_s}
     if tokens_per_s is not None:
         mfu = (f", MFU {100 * t.flops_per_token * tokens_per_s / t.peak_flops:.1f}%"
@@ -332,7 +400,12 @@ def write_stats(t: Trainer, stats: dict[str, list], summary: dict[str, Any]) -> 
 def main(argv: list[str] | None = None) -> int:
     """Build, train, close; returns the process exit code."""
     args = parse_args(argv)
-    env = setup_distributed(args.device)
+    try:
+        env = setup_distributed(args.device)
+    except DeviceChoiceError as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
+            print(f"train.py: {exc}", file=sys.stderr, flush=True)
+        return 2
     trainer = build(args, env)
     code = train(trainer)
     if trainer.term is not None:

@@ -35,6 +35,24 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
+def hub_messages(hub: HubProcess, exits: int = 1, timeout: float = 20.0) -> list:
+    """Every record of `hub`, decoded, once the `exit` messages of `exits` rank processes
+    arrived (a rank's exit is its last message: nothing of it can still be on the way)."""
+    from scalemon.client import HubClient
+
+    client = HubClient(hub.address)
+
+    def arrived() -> list | None:
+        records, _ = client.fetch(0)
+        messages = [protocol.decode(r) for r in records]
+        return messages if sum(m.type == "exit" for m in messages) >= exits else None
+
+    try:
+        return wait_for(arrived, timeout=timeout)
+    finally:
+        client.close()
+
+
 @pytest.fixture
 def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A short private SCALEMON_HOME (ipc socket paths must stay under ~100 bytes)."""
@@ -49,16 +67,29 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class HubProcess:
-    """A real `python -m scalemon.hub` subprocess."""
+# runs the hub as a build of scalemon that speaks another protocol version would
+_OTHER_VERSION_HUB = """
+import sys
+import scalemon.protocol as p
+p.PROTOCOL_VERSION = tuple(int(v) for v in sys.argv.pop(1).split("."))
+p._OUR_VERSION = list(p.PROTOCOL_VERSION)
+from scalemon.hub.main import main
+sys.exit(main(sys.argv[1:]))
+"""
 
-    def __init__(self, home: Path, job: str, *args: str) -> None:
+
+class HubProcess:
+    """A real `python -m scalemon.hub` subprocess (`version`: one that speaks that protocol
+    version instead of ours)."""
+
+    def __init__(self, home: Path, job: str, *args: str, version: str | None = None) -> None:
         self.home = home
         self.job = job
         self.log = home / f"hub-{job}-{time.monotonic_ns()}.log"
+        hub = ["-m", "scalemon.hub"] if version is None else ["-c", _OTHER_VERSION_HUB, version]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scalemon.hub", "--job", job, "--home", str(home), *args],
+                [sys.executable, *hub, "--job", job, "--home", str(home), *args],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         self.address = self.wait_ready()
@@ -87,8 +118,8 @@ def start_hub(home: Path) -> Iterator[Callable[..., HubProcess]]:
     """Factory for hub subprocesses, all killed at the end of the test."""
     hubs: list[HubProcess] = []
 
-    def start(job: str = "job1", *args: str) -> HubProcess:
-        hub = HubProcess(home, job, *args)
+    def start(job: str = "job1", *args: str, version: str | None = None) -> HubProcess:
+        hub = HubProcess(home, job, *args, version=version)
         hubs.append(hub)
         return hub
 
@@ -136,12 +167,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
-    """`torchrun ... -- demo_train/train.py ARGS` with a free rendezvous port."""
+def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = (),
+                 device: str = "cpu") -> list[str]:
+    """`torchrun ... -- demo_train/train.py --device cpu ARGS` with a free rendezvous port.
+    The jobs of the tests are about gloo ranks on the CPU: on a machine with fewer GPUs than
+    ranks, `--device auto` would (rightly) refuse to start them."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), *extra, "--", str(REPO / "demo_train" / "train.py"),
-        *train_args,
+        "--device", device, *train_args,
     ]
 
 

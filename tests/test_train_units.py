@@ -242,3 +242,141 @@ def test_no_usable_or_incompatible_checkpoints_are_clear_errors(corpus, tmp_path
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         quiet.load_latest(t.state)
 
+
+
+# -----------------------------------------------------------------------------
+# device choice: a GPU per rank, or a clear stop
+
+
+@pytest.mark.parametrize(("requested", "local_rank", "ranks", "gpus", "expected"), [
+    ("auto", 0, 1, 0, "cpu"),
+    ("auto", 1, 2, 0, "cpu"),
+    ("auto", 1, 2, 2, "cuda:1"),
+    ("auto", 0, 1, 8, "cuda:0"),
+    ("cuda", 3, 4, 4, "cuda:3"),
+    ("cpu", 1, 2, 8, "cpu"),
+])
+def test_device_choice_gives_each_rank_its_own_gpu_or_the_cpu(requested, local_rank, ranks,
+                                                              gpus, expected) -> None:
+    from scalemon.demo_train.parallel import choose_device
+
+    assert str(choose_device(requested, local_rank, ranks, gpus)) == expected
+
+
+@pytest.mark.parametrize(("requested", "ranks", "gpus", "says"), [
+    ("auto", 2, 1, "2 ranks on this node but 1 visible GPU(s)"),
+    ("cuda", 8, 4, "torchrun --nproc-per-node 4"),
+    ("cuda", 1, 0, "no CUDA GPU is visible: use --device cpu"),
+])
+def test_device_choice_refuses_what_cannot_work_and_names_the_fix(requested, ranks, gpus,
+                                                                  says) -> None:
+    from scalemon.demo_train.parallel import DeviceChoiceError, choose_device
+
+    with pytest.raises(DeviceChoiceError, match="--device cpu") as err:
+        choose_device(requested, 0, ranks, gpus)
+    assert says in str(err.value)
+
+
+def test_two_ranks_on_one_gpu_stop_with_one_line_instead_of_a_traceback(monkeypatch,
+                                                                        capsys) -> None:
+    """The 1-GPU machine case: rank 1 would get cuda:1, which does not exist."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *_: pytest.fail("set_device called"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.main(["--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("train.py: 2 ranks on this node but 1 visible GPU(s)")
+    assert "--device cpu" in err and "--nproc-per-node 1" in err
+
+
+# -----------------------------------------------------------------------------
+# --log-every: host reads only on logged steps, throughput between them
+
+
+class FakeMonitor:
+    """What the trainer calls on a monitor run, recorded."""
+
+    agent_time_total_s = 0.0
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict]] = []
+
+    def log(self, step: int, loss: object = None, tokens: int | None = None, **extra) -> None:
+        self.logged.append((step, extra))
+
+    def set_phase(self, name: str) -> None:
+        pass
+
+    def info(self, key: str, value: object) -> None:
+        pass
+
+    def finish(self, code: int = 0) -> None:
+        pass
+
+
+def test_host_values_are_read_only_on_logged_steps(corpus, monkeypatch, capsys) -> None:
+    t = trainer(corpus, "--max-steps", "10", "--log-every", "4")
+    reads: list[float] = []
+
+    def counting_read(loss: torch.Tensor) -> float:
+        reads.append(loss.item())
+        return reads[-1]
+
+    monkeypatch.setattr(train, "read_loss", counting_read)
+    t.monitor = FakeMonitor()
+    assert train.train(t) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("step ")]
+    assert len(reads) == 3  # steps 4, 8 and the last one, 10
+    assert printed == [f"step {s} loss {v:.4f}" for s, v in zip((4, 8, 10), reads, strict=True)]
+    assert [s for s, _ in t.monitor.logged] == list(range(1, 11))  # the monitor gets every step
+    measured = {s: extra for s, extra in t.monitor.logged if extra}
+    assert sorted(measured) == [4, 8, 10] and all("tokens_per_s" in e for e in measured.values())
+    assert "mfu" not in measured[4]  # no known peak on a CPU
+
+
+def test_log_every_defaults_to_1_on_cpu_and_10_on_cuda(corpus) -> None:
+    assert trainer(corpus).log_every == 1
+    assert trainer(corpus, "--log-every", "3").log_every == 3
+    with pytest.raises(SystemExit):
+        train.parse_args(["--log-every", "0"])
+    if torch.cuda.is_available():
+        args = train.parse_args(["--preset", "tiny", "--data", str(corpus), "--device", "cuda"])
+        cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+        assert train.build(args, cuda).log_every == 10
+
+
+def test_tokens_per_s_is_timed_between_syncs_so_waiting_for_the_device_counts(
+        corpus, monkeypatch) -> None:
+    """A read that waits (as `loss.item()` waits for the GPU) is inside the measured time: the
+    rate is what the device achieved, not how fast the host queued work."""
+    t = trainer(corpus, "--max-steps", "4", "--log-every", "2")
+    wait_s = 0.3
+
+    def slow_read(loss: torch.Tensor) -> float:
+        import time
+
+        time.sleep(wait_s)
+        return loss.item()
+
+    monkeypatch.setattr(train, "read_loss", slow_read)
+    t.monitor = FakeMonitor()
+    train.train(t)
+    rates = [extra["tokens_per_s"] for _, extra in t.monitor.logged if extra]
+    assert len(rates) == 2
+    most = t.tokens_per_step * 2 / wait_s  # 2 steps per interval, each with one wait
+    assert all(rate < most for rate in rates), (rates, most)
+
+
+def test_sync_clock_leaves_sleeps_and_warm_up_out() -> None:
+    clock = train.SyncClock(step=0, now=100.0)
+    assert clock.lap(10, 105.0) == (10, 5.0)  # warm-up interval
+    clock.pause(1.0)  # a --step-delay sleep
+    assert clock.lap(20, 108.0) == (10, 2.0)
+    assert clock.lap(30, 110.0) == (10, 2.0)
+    assert clock.tokens_per_s(100) == pytest.approx(100 * 20 / 4.0)  # the first one left out
+    assert train.SyncClock(0, 0.0).tokens_per_s(100) is None

@@ -1,9 +1,9 @@
 """`scalemon demo`: start a monitored 2-rank run of the demo trainer and watch it.
 
-The job runs under torchrun in its own session (CPU ranks with gloo; GPUs with NCCL when there
-is one per rank), its output goes to a log file, and the dashboard attaches to it by job id.
-Quitting the dashboard stops the job and its hub; `scalemon snapshot <job>` can still replay
-the history afterwards.
+The job runs under torchrun in its own session (`--device cuda` with NCCL when there is a GPU
+per rank, else `--device cpu` with gloo), its output goes to a log file, and the dashboard
+attaches to it by job id. Quitting the dashboard stops the job and its hub; `scalemon snapshot
+<job>` can still replay the history afterwards.
 """
 
 from __future__ import annotations
@@ -64,24 +64,28 @@ def trainer_path() -> str:
     return spec.origin
 
 
-def job_command(args: argparse.Namespace) -> list[str]:
+def demo_device(ranks: int, gpus: int) -> str:
+    """`cuda` when every rank gets a GPU of its own (NCCL needs one each), else `cpu`."""
+    return "cuda" if 0 < ranks <= gpus else "cpu"
+
+
+def job_command(args: argparse.Namespace, device: str) -> list[str]:
     """The torchrun command line of the demo job."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
         "--master-port", str(free_port()), "--", trainer_path(), "--monitor",
-        "--max-steps", str(args.max_steps), "--step-delay", str(args.step_delay),
-        "--preset", args.preset, "--batch-size", str(args.batch_size),
+        "--device", device, "--max-steps", str(args.max_steps),
+        "--step-delay", str(args.step_delay), "--preset", args.preset,
+        "--batch-size", str(args.batch_size),
     ]
 
 
-def job_env(job: str, ranks: int) -> dict[str, str]:
-    """Environment of the job: its id, a short hub linger, CPU unless every rank has a GPU."""
+def job_env(job: str) -> dict[str, str]:
+    """Environment of the job: its id and a short hub linger."""
     env = os.environ.copy()
     env.update(SCALEMON_JOB_ID=job, SCALEMON_HUB_ARGS=env.get("SCALEMON_HUB_ARGS",
                                                               "--linger 30"))
     env.setdefault("OMP_NUM_THREADS", "1")
-    if gpu_count() < ranks:  # NCCL needs a GPU per rank; otherwise train on the CPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -89,7 +93,8 @@ def start_job(args: argparse.Namespace, job: str) -> tuple[subprocess.Popen, Pat
     """Start torchrun in a new session; returns the process and its log file."""
     log_path = private_dir(scalemon_home() / "demo") / f"{job}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(job_command(args), env=job_env(job, args.ranks),
+        device = demo_device(args.ranks, gpu_count())
+        proc = subprocess.Popen(job_command(args, device), env=job_env(job),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return proc, log_path
