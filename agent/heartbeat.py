@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -11,8 +10,7 @@ from typing import Any
 import psutil
 
 from .nvml import GpuReader
-
-log = logging.getLogger("scalemon.agent")
+from .warn import Warnings
 
 
 class Phase:
@@ -44,8 +42,10 @@ class Heartbeat:
         submit: Callable[[str, dict[str, Any]], bool],
         counters: Callable[[], dict[str, int]],
         interval_s: float = 1.0,
+        warnings: Warnings | None = None,
     ) -> None:
         self.phase = phase
+        self.warnings = warnings or Warnings()
         self.gpu = gpu
         self.submit = submit
         self.counters = counters
@@ -73,12 +73,16 @@ class Heartbeat:
         self.submit("heartbeat", body)
         return body
 
+    def _beat_safely(self) -> None:
+        try:
+            self.beat()
+        except Exception as exc:  # keep beating; a heartbeat is never worth a crash
+            self.warnings.once("heartbeat", "scalemon: a heartbeat failed (%s: %s); the hub "
+                               "marks this rank lost if it goes on", type(exc).__name__, exc)
+
     def _run(self) -> None:
         while True:
-            try:
-                self.beat()
-            except Exception as exc:  # keep beating; a heartbeat is never worth a crash
-                log.debug("scalemon heartbeat failed: %s", exc)
+            self._beat_safely()
             if self._stop.wait(self.interval_s):
                 return
 
@@ -86,4 +90,4 @@ class Heartbeat:
         """Stop the thread (returns within one interval), sending a last reading."""
         self._stop.set()
         self._thread.join(timeout=self.interval_s + 1)
-        self.beat()
+        self._beat_safely()

@@ -1,11 +1,14 @@
-"""NVML readings through one wrapper: any missing GPU, driver or value reads as None ("n/a")."""
+"""NVML readings through one wrapper: a missing GPU, driver or value reads as None ("n/a").
+
+A value the GPU does not support is None without a word; any other failure (an NVML error, a
+driver problem, a function this pynvml lacks) is None too, and said once per function with its
+reason, so a broken reading never reads "n/a" in silence and never stops the heartbeat."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-log = logging.getLogger("scalemon.agent")
+from .warn import Warnings
 
 try:  # nvidia-ml-py installs the module `pynvml`
     import pynvml
@@ -13,19 +16,14 @@ except ImportError:  # pragma: no cover - it is a dependency, but stay usable wi
     pynvml = None
 
 
-def _query(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception:
-        return None
-
-
 class GpuReader:
     """Reads utilisation, memory, power and temperature of one GPU; all None without NVML."""
 
-    def __init__(self, pci_bus_id: str | None = None, index: int | None = None) -> None:
+    def __init__(self, pci_bus_id: str | None = None, index: int | None = None,
+                 warnings: Warnings | None = None) -> None:
         self.handle = None
         self.reason = "no GPU"
+        self.warnings = warnings or Warnings()
         if pynvml is None:
             self.reason = "pynvml not installed"
             return
@@ -33,15 +31,31 @@ class GpuReader:
             return
         try:
             pynvml.nvmlInit()
-        except Exception as exc:
+        except Exception as exc:  # NVMLError, or a library that does not load
             self.reason = f"NVML unavailable: {exc}"
+            self.warnings.once("nvml-init", "scalemon: GPU readings (utilisation, power, "
+                               "temperature) are n/a: NVML did not start: %s", exc)
             return
         if pci_bus_id is not None:
-            self.handle = _query(pynvml.nvmlDeviceGetHandleByPciBusId, pci_bus_id)
+            self.handle = self._query("nvmlDeviceGetHandleByPciBusId", pci_bus_id)
         if self.handle is None and index is not None:
-            self.handle = _query(pynvml.nvmlDeviceGetHandleByIndex, index)
+            self.handle = self._query("nvmlDeviceGetHandleByIndex", index)
         self.reason = "ok" if self.handle is not None else "GPU not found by NVML"
-        log.debug("scalemon: NVML readings: %s", self.reason)
+        if self.handle is None:
+            self.warnings.once("nvml-handle", "scalemon: GPU readings are n/a: NVML does not "
+                               "find the GPU (PCI bus id %s, index %s)", pci_bus_id, index)
+
+    def _query(self, name: str, *args: Any) -> Any:
+        """pynvml.<name>(*args), or None when it fails: silently where the GPU does not support
+        the value, else said once per function with the reason (a pynvml without the
+        function, a driver error), so a broken reading does not read "n/a" in silence."""
+        try:
+            return getattr(pynvml, name)(*args)
+        except Exception as exc:
+            if not _not_supported(exc):
+                self.warnings.once(f"nvml:{name}", "scalemon: NVML %s failed (%s: %s); that "
+                                   "reading is n/a", name, type(exc).__name__, exc)
+            return None
 
     def read(self) -> dict[str, float | int | None]:
         """One reading; every value None where NVML cannot give it."""
@@ -54,10 +68,11 @@ class GpuReader:
         }
         if self.handle is None:
             return out
-        util = _query(pynvml.nvmlDeviceGetUtilizationRates, self.handle)
-        mem = _query(pynvml.nvmlDeviceGetMemoryInfo, self.handle)
-        power_mw = _query(pynvml.nvmlDeviceGetPowerUsage, self.handle)
-        temp = _query(pynvml.nvmlDeviceGetTemperature, self.handle, 0)  # NVML_TEMPERATURE_GPU
+        query = self._query
+        util = query("nvmlDeviceGetUtilizationRates", self.handle)
+        mem = query("nvmlDeviceGetMemoryInfo", self.handle)
+        power_mw = query("nvmlDeviceGetPowerUsage", self.handle)
+        temp = query("nvmlDeviceGetTemperature", self.handle, 0)  # NVML_TEMPERATURE_GPU
         if util is not None:
             out["gpu_util_pct"] = float(util.gpu)
         if mem is not None:
@@ -68,6 +83,12 @@ class GpuReader:
         if temp is not None:
             out["gpu_temp_c"] = float(temp)
         return out
+
+
+def _not_supported(exc: BaseException) -> bool:
+    """True for NVML's "not supported on this GPU" error (a value that cannot exist here)."""
+    return pynvml is not None and isinstance(exc, pynvml.NVMLError) and getattr(
+        exc, "value", None) == pynvml.NVML_ERROR_NOT_SUPPORTED
 
 
 def pci_bus_id_of(device_index: int) -> str | None:

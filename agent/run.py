@@ -30,6 +30,7 @@ from .nvml import GpuReader, pci_bus_id_of
 from .steps import ScaleTracker, StepFinisher
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
 from .transport import Sender
+from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,6 +70,7 @@ class Run:
     ) -> None:
         self.disabled = False
         self._disabled_reason: str | None = None
+        self.warnings = Warnings()
         self.pid = os.getpid()
         self.env = env or read_rank_env()
         if job:
@@ -87,21 +89,22 @@ class Run:
         init_scale = getattr(scaler, "_init_scale", None)
         self._steps = StepFinisher(
             ScaleTracker(float(init_scale) if init_scale is not None else None), self.phase,
-            events,
+            events, self.warnings,
         )
         self.agent_time_total_s = 0.0
         self._previous_log_s = 0.0
         self.steps_logged = 0
         self._finished = False
-        self.sender = Sender(self.address.ingest, self.env.job, self.env.rank)
+        self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
+                             rpc_endpoint=self.address.rpc, warnings=self.warnings)
         self._hello(model, config)
         if optimizer is not None:
             self.watch_optimizer(optimizer)
         if model is not None:
             self.watch_model(model, time_collectives)
-        self.gpu = GpuReader(*self._gpu_ids())
+        self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
-                                   heartbeat_s)
+                                   heartbeat_s, self.warnings)
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)
@@ -142,7 +145,8 @@ class Run:
         all-reduce goes untimed) instead of getting DDP's "can only be called once" error."""
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
         if time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase), model)
+            self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase, self.warnings),
+                                  model)
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
@@ -240,7 +244,8 @@ class Run:
             try:
                 self.heartbeat.stop()  # sends a last reading
             except Exception as exc:
-                log.debug("scalemon: last heartbeat failed: %s", exc)
+                self.warnings.once("last-heartbeat", "scalemon: the last heartbeat failed: "
+                                   "%s: %s", type(exc).__name__, exc)
             reason = reason or ("finished" if exit_code == 0 else "exit")
             body = {"reason": reason, "exit_code": exit_code, "step": self.phase.step,
                     "error": self._disabled_reason}

@@ -3,7 +3,6 @@ microseconds, and the sender thread turns them into the `step` body once they ar
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -12,8 +11,7 @@ import torch
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
 from .transport import PLAIN_TYPES, plain_value
-
-log = logging.getLogger("scalemon.agent")
+from .warn import Warnings
 
 # What the training thread leaves per step, one tuple (cheaper to build than a dict there):
 # step, tokens, step time, agent time, extra, loss and loss scale (host floats; None on CUDA),
@@ -51,12 +49,13 @@ class StepFinisher:
     event pool and pinned buffers (None and unused on CPU), and the phase whose
     completed-collective count it advances on CUDA."""
 
-    def __init__(self, scales: ScaleTracker, phase: Phase, events: EventPool | None) -> None:
+    def __init__(self, scales: ScaleTracker, phase: Phase, events: EventPool | None,
+                 warnings: Warnings | None = None) -> None:
         self.scales = scales
         self.phase = phase
         self.events = events
+        self.warnings = warnings or Warnings()
         self.pinned: dict[int, list[torch.Tensor]] = {}  # free pinned buffers by length
-        self._warned: set[str] = set()
 
     def stage(self, loss: Any, scale: torch.Tensor | None, extra: dict[str, Any] | None) -> tuple:
         """Copy device scalars (loss, loss scale, and one-element CUDA tensors among the extra
@@ -116,11 +115,10 @@ class StepFinisher:
             value = plain_value(value)
             if type(value) in PLAIN_TYPES:
                 out[name] = value
-            elif name not in self._warned:
-                self._warned.add(name)
-                log.warning("scalemon: log(%s=...) is of type %s; only numbers, strings and "
-                            "one-element tensors are sent, so that value is left out",
-                            name, type(value).__name__)
+            else:
+                self.warnings.once(f"extra:{name}", "scalemon: log(%s=...) is of type %s; only "
+                                   "numbers, strings and one-element tensors are sent, so that "
+                                   "value is left out", name, type(value).__name__)
         return out
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .heartbeat import Phase
+from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 
@@ -128,9 +129,10 @@ class OptimizerTimer:
 class AllReduceTimer:
     """A DDP communication hook: the default averaging all-reduce, timed per bucket."""
 
-    def __init__(self, timer: SpanTimer, phase: Phase) -> None:
+    def __init__(self, timer: SpanTimer, phase: Phase, warnings: Warnings | None = None) -> None:
         self.timer = timer
         self.phase = phase
+        self.warnings = warnings or Warnings()
         self._group: Any = None
         self._group_size = 1
         self._lock = threading.Lock()  # gloo completes futures on several threads
@@ -166,8 +168,10 @@ class AllReduceTimer:
             events = self.timer.events
             span = [t, t if events is None else events.record(), None, tensor]
             self.timer.spans.append(span)
-        except Exception:
+        except Exception as exc:  # the all-reduce itself must go on
             span = None
+            self.warnings.once("comm-hook", "scalemon: timing a DDP bucket's all-reduce failed "
+                               "(%s: %s); such buckets go untimed", type(exc).__name__, exc)
         phase.cost_s += time.perf_counter() - t
         tensor.div_(self._group_size)
         fut = dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
@@ -185,6 +189,7 @@ class AllReduceTimer:
                         self.phase.collectives_completed += 1
                 else:
                     span[2] = events.record()
-            except Exception:
-                pass
+            except Exception as exc:  # the gradients must still come back to DDP
+                self.warnings.once("comm-done", "scalemon: closing an all-reduce span failed "
+                                   "(%s: %s); such buckets go untimed", type(exc).__name__, exc)
         return fut.value()[0]

@@ -5,6 +5,10 @@ woken sender would compete for the GIL right when the training thread holds it. 
 wakes every `flush_interval_s`, owns the ZeroMQ PUSH socket, packs messages and sends them with
 NOBLOCK. A full deque or a full socket queue (no hub,
 slow hub) drops the message and counts it; the hub sees the drop as a gap in `seq` too.
+
+The thread also asks the hub for its protocol version once (a `ping` on the hub's RPC socket,
+answered whenever the hub is up): a hub of another major version would refuse every message,
+so the agent says so once, naming both versions, and stops sending.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from typing import Any
 
 import zmq
 
+import scalemon
 from scalemon import protocol
+
+from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 
@@ -36,8 +43,13 @@ class Sender:
         socket_hwm: int = 10_000,
         close_timeout_s: float = 2.0,
         flush_interval_s: float = 0.05,
+        rpc_endpoint: str | None = None,
+        warnings: Warnings | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.rpc_endpoint = rpc_endpoint
+        self.warnings = warnings or Warnings()
+        self.hub_version: tuple[int, int] | None = None  # once the hub answered
         self.job = job
         self.rank = rank
         self.max_queue = max_queue
@@ -47,7 +59,6 @@ class Sender:
         self.dropped = 0  # changed under _drop_lock: several threads drop
         self.sent = 0
         self._drop_lock = threading.Lock()
-        self._warned: set[str] = set()
         self._seq = itertools.count()
         self._queue: deque[tuple[str, int, float, dict[str, Any]]] = deque()
         # steps whose body a callable finishes on this thread once device values are ready;
@@ -75,9 +86,8 @@ class Sender:
     def _drop(self, why: str | None = None) -> None:
         with self._drop_lock:
             self.dropped += 1
-        if why and why not in self._warned:  # each kind of problem is logged once
-            self._warned.add(why)
-            log.warning("scalemon: dropped a message: %s", why)
+        if why:  # each kind of problem is logged once
+            self.warnings.once(f"drop: {why}", "scalemon: dropped a message: %s", why)
 
     def submit(self, mtype: str, body: dict[str, Any]) -> bool:
         """Queue a message (any thread); False when it was dropped."""
@@ -102,15 +112,21 @@ class Sender:
     def _run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
+        probe = None
         try:
             sock.setsockopt(zmq.SNDHWM, self.socket_hwm)
             sock.setsockopt(zmq.LINGER, int(self.close_timeout_s * 1000))
             sock.setsockopt(zmq.RECONNECT_IVL, 200)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(self.endpoint)
+            probe = self._ask_version(ctx)
             while True:
                 self._wake.wait(self.flush_interval_s)
                 stopping = self._stopping
+                if probe is not None and probe.poll(0, zmq.POLLIN):
+                    self._read_version(probe)
+                    probe.close(linger=0)
+                    probe = None
                 self._drain(sock)
                 if stopping:  # wait a little for the device, then give up on what is stuck
                     self._drain_deferred(sock, time.monotonic() + self.close_timeout_s, True)
@@ -121,8 +137,43 @@ class Sender:
             self._failed = True
             log.warning("scalemon: sending to %s failed, monitoring is off: %s", self.endpoint, exc)
         finally:
+            if probe is not None:
+                probe.close(linger=0)
             sock.close()  # waits up to LINGER for queued frames to leave
             ctx.term()
+
+    def _ask_version(self, ctx: zmq.Context) -> zmq.Socket | None:
+        """Send one `ping` to the hub's RPC socket; it queues until the hub is up."""
+        if self.rpc_endpoint is None:
+            return None
+        probe = ctx.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.connect(self.rpc_endpoint)
+        try:
+            probe.send(protocol.encode_request("ping"), zmq.NOBLOCK)
+        except zmq.Again:
+            probe.close(linger=0)
+            return None
+        return probe
+
+    def _read_version(self, probe: zmq.Socket) -> None:
+        """The hub's answer to the ping: another major version switches sending off."""
+        try:
+            reply = protocol.decode_reply(probe.recv_multipart(zmq.NOBLOCK)[-1])
+            self.hub_version = tuple(reply["v"])  # type: ignore[assignment]
+        except protocol.VersionMismatch as exc:
+            self.hub_version = exc.theirs
+            self._failed = True
+            self.warnings.once(
+                "hub-version",
+                "scalemon: the job's hub at %s speaks protocol %s, this rank's agent (scalemon "
+                "%s) speaks %s, so the hub would refuse every message: monitoring is off on "
+                "this rank. Install the same scalemon version in the training environment and "
+                "where the hub runs.", self.rpc_endpoint, protocol.version_text(exc.theirs),
+                scalemon.__version__, protocol.version_text(exc.ours))
+        except (protocol.ProtocolError, zmq.ZMQError) as exc:
+            self.warnings.once("hub-ping", "scalemon: the hub's answer to a ping was unusable: "
+                               "%s", exc)
 
     def _drain(self, sock: zmq.Socket) -> None:
         while self._queue:

@@ -23,12 +23,12 @@ from typing import Any
 
 import zmq
 
+import scalemon
 from scalemon import protocol
+from scalemon.history import HISTORY_FILE, History
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
 from scalemon.jobstate import JobState, RankView
-from scalemon.protocol import HUB_RANK, ProtocolError
-
-from .history import History
+from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
 
 log = logging.getLogger("scalemon.hub")
 
@@ -66,11 +66,12 @@ class Hub:
         self.lost_after_s = lost_after_s
         self.linger_s = linger_s
         self._lock_file = self._take_lock()
-        self.history = History(self.run_dir / "history.smlog", memory_limit)
+        self.history = History(self.run_dir / HISTORY_FILE, memory_limit)
         self.state = JobState(job=job, world_size=world_size)
         self.received = 0
         self.rejected = 0
         self.reject_reasons: Counter[str] = Counter()
+        self._versions_refused: set[tuple[int, int]] = set()
         self.started = time.time()
         self._own_seq = 0
         self._last_recv: dict[int, float] = {}
@@ -238,6 +239,15 @@ class Hub:
         self.rejected += 1
         reason = str(exc).split(":")[0][:60]
         self.reject_reasons[reason] += 1
+        if isinstance(exc, VersionMismatch):  # said once per version, not once per frame
+            if exc.theirs not in self._versions_refused:
+                self._versions_refused.add(exc.theirs)
+                log.warning(
+                    "refusing every frame of protocol version %s: this hub (scalemon %s) speaks "
+                    "%s. A rank or a dashboard runs another scalemon major version; install "
+                    "the same one everywhere", version_text(exc.theirs), scalemon.__version__,
+                    version_text(exc.ours))
+            return
         if self.rejected <= 20 or self.rejected % 1000 == 0:
             log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size, exc)
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scalemon import __version__, protocol
-from scalemon.jobs import JobLookupError, live_jobs, resolve_hub, run_dir
+from scalemon import __version__, display, protocol
+from scalemon.jobs import JobLookupError, live_jobs, resolve_hub
 from scalemon.jobstate import JobState
 
 
@@ -30,9 +30,9 @@ def _json_safe(value: Any) -> Any:
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
-    from scalemon.hub.history import read_messages
+    from scalemon.history import history_path, read_messages
 
-    path = run_dir(job) / "history.smlog"
+    path = history_path(job)
     if not path.exists():
         return None
     state = JobState(job=job)
@@ -50,6 +50,12 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         job, address = resolve_hub(args.target)
         reply = HubClient(address, timeout_s=args.timeout).state()
         reply["source"] = address.base
+    except protocol.VersionMismatch as exc:
+        print(f"scalemon snapshot: the hub of {job} speaks scalemon protocol "
+              f"{protocol.version_text(exc.theirs)}, this scalemon ({__version__}) speaks "
+              f"{protocol.version_text(exc.ours)}: use the scalemon version the job runs",
+              file=sys.stderr)
+        return 2
     except (JobLookupError, HubUnreachable, ValueError, protocol.ProtocolError) as exc:
         problem, reply = str(exc), None
         if job and "://" not in job:  # a job id: its history file may still be there
@@ -72,27 +78,62 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 def _fmt(value: Any, spec: str = "") -> str:
     if value is None:
-        return "n/a"
+        return display.NA
     return format(value, spec) if spec else str(value)
 
 
-def format_snapshot(state: dict[str, Any]) -> str:
-    """A plain-text table of the snapshot for people."""
+def _frame_cell(key: str, rank: dict[str, Any]) -> str:
+    if key == "state":
+        return rank["state"] + (f" ({rank['state_reason']})" if rank.get("state_reason") else "")
+    return _fmt(rank.get(key))
+
+
+def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
+    """A plain-text table of the snapshot for people: a row per rank with the columns of the
+    dashboard (but those only a dashboard computes), then each rank's `extra` values and the
+    run's `info` facts, one line each, cut at `width` characters of value."""
     lines = [
         f"job {state['job']}  world size {_fmt(state['world_size'])}  state {state['state']}"
         f"  messages {state['messages']}",
-        f"{'rank':>4} {'host':<16} {'step':>7} {'loss':>9} {'step s':>8} {'allred s':>9}"
-        f" {'opt s':>8} {'cpu%':>6} {'hb age s':>8}  state",
     ]
-    for r in state["ranks"]:
-        lines.append(
-            f"{r['rank']:>4} {_fmt(r['host']):<16.16} {_fmt(r['step']):>7}"
-            f" {_fmt(r['loss'], '.4f'):>9} {_fmt(r['step_time_s'], '.4f'):>8}"
-            f" {_fmt(r['allreduce_time_s'], '.4f'):>9} {_fmt(r['optimizer_time_s'], '.4f'):>8}"
-            f" {_fmt(r['cpu_pct'], '.0f'):>6} {_fmt(r['heartbeat_age_s'], '.1f'):>8}"
-            f"  {r['state']}" + (f" ({r['state_reason']})" if r.get("state_reason") else "")
-        )
+    columns = display.rank_columns(dashboard=False)
+    cells = []
+    for rank in state["ranks"]:
+        values = {**rank, **rank.get("extra", {})}
+        cells.append([display.metric_text(c.metric, values) if c.metric else
+                      _frame_cell(c.key, rank) for c in columns])
+    widths = [max([len(c.heading)] + [len(row[i]) for row in cells if c.key != "state"])
+              for i, c in enumerate(columns)]
+    state_at = [c.key for c in columns].index("state")
+    widths[state_at] = len("state")  # the state goes last on its row, reasons can be long
+
+    def line(texts: list[str]) -> str:
+        out = [t.ljust(w) if c.align_left else t.rjust(w)
+               for c, t, w in zip(columns, texts, widths, strict=True) if c.key != "state"]
+        return " ".join(out) + "  " + texts[state_at]
+
+    lines.append(line([c.heading for c in columns]))
+    lines.extend(line(row) for row in cells)
+    for rank in state["ranks"]:
+        if rank.get("extra"):
+            text = _short(display.flat_text(rank["extra"]), width)
+            lines.append(f"rank {rank['rank']} extra: {text}")
+    for key, by_rank in sorted(state.get("info", {}).items()):
+        for text, ranks in _group_equal(by_rank).items():
+            lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
     return "\n".join(lines)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
+    """Flattened value -> the ranks (as text) that hold it."""
+    groups: dict[str, list[str]] = {}
+    for rank, value in sorted(by_rank.items(), key=lambda kv: int(kv[0])):
+        groups.setdefault(display.flat_text(value), []).append(rank)
+    return {text: ",".join(ranks) for text, ranks in groups.items()}
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """A job's history: every accepted message in arrival order, numbered from 0.
 
-Records live in an append-only file (`history.smlog`: a 4-byte big-endian length then the
-message frame, repeated) and the newest `memory_limit` of them also in memory. A hub restarted
-on the same run directory reopens the file, drops a torn last record and carries on numbering.
+Records live in an append-only file (`history.smlog` in the job's run directory: a 4-byte
+big-endian length then the message frame, repeated) and the newest `memory_limit` of them also
+in memory. The hub writes it (`History`); a hub restarted on the same run directory reopens the
+file, drops a torn last record and carries on numbering. `scalemon snapshot` and the dashboard
+read it when the hub is gone (`read_messages`, `history_path`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scalemon import protocol
+from scalemon.jobs import run_dir
 from scalemon.protocol import Message, ProtocolError
 
 log = logging.getLogger("scalemon.hub")
 
+HISTORY_FILE = "history.smlog"
+"""The history's file name inside a job's run directory."""
 _LEN = 4
+
+
+def history_path(job: str, home: Path | None = None) -> Path:
+    """Where the history of `job` is (whether or not it exists); ValueError for a bad job id."""
+    return run_dir(job, home) / HISTORY_FILE
 
 
 class History:

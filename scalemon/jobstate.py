@@ -7,49 +7,29 @@ each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (n
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from scalemon import metrics
 from scalemon.protocol import HUB_RANK, Message
 
-STEP_FIELDS = (
-    "loss",
-    "tokens",
-    "step_time_s",
-    "loss_scale",
-    "skipped",
-    "skipped_steps",
-    "optimizer_time_s",
-    "allreduce_time_s",
-    "allreduce_count",
-    "allreduce_bytes",
-    "allreduce_issue_t",
-    "mem_allocated_bytes",
-    "mem_reserved_bytes",
-    "mem_peak_bytes",
-    "agent_time_s",
-)
-HEARTBEAT_FIELDS = (
-    "phase",
-    "phase_since_s",
-    "collectives_issued",
-    "collectives_completed",
-    "cpu_pct",
-    "rss_bytes",
-    "gpu_util_pct",
-    "gpu_mem_used_bytes",
-    "gpu_mem_total_bytes",
-    "gpu_power_w",
-    "gpu_temp_c",
-    "dropped",
-    "queued",
-)
+STEP_FIELDS = metrics.latest_of("step")
+HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
+EXTRA_NAMES_MAX = 64
+"""A rank's `extra` keeps at most this many names (the first ones seen), so a script that
+logs a new name every step cannot grow the state without bound."""
 TERMINAL_STATES = ("exited", "finished")
+
+
+def _no_values() -> dict[str, Any]:
+    return dict.fromkeys(STEP_FIELDS + HEARTBEAT_FIELDS)
 
 
 @dataclass
 class RankView:
-    """Everything known about one rank: identity, state and the latest value of each metric."""
+    """Everything known about one rank: identity, state, and in `metrics` the latest value of
+    every `step` and `heartbeat` metric of the table (None until known), in `extra` the last
+    value of each name the script passed to `log(**extra)`."""
 
     rank: int
     host: str | None = None
@@ -58,50 +38,40 @@ class RankView:
     restart_count: int | None = None
     device: str | None = None
     backend: str | None = None
+    agent_version: str | None = None
+    torch_version: str | None = None
     state: str = "running"
     state_reason: str | None = None
     exit_code: int | None = None
+    error: str | None = None
     step: int | None = None
     steps_received: int = 0
     last_seen_t: float | None = None
     last_seq: int | None = None
     seq_seen: int = 0
     seq_gaps: int = 0
-    loss: float | None = None
-    tokens: int | None = None
-    step_time_s: float | None = None
-    loss_scale: float | None = None
-    skipped: bool | None = None
-    skipped_steps: int | None = None
-    optimizer_time_s: float | None = None
-    allreduce_time_s: float | None = None
-    allreduce_count: int | None = None
-    allreduce_bytes: int | None = None
-    allreduce_issue_t: float | None = None
-    mem_allocated_bytes: int | None = None
-    mem_reserved_bytes: int | None = None
-    mem_peak_bytes: int | None = None
-    agent_time_s: float | None = None
-    phase: str | None = None
-    phase_since_s: float | None = None
-    collectives_issued: int | None = None
-    collectives_completed: int | None = None
-    cpu_pct: float | None = None
-    rss_bytes: int | None = None
-    gpu_util_pct: float | None = None
-    gpu_mem_used_bytes: int | None = None
-    gpu_mem_total_bytes: int | None = None
-    gpu_power_w: float | None = None
-    gpu_temp_c: float | None = None
-    dropped: int | None = None
-    queued: int | None = None
-    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=_no_values)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def value(self, name: str, now: float | None = None) -> Any:
+        """The current value of metric `name` of the table (KeyError for other names): from
+        the messages, from `extra` for well-known extra names, or computed (`now` for ages)."""
+        metric = metrics.BY_NAME[name]
+        if metric.source == "extra":
+            return self.extra.get(name)
+        if name == "heartbeat_age_s":
+            if self.last_seen_t is None:
+                return None
+            return (time.time() if now is None else now) - self.last_seen_t
+        return self.metrics[name]
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
-        """A JSON-ready dict, with `heartbeat_age_s` computed against `now`."""
-        out = asdict(self)
-        now = time.time() if now is None else now
-        out["heartbeat_age_s"] = None if self.last_seen_t is None else now - self.last_seen_t
+        """A JSON-ready dict: identity and state, then every metric under its own name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("metrics", "extra")}
+        out.update(self.metrics)
+        out["extra"] = dict(self.extra)
+        out["heartbeat_age_s"] = self.value("heartbeat_age_s", now)
         return out
 
 
@@ -159,20 +129,31 @@ class JobState:
         view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
         view.restart_count = b.get("restart_count")
         view.device, view.backend = b.get("device"), b.get("backend")
+        view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
         self.world_size = max(self.world_size or 0, b["world_size"])
+        if b.get("config") is not None:
+            self.info.setdefault("config", {})[msg.rank] = b["config"]
 
     def _on_step(self, msg: Message, view: RankView) -> None:
         b = msg.body
         view.step = b["step"]
         view.steps_received += 1
-        vars(view).update({name: b.get(name) for name in STEP_FIELDS})  # absent -> None
+        view.metrics.update({name: b.get(name) for name in STEP_FIELDS})  # absent -> None
+        extra = b.get("extra")
+        if extra:
+            if len(view.extra) + len(extra) <= EXTRA_NAMES_MAX:
+                view.extra.update(extra)
+            else:  # only names already known, and new ones while there is room
+                for name, value in extra.items():
+                    if name in view.extra or len(view.extra) < EXTRA_NAMES_MAX:
+                        view.extra[name] = value
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        vars(view).update({name: b.get(name) for name in HEARTBEAT_FIELDS})
+        view.metrics.update({name: b.get(name) for name in HEARTBEAT_FIELDS})
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 
@@ -186,7 +167,7 @@ class JobState:
         view.exit_code = b.get("exit_code")
         view.error = b.get("error")
         if b.get("dropped") is not None:
-            view.dropped = b["dropped"]
+            view.metrics["dropped"] = b["dropped"]
 
     def _on_rank_state(self, msg: Message) -> None:
         b = msg.body

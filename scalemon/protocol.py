@@ -21,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from scalemon import metrics
+
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
@@ -30,11 +32,14 @@ MAX_REPLY_BYTES = 64 << 20
 HUB_RANK = -1
 """`rank` of messages the hub itself writes into the history (rank state changes)."""
 
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
 _OPT_INT = (int, type(None))
 _OPT_STR = (str, type(None))
 _OPT_DICT = (dict, type(None))
+
+
+def _fields_from_table(message: str) -> dict[str, tuple[tuple[type, ...], bool]]:
+    return {m.name: (metrics.wire_types(m), m.required) for m in metrics.fields_of(message)}
+
 
 # message type -> {field: (accepted python types, required)}
 MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -51,43 +56,10 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "backend": (_OPT_STR, False),
         "config": (_OPT_DICT, False),
     },
-    # One training step, sent when the step's device values are ready.
-    "step": {
-        "step": ((int,), True),
-        "loss": (_OPT_NUM, False),
-        "tokens": (_OPT_INT, False),
-        "step_time_s": (_OPT_NUM, False),
-        "loss_scale": (_OPT_NUM, False),
-        "skipped": ((bool, type(None)), False),
-        "skipped_steps": (_OPT_INT, False),
-        "optimizer_time_s": (_OPT_NUM, False),
-        "allreduce_time_s": (_OPT_NUM, False),
-        "allreduce_count": (_OPT_INT, False),
-        "allreduce_bytes": (_OPT_INT, False),
-        "allreduce_issue_t": (_OPT_NUM, False),
-        "mem_allocated_bytes": (_OPT_INT, False),
-        "mem_reserved_bytes": (_OPT_INT, False),
-        "mem_peak_bytes": (_OPT_INT, False),
-        "agent_time_s": (_OPT_NUM, False),
-        "extra": (_OPT_DICT, False),
-    },
-    # Once a second from the agent's background thread.
-    "heartbeat": {
-        "phase": ((str,), True),
-        "phase_since_s": (_OPT_NUM, False),
-        "step": (_OPT_INT, False),
-        "collectives_issued": (_OPT_INT, False),
-        "collectives_completed": (_OPT_INT, False),
-        "cpu_pct": (_OPT_NUM, False),
-        "rss_bytes": (_OPT_INT, False),
-        "gpu_util_pct": (_OPT_NUM, False),
-        "gpu_mem_used_bytes": (_OPT_INT, False),
-        "gpu_mem_total_bytes": (_OPT_INT, False),
-        "gpu_power_w": (_OPT_NUM, False),
-        "gpu_temp_c": (_OPT_NUM, False),
-        "dropped": ((int,), True),
-        "queued": (_OPT_INT, False),
-    },
+    # One training step, sent when the step's device values are ready; and once a second
+    # from the agent's background thread. Both bodies come from the table of metrics.
+    "step": _fields_from_table("step"),
+    "heartbeat": _fields_from_table("heartbeat"),
     # Free-form facts about the run (memory estimate, configuration, ...).
     "info": {
         "key": ((str,), True),
@@ -115,6 +87,24 @@ RANK_STATES = ("running", "lost", "exited", "finished")
 
 class ProtocolError(ValueError):
     """A frame that is not a valid scalemon message; the text says what was wrong."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another major version of the protocol; the text names both."""
+
+    def __init__(self, theirs: tuple[int, int]) -> None:
+        self.theirs = theirs
+        self.ours = PROTOCOL_VERSION
+        super().__init__(
+            f"protocol version {version_text(theirs)} is not compatible with this side's "
+            f"{version_text(PROTOCOL_VERSION)}: install the same scalemon major version on the "
+            "ranks, hub and dashboard"
+        )
+
+
+def version_text(version: tuple[int, int] | list[int]) -> str:
+    """A version as people write it: 1.0."""
+    return "{}.{}".format(*version)
 
 
 @dataclass(slots=True)
@@ -165,11 +155,7 @@ def check_version(v: Any) -> tuple[int, int]:
         raise ProtocolError(f"bad protocol version field {v!r}: expected [major, minor]")
     major, minor = v
     if major != PROTOCOL_VERSION[0]:
-        ours = "{}.{}".format(*PROTOCOL_VERSION)
-        raise ProtocolError(
-            f"protocol version {major}.{minor} is not compatible with this side's {ours}: "
-            "install the same scalemon major version on the ranks, hub and dashboard"
-        )
+        raise VersionMismatch((major, minor))
     return major, minor
 
 

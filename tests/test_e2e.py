@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import scalemon
 from conftest import kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient, HubStream
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
@@ -44,10 +45,17 @@ def hub_address(home: Path, job: str) -> HubAddress:
 
 
 def rank_steps(home: Path, job: str) -> list:
-    try:
-        state = HubClient(hub_address(home, job), timeout_s=2).state()["state"]
-    except Exception:
+    """Each rank's last step ([] before the job's hub wrote its job file). An unreachable hub
+    or a bad reply raises: a real error, not a reason to wait."""
+    path = jobs_dir(home) / f"{job}.json"
+    if not path.exists():
         return []
+    address = HubAddress.parse(JobFile.read(path).address)
+    client = HubClient(address, timeout_s=10)
+    try:
+        state = client.state()["state"]
+    finally:
+        client.close()
     return [r["step"] or 0 for r in state["ranks"]]
 
 
@@ -73,6 +81,12 @@ def test_torchrun_job_then_snapshot_shows_both_ranks_finished(home):
         assert r["allreduce_bytes"] > 0
         assert r["mem_allocated_bytes"] is None and r["gpu_util_pct"] is None  # n/a on CPU
         assert r["rss_bytes"] > 0 and r["dropped"] == 0 and r["seq_gaps"] == 0
+        # what the trainer measures and the agent's identity reach the snapshot too
+        assert r["extra"]["tokens_per_s"] > 0 and "mfu" not in r["extra"]  # no CPU peak
+        assert r["agent_version"] == scalemon.__version__ and r["torch_version"]
+    config = state["info"]["config"]
+    assert sorted(config) == ["0", "1"] and config["0"]["preset"] == "tiny"
+    assert config["1"]["device"] == "cpu" and config["1"]["max_steps"] == 20
 
 
 def test_client_attaching_after_step_10_gets_steps_1_to_20_once(home):

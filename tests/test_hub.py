@@ -14,9 +14,10 @@ import msgpack
 import pytest
 import zmq
 
-from conftest import FakeRank, wait_for
+from conftest import FakeRank, hub_messages, wait_for
 from scalemon import protocol
 from scalemon.client import HubClient, HubStream
+from scalemon.history import history_path, read_records
 from scalemon.jobs import JobFile, jobs_dir
 
 
@@ -74,21 +75,45 @@ def test_late_client_gets_whole_history_then_live_exactly_once(start_hub, zctx):
 
 
 def test_stream_fills_a_gap_left_by_the_live_feed(start_hub, zctx):
+    """Four records never reach the stream live (their feed batches are taken away): the next
+    live record shows the gap, and the stream fetches exactly it over RPC (the periodic
+    catch-up is off here, so nothing else can bring them) and delivers every record in order."""
     hub = start_hub("jobC")
     rank = FakeRank(zctx, hub.address, "jobC", 0)
     stream = HubStream(hub.address)
-    rank.step(1)
-    wait_for(lambda: hub_state(hub)["head"] == 1)
-    stream.sub.setsockopt(zmq.UNSUBSCRIBE, protocol.FEED_TOPIC)  # miss the next records live
-    time.sleep(0.2)
-    for step in range(2, 6):
+    fetches: list[tuple[int, int]] = []
+    fetch = stream.client.fetch
+
+    def recording_fetch(since: int, limit: int = 10_000) -> tuple[list[bytes], int]:
+        fetches.append((since, limit))
+        return fetch(since, limit)
+
+    stream.client.fetch = recording_fetch
+    live_only = float("inf")  # never the periodic catch-up
+    got: list = []
+    sent = 0
+
+    def feed_is_live() -> bool:  # a step at a time until the feed delivers them
+        nonlocal sent
+        sent += 1
+        rank.step(sent)
+        got.extend(stream.poll(0.2, sync_every_s=live_only))
+        return len(got) == sent
+
+    wait_for(feed_is_live)
+    fetched_before = len(fetches)
+    missed = 0
+    for step in range(sent + 1, sent + 5):
         rank.step(step)
-    wait_for(lambda: hub_state(hub)["head"] == 5)
-    stream.sub.setsockopt(zmq.SUBSCRIBE, protocol.FEED_TOPIC)
-    time.sleep(0.3)
-    rank.step(6)
-    got = collect(stream, lambda g: len(g) >= 6)
-    assert [m.body["step"] for _, m in got] == [1, 2, 3, 4, 5, 6]
+    while missed < 4:  # take the four records' live batches away from the stream
+        assert stream.sub.poll(5000), "no live batch"
+        missed += len(stream.sub.recv_multipart()) - 2
+    rank.step(sent + 5)
+    wait_for(lambda: got.extend(stream.poll(0.1, sync_every_s=live_only)) or
+             len(got) == sent + 5)
+    assert [m.body["step"] for _, m in got] == list(range(1, sent + 6))
+    assert [seq for seq, _ in got] == list(range(sent + 5))
+    assert fetches[fetched_before:] == [(sent, 4)]  # exactly the gap
     stream.close()
 
 
@@ -207,7 +232,8 @@ def test_restarted_hub_keeps_history_and_numbering(start_hub, zctx):
     for step in range(1, 4):
         rank.step(step)
     wait_for(lambda: hub_state(hub)["head"] == 3)
-    time.sleep(0.5)  # the history is flushed every 0.25 s
+    history = history_path("jobH", hub.home)
+    wait_for(lambda: len(list(read_records(history))) == 3)  # flushed to the file
     hub.kill(signal.SIGKILL)
     hub2 = start_hub("jobH")
     for step in range(4, 6):
@@ -272,7 +298,9 @@ def test_hub_of_a_job_whose_other_ranks_never_reported_exits_after_lingering(sta
     rank.hello(world_size=4)  # ranks 1-3 run on nodes that cannot reach this hub
     rank.step(1)
     rank.send("exit", {"reason": "finished", "exit_code": 0, "step": 1})
-    assert hub_state(hub)["state"]["state"] != "finished"  # 1 of 4 ranks is not the job
+    state = wait_for(lambda: (s := hub_state(hub)["state"])["ranks"]
+                     and s["ranks"][0]["state"] == "finished" and s)
+    assert state["world_size"] == 4 and state["state"] == "running"  # 1 of 4 is not the job
     assert hub.proc.wait(timeout=15) == 0
     assert "abandoned" in hub.log.read_text()
 
@@ -290,3 +318,108 @@ def test_stream_refuses_a_history_shorter_than_what_it_delivered(start_hub, zctx
         for _ in range(50):
             stream.poll(0.05, sync_every_s=0)
     stream.close()
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free loopback ports (a tcp hub binds port..port+2)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise AssertionError("no free run of loopback ports")
+
+
+def test_tcp_endpoints_carry_an_agent_a_snapshot_and_a_stream(start_hub):
+    from scalemon.agent.run import Run
+    from scalemon.jobs import HubAddress
+
+    port = free_ports(3)
+    address = f"tcp://127.0.0.1:{port}"
+    hub = start_hub("jobT", "--address", address)
+    assert (hub.address.ingest, hub.address.rpc) == (address, f"tcp://127.0.0.1:{port + 2}")
+    run = Run(job="jobT", hub=address, heartbeat_s=0.2)
+    for step in range(1, 6):
+        run.log(step, loss=10.0 - step, tokens=32)
+    # the agent's version check went over tcp too: the hub answered its ping
+    assert wait_for(lambda: run.sender.hub_version) == protocol.PROTOCOL_VERSION
+    run.finish()
+    messages = hub_messages(hub)
+    assert [m.body["step"] for m in messages if m.type == "step"] == [1, 2, 3, 4, 5]
+    snap = run_cli("snapshot", address, "--json")
+    assert snap.returncode == 0, snap.stderr
+    rank = json.loads(snap.stdout)["ranks"][0]
+    assert rank["step"] == 5 and rank["loss"] == 5.0 and rank["state"] == "finished"
+    stream = HubStream(HubAddress.parse(address))
+    got = collect(stream, lambda g: len(g) == len(messages))
+    stream.close()
+    assert [m.seq for _, m in got] == [m.seq for m in messages]
+
+
+def test_a_history_beyond_the_memory_bound_is_served_from_the_file(start_hub, zctx):
+    hub = start_hub("jobMem", "--memory-limit", "10")
+    rank = FakeRank(zctx, hub.address, "jobMem", 0)
+    for step in range(1, 51):
+        rank.step(step, loss=float(step))
+    wait_for(lambda: hub_state(hub)["head"] == 50)
+    records, head = HubClient(hub.address).fetch(0, 1000)
+    assert head == 50
+    assert [protocol.decode(r).body["step"] for r in records] == list(range(1, 51))
+    stream = HubStream(hub.address)  # a late dashboard: the whole history, mostly from disk
+    got = collect(stream, lambda g: len(g) >= 50)
+    stream.close()
+    assert [m.body["step"] for _, m in got] == list(range(1, 51))
+    wait_for(lambda: len(list(read_records(history_path("jobMem", hub.home)))) == 50)
+    hub.kill(signal.SIGKILL)
+    again = start_hub("jobMem", "--memory-limit", "10")  # rebuilds the state from the file
+    view = hub_state(again)["state"]["ranks"][0]
+    assert view["steps_received"] == 50 and view["step"] == 50 and view["loss"] == 50.0
+
+
+def test_another_protocol_version_gets_one_clear_message_on_every_side(start_hub, zctx,
+                                                                        caplog):
+    """A hub of protocol 2.0 and everything else of 1.0: the hub says once that it refuses
+    1.0 frames, the agent says once that the hub speaks 2.0 and stops sending, and
+    `scalemon snapshot` says which versions clash instead of replaying or guessing."""
+    import logging
+
+    from scalemon.agent.run import Run
+
+    hub = start_hub("jobV", version="2.0")
+    rank = FakeRank(zctx, hub.address, "jobV", 0)
+    for step in range(1, 31):
+        rank.step(step)
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        run = Run(job="jobV", hub=hub.address.base, heartbeat_s=0.2)
+        wait_for(lambda: run.sender.hub_version is not None)
+        run.log(1, loss=1.0)
+        run.finish()
+    said = [r.getMessage() for r in caplog.records if "speaks protocol" in r.getMessage()]
+    assert len(said) == 1 and "speaks protocol 2.0" in said[0] and "speaks 1.0" in said[0]
+    assert "monitoring is off on this rank" in said[0]
+    assert run.sender.dropped >= 3 and run.sender.hub_version == (2, 0)
+
+    snap = run_cli("snapshot", "jobV")
+    assert snap.returncode == 2 and snap.stdout == ""
+    assert snap.stderr.count("\n") == 1 and "replaying" not in snap.stderr
+    assert "speaks scalemon protocol 2.0, this scalemon (0.1.0) speaks 1.0" in snap.stderr
+
+    log = wait_for(lambda: "refusing" in (text := hub.log.read_text()) and text)
+    refusals = [line for line in log.splitlines() if "refusing every frame" in line]
+    assert len(refusals) == 1  # 30 frames and a ping, one line
+    assert "protocol version 1.0" in refusals[0] and "speaks 2.0" in refusals[0]

@@ -9,9 +9,13 @@ import signal
 import time
 from collections.abc import Callable
 
+import pytest
 import zmq
 
-from scalemon.jobs import HubAddress, run_dir
+from conftest import wait_for
+from scalemon import display
+from scalemon.history import history_path, read_records
+from scalemon.jobs import HubAddress
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.attach import make_app
 from scalemon.tui.feed import HubFeed
@@ -21,12 +25,12 @@ from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import simulated_app
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import COLUMNS
+from scalemon.tui.views import COLUMNS, rank_detail
 from scalemon.tui.widgets.header import JobHeader
 from scalemon.tui.widgets.plot import LinePlot
 from scalemon.tui.widgets.rank_table import RankTable
 
-COL = {key: i for i, (key, _, _) in enumerate(COLUMNS)}
+COL = {c.key: i for i, c in enumerate(COLUMNS)}
 
 
 class SimSender:
@@ -102,15 +106,15 @@ def test_table_shows_every_rank_with_its_values_and_plots_follow_the_data(start_
             for rank, row in table.items():
                 body = ranks.sent[rank]
                 assert row[COL["loss"]] == f"{body['loss']:.4f}"
-                assert row[COL["step_ms"]] == f"{body['step_time_s'] * 1000:.1f}"
-                assert row[COL["allreduce_ms"]] == f"{body['allreduce_time_s'] * 1000:.1f}"
-                assert row[COL["optimizer_ms"]] == f"{body['optimizer_time_s'] * 1000:.1f}"
+                assert row[COL["step_time_s"]] == f"{body['step_time_s'] * 1000:.1f}"
+                assert row[COL["allreduce_time_s"]] == f"{body['allreduce_time_s'] * 1000:.1f}"
+                assert row[COL["optimizer_time_s"]] == f"{body['optimizer_time_s'] * 1000:.1f}"
                 assert row[COL["state"]] == "running" and row[COL["host"]] == "node0"
                 # no GPU, no AMP: "n/a", never a number that looks like zero
-                for key in ("loss_scale", "mem_alloc", "mem_resv", "mem_peak", "nvml",
-                            "gpu_util"):
+                for key in ("loss_scale", "mem_allocated_bytes", "mem_reserved_bytes",
+                            "mem_peak_bytes", "gpu_mem_used_bytes", "gpu_util_pct", "mfu"):
                     assert row[COL[key]] == "n/a", key
-                assert row[COL["cpu"]] == f"{98 + rank % 4}"
+                assert row[COL["cpu_pct"]] == f"{98 + rank % 4}"
             assert "job tuiA" in header(app) and "world 3" in header(app)
             assert "hub connected" in header(app)
 
@@ -155,7 +159,7 @@ def test_a_rank_that_stops_sending_turns_lost(start_hub, zctx):
                         each=keep_going)
             table = cells(app)
             assert "lost ranks: 2" in header(app)
-            assert float(table[2][COL["hb_age"]]) >= 1.0
+            assert float(table[2][COL["heartbeat_age_s"]]) >= 1.0
 
     asyncio.run(scenario())
 
@@ -175,15 +179,27 @@ def test_enter_opens_the_rank_detail_and_help_and_palette_work(start_hub, zctx):
             ranks.heartbeat(30)
             await until(pilot, lambda: len(cells(app)) == 2
                         and cells(app)[1][COL["step"]] == "30")
+            sent = ranks.sent[1]["extra"]  # step 30: the trainer's measured tokens/s and MFU
+            assert cells(app)[1][COL["tokens_per_s"]] == display.si(sent["tokens_per_s"])
+            assert cells(app)[1][COL["mfu"]] == f"{100 * sent['mfu']:.1f}"
             await pilot.press("down", "enter")
             await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
             assert app.screen.rank == 1
             title = app.screen.query_one("#detail-title")
             await until(pilot, lambda: "rank 1" in str(title.render()))
-            mem = app.screen.query_one("#detail-mem_alloc_gib", LinePlot)
+            mem = app.screen.query_one("#detail-mem_allocated_bytes", LinePlot)
             await until(pilot, lambda: mem.spec.has_data)
             assert [line.label for line in mem.spec.lines] == ["alloc", "resv", "peak"]
+            assert mem.spec.unit == "GiB" and mem.spec.lines[0].hi.max() == pytest.approx(
+                ranks.sent[1]["mem_allocated_bytes"] / 2**30, rel=1e-3)
             assert app.screen.query_one("#detail-loss", LinePlot).spec.has_data
+            lr = app.screen.query_one("#detail-extra-0", LinePlot)  # log(lr=...): plotted too
+            await until(pilot, lambda: lr.spec.has_data)
+            assert lr.spec.title == "lr (log extra)" and len(lr.spec.lines[0].x) == 30
+            facts = dict(rank_detail(app.data, 1).facts)  # what the facts panel shows
+            assert facts["scalemon / torch"] == "0.1.0 / 2.13.0"
+            assert facts["info config"].startswith("preset=gpt2-124m")
+            assert facts["log extra"].startswith("lr=")
             await pilot.press("right")
             await until(pilot, lambda: "rank 0" in str(title.render()))
             await pilot.press("escape")
@@ -215,7 +231,9 @@ def test_hub_that_goes_away_shows_disconnected_and_reconnects_without_gaps(home,
                 ranks.step(s)
             await until(pilot, lambda: len(cells(app)) == 2
                         and cells(app)[0][COL["step"]] == "5")
-            await pilot.pause(0.6)  # the hub flushes its history file every 0.25 s
+            history = history_path("tuiD", home)
+            # flushed to the file: 2 hellos and 5 steps of 2 ranks
+            await until(pilot, lambda: len(list(read_records(history))) == 12)
             hub.kill(signal.SIGKILL)
             await until(pilot, lambda: "disconnected, retrying" in header(app), timeout=15)
             start_hub("tuiD")  # same job: reopens the history, same record numbers
@@ -268,7 +286,7 @@ def test_a_hub_with_a_new_history_under_the_same_job_makes_the_dashboard_start_o
             await until(pilot, lambda: len(cells(app)) == 2
                         and cells(app)[1][COL["step"]] == "10")
             hub.kill(signal.SIGKILL)
-            (run_dir("tuiF", home) / "history.smlog").unlink()
+            history_path("tuiF", home).unlink()
             await until(pilot, lambda: "disconnected, retrying" in header(app), timeout=15)
             start_hub("tuiF")  # numbering starts at 0 again
             one = SimSender(zctx, hub.address, SimJob(job="tuiF", ranks=1, gpu=False,
@@ -305,7 +323,16 @@ def test_many_ranks_scroll_and_mouse_selection():
             await pilot.click(RankTable, offset=(10, 3))
             await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
             assert app.screen.rank == 2
-            await pilot.press("l")  # from the detail the binding still works
+            assert app.data.loss_mode == "auto"  # 40 ranks: a band
+            await pilot.press("l")  # from the detail the app's binding still works
+            assert app.data.loss_mode == "ranks"
+            await pilot.press("escape")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen))
+            loss = app.screen.query_one("#plot-loss", LinePlot)
+            await until(pilot, lambda: len(loss.spec.lines) == 40)  # a line per rank now
+            assert [line.label for line in loss.spec.lines][:3] == ["r0", "r1", "r2"]
+            await pilot.press("l")
+            await until(pilot, lambda: [line.band for line in loss.spec.lines] == [True, False])
 
     asyncio.run(scenario())
 
@@ -316,8 +343,9 @@ def test_attach_to_a_job_whose_hub_is_gone_replays_its_history(home, start_hub, 
     ranks.hello()
     for s in range(1, 8):
         ranks.step(s)
-    time.sleep(0.5)
-    hub.kill(signal.SIGTERM)  # flushes its history and removes its job file
+    # in the file: 2 hellos and 7 steps of 2 ranks
+    wait_for(lambda: len(list(read_records(history_path("tuiG", home)))) == 16)
+    hub.kill(signal.SIGTERM)  # removes its job file
     app = make_app("tuiG", home=home)
     assert isinstance(app, DashboardApp)
 
@@ -326,5 +354,82 @@ def test_attach_to_a_job_whose_hub_is_gone_replays_its_history(home, start_hub, 
             await until(pilot, lambda: len(cells(app)) == 2
                         and cells(app)[1][COL["step"]] == "7")
             assert "hub offline" in header(app)
+
+    asyncio.run(scenario())
+
+
+def test_the_cursor_row_comes_into_view_when_moved_before_the_new_rows_are_laid_out():
+    """End pressed in the same tick as 50 new ranks arrive: the scroll must wait for the new
+    size, or it is clamped to the old one (the top) and the last row is never shown."""
+    from textual.app import App, ComposeResult
+
+    from scalemon.tui.views import Row
+
+    class TableOnly(App[None]):
+        def compose(self) -> ComposeResult:
+            yield RankTable(id="ranks")
+
+    async def scenario() -> None:
+        app = TableOnly()
+        async with app.run_test(size=(60, 16)) as pilot:
+            await pilot.pause(0.1)
+            table = app.query_one(RankTable)
+            blank = ("",) * (len(COLUMNS) - 1)
+            table.show_rows(list(range(50)), [Row(r, (str(r), *blank), "") for r in range(50)])
+            table.action_cursor_to(-1)
+            await until(pilot, lambda: table.scroll_offset.y > 0)
+            rows_shown = table.scrollable_content_region.height - 1
+            top = table.scroll_offset.y
+            assert table.rank_at_cursor() == 49 and top <= 49 < top + rows_shown
+
+    asyncio.run(scenario())
+
+
+def test_a_hub_of_another_protocol_version_is_named_in_the_header(home, start_hub):
+    hub = start_hub("tuiV", version="2.0")
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=hub.address, timeout_s=1.0, retry_s=0.3))
+        async with app.run_test(size=(160, 30)) as pilot:
+            await until(pilot, lambda: "hub incompatible" in header(app))
+            assert "speaks scalemon protocol 2.0, this dashboard 1.0" in header(app)
+            assert "disconnected" not in header(app)
+
+    asyncio.run(scenario())
+
+
+def test_screens_ask_their_host_app_through_messages():
+    """The overview works in any app that answers its messages (no reaching into the app)."""
+    from textual.app import App
+
+    from scalemon.tui.messages import OpenRank, RedrawNeeded
+    from scalemon.tui.model import DashboardData
+
+    sim = SimJob(ranks=3, gpu=False, amp=False)
+    data = DashboardData()
+    data.apply_messages(sim.run(5))
+
+    class Host(App[None]):
+        def __init__(self) -> None:
+            super().__init__()
+            self.opened: list[int] = []
+            self.redraws = 0
+
+        def on_mount(self) -> None:
+            self.push_screen(OverviewScreen())
+            self.set_interval(0.05, lambda: self.screen.refresh_view(data, sim.end_t(5), True))
+
+        def on_open_rank(self, message: OpenRank) -> None:
+            self.opened.append(message.rank)
+
+        def on_redraw_needed(self, message: RedrawNeeded) -> None:
+            self.redraws += 1
+
+    async def scenario() -> None:
+        app = Host()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: len(app.screen.query_one(RankTable).rows) == 3)
+            await pilot.press("down", "enter")
+            await until(pilot, lambda: app.opened == [1])
 
     asyncio.run(scenario())

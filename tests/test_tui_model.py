@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from scalemon import display as fmt
 from scalemon.protocol import Message
-from scalemon.tui import format as fmt
 from scalemon.tui.model import DashboardData, step_values
 from scalemon.tui.series import Series
 from scalemon.tui.sim import SimJob
@@ -87,9 +87,10 @@ def test_formats_say_na_never_zero():
 def test_compute_time_is_clamped_and_missing_values_are_left_out():
     v = step_values({"step": 1, "step_time_s": 0.1, "allreduce_time_s": 0.2,
                      "optimizer_time_s": 0.01, "loss": None, "tokens": 100})
-    assert v["compute_ms"] == 0.0 and v["step_ms"] == pytest.approx(100.0)
-    assert v["tokens_per_s"] == pytest.approx(1000.0)
-    assert "loss" not in v and "mem_alloc_gib" not in v
+    assert v["compute_s"] == 0.0 and v["step_time_s"] == pytest.approx(0.1)
+    assert "loss" not in v and "mem_allocated_bytes" not in v and "tokens_per_s" not in v
+    with_extra = step_values({"step": 2, "extra": {"tokens_per_s": 5e4, "lr": 1e-3}})
+    assert with_extra == {"tokens_per_s": 5e4}  # the table's extras; `lr` is plotted apart
 
 
 def test_the_rank_that_reaches_the_all_reduce_late_is_named():
@@ -103,7 +104,8 @@ def test_the_rank_that_reaches_the_all_reduce_late_is_named():
     styles = {row.rank: row.style for row in view.rows}
     assert styles[5] == "straggler" and all(styles[r] == "" for r in range(8) if r != 5)
     # every rank's step time is the same (the all-reduce equalises it): not a usable signal
-    steps = {row.cells[4] for row in view.rows}
+    at = [c.key for c in COLUMNS].index("step_time_s")
+    steps = {row.cells[at] for row in view.rows}
     assert len(steps) == 1
 
 
@@ -122,8 +124,9 @@ def test_summary_rates_state_and_na_cells_of_a_cpu_job():
     s = view.summary
     assert s.state == "finished" and s.step_min == s.step_max == 100
     assert s.elapsed_s == pytest.approx(10.0, abs=0.1)
-    cells = dict(zip([c[0] for c in COLUMNS], view.rows[0].cells, strict=True))
-    assert cells["loss_scale"] == "n/a" and cells["mem_alloc"] == "n/a" and cells["nvml"] == "n/a"
+    cells = dict(zip([c.key for c in COLUMNS], view.rows[0].cells, strict=True))
+    assert cells["loss_scale"] == "n/a" and cells["mem_allocated_bytes"] == "n/a"
+    assert cells["gpu_mem_used_bytes"] == "n/a" and cells["mfu"] == "n/a"
     assert cells["state"] == "finished" and cells["step"] == "100"
     assert view.plots is not None and not view.plots["scale"].has_data
     assert view.plots["scale"].empty.startswith("n/a")

@@ -29,7 +29,9 @@ from textual.worker import get_current_worker
 from scalemon.jobs import JobFile
 from scalemon.tui import views
 from scalemon.tui.feed import Feed, HubFeed
+from scalemon.tui.messages import OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.screens.help import HelpScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
@@ -128,7 +130,9 @@ class DashboardApp(App[None]):
 
     def on_feed_status(self, event: FeedStatus) -> None:
         """Tell the user when the hub goes away and comes back."""
-        if event.status == "disconnected":
+        if event.status == "incompatible":
+            self.notify(event.detail, severity="error", timeout=30)
+        elif event.status == "disconnected":
             self.notify(f"hub disconnected ({event.detail}); retrying", severity="warning",
                         timeout=4)
         elif event.status == "connected" and getattr(self.feed, "attaches", 0) > 1:
@@ -146,7 +150,7 @@ class DashboardApp(App[None]):
 
     def _tick(self) -> None:
         screen = self.screen
-        if not hasattr(screen, "refresh_view") or not screen.is_mounted:
+        if not isinstance(screen, DataScreen) or not screen.is_mounted:
             return  # a modal on top (help, palette), or a screen still composing
         now = self.clock()
         start = time.perf_counter()
@@ -189,6 +193,14 @@ class DashboardApp(App[None]):
         """Show the detail screen of `rank`."""
         self.push_screen(RankDetailScreen(rank))
         self.redraw_now()
+
+    def on_open_rank(self, message: OpenRank) -> None:
+        """A screen asked for a rank's detail."""
+        self.open_rank(message.rank)
+
+    def on_redraw_needed(self, message: RedrawNeeded) -> None:
+        """A screen needs a redraw (rows scrolled into view, another rank shown)."""
+        self.redraw_now(plots=message.plots)
 
     def action_help(self) -> None:
         """Keys and meanings."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from scalemon.jobs import HubAddress, live_jobs, run_dir
+from scalemon.history import history_path
+from scalemon.jobs import HubAddress, live_jobs
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
 
@@ -25,7 +26,7 @@ def make_app(target: str | None, home: Path | None = None,
     if target:
         known = any(j.job == target for j in jobs)
         try:
-            has_history = (run_dir(target, home) / "history.smlog").exists()
+            has_history = history_path(target, home).exists()
         except ValueError as exc:
             return str(exc)
         if not known and not has_history:

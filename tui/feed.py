@@ -18,8 +18,9 @@ import zmq
 
 from scalemon import protocol
 from scalemon.client import HubStream, HubUnreachable
-from scalemon.jobs import HubAddress, live_jobs, run_dir
-from scalemon.protocol import ProtocolError
+from scalemon.history import history_path, read_messages
+from scalemon.jobs import HubAddress, live_jobs
+from scalemon.protocol import ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
 
 StopCheck = Callable[[], bool]
@@ -88,6 +89,10 @@ class HubFeed(Feed):
                         with data.lock:
                             data.rejected += stream.rejected
                         stream.rejected = 0
+            except VersionMismatch as exc:
+                status("incompatible", f"the hub speaks scalemon protocol "
+                       f"{version_text(exc.theirs)}, this dashboard {version_text(exc.ours)}: "
+                       "attach with the scalemon version the job runs")
             except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError) as exc:
                 status("disconnected", _short(exc))
             finally:
@@ -112,9 +117,7 @@ class HubFeed(Feed):
 
     def _replay_history(self, data: DashboardData) -> bool:
         """Fold the job's history file when its hub is gone; True when there was one."""
-        from scalemon.hub.history import read_messages
-
-        path = run_dir(self.job, self.home) / "history.smlog" if self.job else None
+        path = history_path(self.job, self.home) if self.job else None
         if path is None or not path.exists():
             return False
         batch, rejected = read_messages(path)

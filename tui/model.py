@@ -18,20 +18,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon import metrics
 from scalemon.jobstate import JobState, RankView
 from scalemon.protocol import Message
-from scalemon.tui import format as fmt
 from scalemon.tui.series import Marks, Series
 
-GIB = fmt.GIB
 STEP_WINDOW = 32
 """Steps whose cross-rank aggregate is still open; older ones are closed with what arrived."""
 EMA = 0.3
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
 
-AGGREGATED = ("loss", "loss_scale", "step_ms", "compute_ms", "allreduce_ms", "optimizer_ms",
-              "mem_alloc_gib", "tokens_per_s")
+AGGREGATED = ("loss", "loss_scale", "compute_s", "allreduce_time_s", "optimizer_time_s",
+              "mem_allocated_bytes")
+"""Metrics whose min/mean/max over ranks the overview plots draw."""
+STEP_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "step")
+EXTRA_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "extra")
+HEARTBEAT_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "heartbeat")
+MAX_EXTRA_SERIES = 16
+"""Numeric `log(**extra)` names plotted per rank (the first ones seen) besides the table's."""
 
 
 @dataclass
@@ -46,11 +51,13 @@ class ConnState:
 class RankTrack:
     """The per-rank history the reducer does not keep."""
 
-    __slots__ = ("series", "skipped", "samples", "tokens", "late_ema", "compute_ema", "cap")
+    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "late_ema", "compute_ema",
+                 "cap")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.series: dict[str, Series] = {}
+        self.series: dict[str, Series] = {}  # by metric name, values in the metric's wire unit
+        self.extras: dict[str, Series] = {}  # numeric log(**extra) names not in the table
         self.skipped = Marks()
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
         self.tokens = 0
@@ -62,6 +69,15 @@ class RankTrack:
         series = self.series.get(name)
         if series is None:
             series = self.series[name] = Series(self.cap)
+        series.add(x, value)
+
+    def add_extra(self, name: str, x: float, value: float) -> None:
+        """Append to the series of extra value `name` (up to MAX_EXTRA_SERIES names)."""
+        series = self.extras.get(name)
+        if series is None:
+            if len(self.extras) >= MAX_EXTRA_SERIES:
+                return
+            series = self.extras[name] = Series(self.cap)
         series.add(x, value)
 
     def rates(self, now: float) -> tuple[float | None, float | None]:
@@ -105,41 +121,43 @@ def _number(value: Any) -> float | None:
 
 
 def step_values(body: dict[str, Any]) -> dict[str, float]:
-    """The plotted values of one `step` body, in display units; absent ones left out."""
-    st = _number(body.get("step_time_s"))
-    ar = _number(body.get("allreduce_time_s"))
-    opt = _number(body.get("optimizer_time_s"))
-    tokens = _number(body.get("tokens"))
-    out: dict[str, float | None] = {
-        "loss": _number(body.get("loss")),
-        "loss_scale": _number(body.get("loss_scale")),
-        "step_ms": None if st is None else st * 1e3,
-        # all-reduce overlaps backward under DDP, so this is a lower bound of the compute time
-        "compute_ms": None if st is None else max(0.0, st - (ar or 0.0) - (opt or 0.0)) * 1e3,
-        "allreduce_ms": None if ar is None else ar * 1e3,
-        "optimizer_ms": None if opt is None else opt * 1e3,
-        "agent_ms": None if (a := _number(body.get("agent_time_s"))) is None else a * 1e3,
-        "tokens_per_s": tokens / st if tokens is not None and st else None,
-    }
-    for name, key in (("mem_alloc_gib", "mem_allocated_bytes"),
-                      ("mem_resv_gib", "mem_reserved_bytes"), ("mem_peak_gib", "mem_peak_bytes")):
-        value = _number(body.get(key))
-        out[name] = None if value is None else value / GIB
-    return {k: v for k, v in out.items() if v is not None}
+    """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
+    with the well-known extras and the dashboard's `compute_s`; absent ones left out."""
+    out: dict[str, float] = {}
+    for name in STEP_PLOTTED:
+        value = _number(body.get(name))
+        if value is not None:
+            out[name] = value
+    extra = body.get("extra")
+    if extra:
+        for name in EXTRA_PLOTTED:
+            value = _number(extra.get(name))
+            if value is not None:
+                out[name] = value
+    step_time = out.get("step_time_s")
+    if step_time is not None:
+        busy = out.get("allreduce_time_s", 0.0) + out.get("optimizer_time_s", 0.0)
+        out["compute_s"] = max(0.0, step_time - busy)
+    return out
+
+
+def extra_values(body: dict[str, Any]) -> dict[str, float]:
+    """The numeric `log(**extra)` values of a `step` body that the table does not name."""
+    extra = body.get("extra")
+    if not extra:
+        return {}
+    return {name: value for name, raw in extra.items()
+            if name not in metrics.BY_NAME and (value := _number(raw)) is not None}
 
 
 def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
-    """The plotted values of one `heartbeat` body, in display units."""
-    out: dict[str, float | None] = {
-        "cpu_pct": _number(body.get("cpu_pct")),
-        "gpu_util_pct": _number(body.get("gpu_util_pct")),
-        "gpu_power_w": _number(body.get("gpu_power_w")),
-        "gpu_temp_c": _number(body.get("gpu_temp_c")),
-    }
-    for name, key in (("rss_gib", "rss_bytes"), ("nvml_used_gib", "gpu_mem_used_bytes")):
-        value = _number(body.get(key))
-        out[name] = None if value is None else value / GIB
-    return {k: v for k, v in out.items() if v is not None}
+    """The plotted numbers of one `heartbeat` body by metric name, in wire units."""
+    out: dict[str, float] = {}
+    for name in HEARTBEAT_PLOTTED:
+        value = _number(body.get(name))
+        if value is not None:
+            out[name] = value
+    return out
 
 
 class DashboardData:
@@ -241,6 +259,8 @@ class DashboardData:
         values = step_values(msg.body)
         for name, value in values.items():
             track.add(name, step, value)
+        for name, value in extra_values(msg.body).items():
+            track.add_extra(name, step, value)
         if msg.body.get("skipped"):
             track.skipped.add(step)
             self.skipped.add(step)
@@ -276,8 +296,8 @@ class DashboardData:
                 acc.n[name] = 1
         if issue_t is not None and math.isfinite(issue_t):
             acc.issue[rank] = issue_t
-        if "compute_ms" in values:
-            acc.compute[rank] = values["compute_ms"] / 1e3
+        if "compute_s" in values:
+            acc.compute[rank] = values["compute_s"]
         if self._expected is None:
             self._expected = sum(1 for v in self.state.ranks.values()
                                  if v.state == "running" and v.steps_received)
@@ -297,7 +317,7 @@ class DashboardData:
             for rank, t in acc.issue.items():
                 track = self._track(rank)
                 late = t - median
-                track.add("late_ms", step, late * 1e3)
+                track.add("arrival_late_s", step, late)
                 track.late_ema = late if track.late_ema is None else (
                     (1 - EMA) * track.late_ema + EMA * late)
         if len(acc.compute) >= 2:

@@ -22,13 +22,16 @@ class Line:
 
     @classmethod
     def from_series(cls, label: str, series: Series | None, color: int = 0, *,
-                    band: bool = False, mean: bool = False) -> Line | None:
-        """A line from a series' buckets: their envelope, or their means when `mean`."""
+                    band: bool = False, mean: bool = False, scale: float = 1.0) -> Line | None:
+        """A line from a series' buckets: their envelope, or their means when `mean`; values
+        times `scale` (a metric's display scale: seconds to ms, bytes to GiB)."""
         if series is None or len(series) == 0:
             return None
         x, lo, hi, avg = series.arrays()
         if mean:
             lo = hi = avg
+        if scale != 1.0:
+            lo, hi = lo * scale, hi * scale
         return cls(label, x, lo, hi, color, band)
 
 

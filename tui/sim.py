@@ -2,8 +2,10 @@
 
 The numbers are made up but shaped like a real mixed-precision DDP run on GPUs: a falling loss,
 an AMP loss scale that grows and backs off on overflow (skipping that step on every rank),
-compute / all-reduce / optimizer times, and optionally one straggler that reaches the all-reduce
-late (so everyone else waits in it). Everything is deterministic for a given seed.
+compute / all-reduce / optimizer times, the learning rate as a `log` extra, tokens/s and MFU
+every 10th step (as a trainer that syncs every 10 steps sends them), and optionally one
+straggler that reaches the all-reduce late (so everyone else waits in it). Everything is
+deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class SimJob:
         return {"host": self.host(rank), "pid": 10_000 + rank, "world_size": self.ranks,
                 "local_rank": rank % self.ranks_per_host, "restart_count": 0,
                 "device": "NVIDIA H100 80GB HBM3" if self.gpu else "cpu",
-                "backend": "nccl" if self.gpu else "gloo"}
+                "backend": "nccl" if self.gpu else "gloo", "agent_version": "0.1.0",
+                "torch_version": "2.13.0", "config": {"preset": "gpt2-124m", "batch_size": 8,
+                                                      "amp": "bf16" if self.amp else "off"}}
 
     def step_bodies(self, step: int, t: float) -> list[dict[str, Any]]:
         """The step message bodies of all ranks for one step that ended at time `t`."""
@@ -88,7 +92,12 @@ class SimJob:
                 "allreduce_bytes": 4 * 25 << 20,
                 "allreduce_issue_t": start + compute * 0.7,
                 "agent_time_s": 0.0002,
+                "extra": {"lr": 6e-4 * min(1.0, step / 100)},
             }
+            if step % 10 == 0:  # measured between syncs, on logged steps (as the demo trainer)
+                tokens_per_s = 8192 / step_time
+                body["extra"].update(tokens_per_s=tokens_per_s,
+                                     mfu=tokens_per_s * 6 * 124e6 / 989e12 if self.gpu else None)
             if self.amp:
                 body.update(loss_scale=self.scale, skipped=skipped,
                             skipped_steps=self.skipped_steps)

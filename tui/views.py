@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scalemon import display, metrics
+from scalemon.display import NA, Column
 from scalemon.jobstate import RankView
-from scalemon.tui import format as fmt
+from scalemon.metrics import Metric
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
 from scalemon.tui.plotdata import Line, PlotSpec
 
@@ -24,56 +26,10 @@ MAX_LINES = 4
 STRAGGLER_MIN_S = 0.010
 """A rank must arrive this much later than the median (and 10% of a step) to be named."""
 
-# series name -> (title, unit); x is the step for all of them
-SERIES: dict[str, tuple[str, str]] = {
-    "loss": ("loss", ""),
-    "loss_scale": ("AMP loss scale, log", ""),
-    "step_ms": ("step time", "ms"),
-    "compute_ms": ("compute", "ms"),
-    "allreduce_ms": ("all-reduce, sum of buckets", "ms"),
-    "optimizer_ms": ("optimizer", "ms"),
-    "late_ms": ("arrival at all-reduce - median", "ms"),
-    "agent_ms": ("monitor overhead", "ms"),
-    "tokens_per_s": ("tokens/s", ""),
-    "mem_alloc_gib": ("GPU memory", "GiB"),
-    "mem_resv_gib": ("reserved", "GiB"),
-    "mem_peak_gib": ("peak", "GiB"),
-    "nvml_used_gib": ("GPU memory used, NVML", "GiB"),
-    "gpu_util_pct": ("GPU utilisation", "%"),
-    "gpu_power_w": ("GPU power", "W"),
-    "gpu_temp_c": ("GPU temperature", "°C"),
-    "cpu_pct": ("CPU, 100 = one core", "%"),
-    "rss_gib": ("process RSS", "GiB"),
-}
-
-# rank table: (key, heading with unit, width)
-COLUMNS: tuple[tuple[str, str, int], ...] = (
-    ("rank", "rank", 4),
-    ("state", "state", 10),
-    ("step", "step", 6),
-    ("loss", "loss", 7),
-    ("step_ms", "step ms", 7),
-    ("allreduce_ms", "allred ms", 9),
-    ("optimizer_ms", "opt ms", 6),
-    ("late_ms", "late ms", 7),
-    ("hb_age", "hb s", 4),
-    ("loss_scale", "loss scale", 10),
-    ("mem_alloc", "alloc GiB", 9),
-    ("mem_resv", "resv GiB", 8),
-    ("mem_peak", "peak GiB", 8),
-    ("nvml", "NVML GiB", 9),
-    ("gpu_util", "GPU %", 5),
-    ("cpu", "CPU %", 5),
-    ("host", "host", 14),
-)
-DETAIL_PLOTS: tuple[tuple[str, ...], ...] = (
-    ("loss",), ("loss_scale",), ("step_ms", "compute_ms"), ("allreduce_ms",), ("late_ms",),
-    ("optimizer_ms",), ("tokens_per_s",), ("agent_ms",),
-    ("mem_alloc_gib", "mem_resv_gib", "mem_peak_gib"), ("nvml_used_gib",), ("gpu_util_pct",),
-    ("gpu_power_w",), ("gpu_temp_c",), ("cpu_pct",), ("rss_gib",),
-)
-_SHORT = {"step_ms": "step", "compute_ms": "compute", "mem_alloc_gib": "alloc",
-          "mem_resv_gib": "resv", "mem_peak_gib": "peak"}
+COLUMNS: tuple[Column, ...] = display.rank_columns()
+"""The rank table: rank, state, step, one column per metric of the table that has one, host."""
+DETAIL_PANELS: tuple[tuple[str, tuple[Metric, ...]], ...] = tuple(metrics.plot_panels())
+"""The rank detail's plot panels from the table: (title, metrics), before the extra values."""
 
 
 PHASES = {"allreduce": "allred", "optimizer": "optim", "after-optimizer": "post-opt",
@@ -128,7 +84,8 @@ class RankDetail:
 
     rank: int
     facts: list[tuple[str, str]]
-    plots: list[PlotSpec]
+    plots: list[PlotSpec]  # one per DETAIL_PANELS entry
+    extra_plots: dict[str, PlotSpec]  # numeric log(**extra) values by name
 
 
 def overview(data: DashboardData, now: float | None = None, plots: bool = True,
@@ -150,8 +107,8 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
 
 
 def _median_step_s(data: DashboardData) -> float | None:
-    times = [v.step_time_s for v in data.state.ranks.values()
-             if v.step_time_s is not None and v.state == "running"]
+    times = [v.metrics["step_time_s"] for v in data.state.ranks.values()
+             if v.metrics["step_time_s"] is not None and v.state == "running"]
     return statistics.median(times) if times else None
 
 
@@ -190,7 +147,7 @@ def _summary(data: DashboardData, now: float) -> Summary:
         step_max=max(steps) if steps else None,
         steps_per_s=statistics.median(step_rates) if step_rates else None,
         tokens_per_s=sum(token_rates) if token_rates else None,
-        elapsed_s=elapsed, dropped=sum(v.dropped or 0 for v in ranks),
+        elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
     )
@@ -213,31 +170,37 @@ def _stragglers(data: DashboardData, median_step: float | None
     return found, basis
 
 
+def rank_values(data: DashboardData, v: RankView, now: float) -> dict[str, object]:
+    """Every metric of the table for one rank, by name: from the messages, the well-known
+    extras, the heartbeat age, and what the dashboard computes (smoothed arrival lateness)."""
+    values: dict[str, object] = dict(v.metrics)
+    for m in metrics.KEPT:
+        if m.source != "step" and m.source != "heartbeat":
+            values[m.name] = v.value(m.name, now)
+    track = data.tracks.get(v.rank)
+    values["arrival_late_s"] = track.late_ema if track is not None else None
+    return values
+
+
 def _row(data: DashboardData, v: RankView, now: float, straggler: bool,
          median_step: float | None) -> Row:
-    track = data.tracks.get(v.rank)
-    late = track.late_ema if track is not None else None
     state, style = v.state, ""
+    phase, since = v.metrics["phase"], v.metrics["phase_since_s"]
     if v.state == "lost":
         style = "lost"
     elif v.state == "exited":
-        state, style = f"exited {fmt.NA if v.exit_code is None else v.exit_code}", "exited"
+        state, style = f"exited {NA if v.exit_code is None else v.exit_code}", "exited"
     elif v.state == "finished":
         style = "finished"
-    elif (v.phase_since_s is not None and v.phase
-          and v.phase_since_s > max(10.0, 10.0 * (median_step or 0.0))):
-        state, style = f"{PHASES.get(v.phase, v.phase)} {v.phase_since_s:.0f}s", "stuck"
+    elif since is not None and phase and since > max(10.0, 10.0 * (median_step or 0.0)):
+        state, style = f"{PHASES.get(phase, phase)} {since:.0f}s", "stuck"
     elif straggler:
         style = "straggler"
-    hb_age = None if v.last_seen_t is None else now - v.last_seen_t
-    cells = (
-        str(v.rank), state, fmt.NA if v.step is None else str(v.step), fmt.num(v.loss),
-        fmt.ms(v.step_time_s), fmt.ms(v.allreduce_time_s), fmt.ms(v.optimizer_time_s),
-        fmt.signed_ms(late), fmt.age(hb_age), fmt.scale(v.loss_scale),
-        fmt.gib(v.mem_allocated_bytes), fmt.gib(v.mem_reserved_bytes),
-        fmt.gib(v.mem_peak_bytes), fmt.used_of(v.gpu_mem_used_bytes, v.gpu_mem_total_bytes),
-        fmt.pct(v.gpu_util_pct), fmt.pct(v.cpu_pct), v.host or fmt.NA,
-    )
+    values = rank_values(data, v, now)
+    frame = {"rank": str(v.rank), "state": state, "step": NA if v.step is None else str(v.step),
+             "host": v.host or NA}
+    cells = tuple(display.metric_text(c.metric, values) if c.metric is not None else frame[c.key]
+                  for c in COLUMNS)
     return Row(v.rank, cells, style)
 
 
@@ -250,11 +213,16 @@ def lines_per_rank(data: DashboardData) -> bool:
     return len(data.tracks) <= MAX_LINES
 
 
+def _scale(name: str) -> float:
+    show = metrics.BY_NAME[name].show
+    return show.scale if show is not None else 1.0
+
+
 def _per_rank(data: DashboardData, name: str, label: str = "r{rank}") -> list[Line]:
     lines = []
     for i, rank in enumerate(sorted(data.tracks)):
         line = Line.from_series(label.format(rank=rank), data.tracks[rank].series.get(name),
-                                color=i)
+                                color=i, scale=_scale(name))
         if line is not None:
             lines.append(line)
     return lines
@@ -264,8 +232,10 @@ def _band(data: DashboardData, name: str, label: str = "mean") -> list[Line]:
     agg = data.agg.get(name)
     if agg is None or not len(agg):
         return []
-    return [line for line in (Line.from_series("min..max", agg, color=-1, band=True),
-                              Line.from_series(label, agg, color=0, mean=True)) if line]
+    scale = _scale(name)
+    return [line for line in (Line.from_series("min..max", agg, color=-1, band=True, scale=scale),
+                              Line.from_series(label, agg, color=0, mean=True, scale=scale))
+            if line]
 
 
 def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
@@ -278,15 +248,16 @@ def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
     timing = PlotSpec(
         "time", unit="ms",
         lines=[line for line in (
-            Line.from_series("compute", data.agg["compute_ms"], 0, mean=True),
-            Line.from_series("all-red", data.agg["allreduce_ms"], 1, mean=True),
-            Line.from_series("optim", data.agg["optimizer_ms"], 2, mean=True),
+            Line.from_series(label, data.agg[name], color, mean=True, scale=_scale(name))
+            for color, (label, name) in enumerate((("compute", "compute_s"),
+                                                   ("all-red", "allreduce_time_s"),
+                                                   ("optim", "optimizer_time_s")))
         ) if line])
-    has_gpu_mem = any("mem_alloc_gib" in t.series for t in data.tracks.values())
+    has_gpu_mem = any("mem_allocated_bytes" in t.series for t in data.tracks.values())
     if has_gpu_mem:
-        mem_title, mem_name = "GPU alloc", "mem_alloc_gib"
+        mem_title, mem_name = "GPU alloc", "mem_allocated_bytes"
     else:
-        mem_title, mem_name = "RSS, no GPU", "rss_gib"
+        mem_title, mem_name = "RSS, no GPU", "rss_bytes"
     if per_rank:
         mem_lines = _per_rank(data, mem_name)
     elif has_gpu_mem:
@@ -298,16 +269,18 @@ def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
 
 
 def _rss_band(data: DashboardData) -> list[Line]:
-    parts = [t.series["rss_gib"].arrays() for t in data.tracks.values() if "rss_gib" in
-             t.series]
+    parts = [t.series["rss_bytes"].arrays() for t in data.tracks.values()
+             if "rss_bytes" in t.series]
     if not parts:
         return []
     x, lo, hi = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    return [Line("min..max", x, lo, hi, color=-1, band=True)]
+    scale = _scale("rss_bytes")
+    return [Line("min..max", x, lo * scale, hi * scale, color=-1, band=True)]
 
 
 def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> RankDetail | None:
-    """Facts and every series of one rank; None when the rank is unknown."""
+    """Facts and every series of one rank (the table's plot panels, then one plot per numeric
+    extra value the script logs); None when the rank is unknown."""
     now = time.time() if now is None else now
     with data.lock:
         view = data.state.ranks.get(rank)
@@ -316,37 +289,33 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
         track = data.tracks.get(rank)
         series = track.series if track is not None else {}
         plots = []
-        for group in DETAIL_PLOTS:
-            title, unit = SERIES[group[0]]
-            lines = [line for i, name in enumerate(group) if (line := Line.from_series(
-                _short(name), series.get(name), color=i))]
-            spec = PlotSpec(title if len(group) == 1 else _group_title(group), unit=unit,
-                            lines=lines, log=group[0] == "loss_scale",
+        for title, group in DETAIL_PANELS:
+            show = group[0].show
+            assert show is not None
+            lines = [line for i, m in enumerate(group) if (line := Line.from_series(
+                m.show.plot if m.show else m.name, series.get(m.name), color=i,
+                scale=m.show.scale if m.show else 1.0))]
+            spec = PlotSpec(title, unit=show.unit, lines=lines, log=show.log,
                             empty=_why_empty(group[0], view))
-            if group[0] == "loss_scale" and track is not None:
+            if group[0].name == "loss_scale" and track is not None:
                 spec.marks, spec.marks_label = track.skipped.array(), "skipped step"
             plots.append(spec)
-        facts = _facts(view, now, track)
-    return RankDetail(rank, facts, plots)
+        extras = track.extras if track is not None else {}
+        extra_plots = {
+            name: PlotSpec(f"{name} (log extra)",
+                           lines=[line] if (line := Line.from_series(name, extras[name])) else [])
+            for name in sorted(extras)}
+        facts = _facts(data, view, now, track)
+    return RankDetail(rank, facts, plots, extra_plots)
 
 
-def _short(name: str) -> str:
-    return _SHORT.get(name, SERIES[name][0])
-
-
-def _group_title(group: tuple[str, ...]) -> str:
-    return "step time" if group[0] == "step_ms" else "GPU memory, torch"
-
-
-def _why_empty(name: str, view: RankView) -> str:
-    gpu = name.startswith(("mem_", "nvml", "gpu_"))
-    if gpu and (view.device in (None, "cpu")):
-        return "n/a: no GPU on this rank"
-    if name == "loss_scale":
-        return "n/a: no AMP GradScaler"
-    if name in ("allreduce_ms", "late_ms"):
-        return "n/a: no DDP all-reduce timed"
-    return "no data yet"
+def _why_empty(metric: Metric, view: RankView) -> str:
+    show = metric.show
+    if show is None or not show.na:
+        return "no data yet"
+    if metric.name.startswith(("mem_", "gpu_")) and view.device not in (None, "cpu"):
+        return "no data yet"  # a GPU rank: the value comes with the next message
+    return f"n/a: {show.na}"
 
 
 def _rank_list(ranks: list[int], limit: int = 6) -> str:
@@ -354,26 +323,34 @@ def _rank_list(ranks: list[int], limit: int = 6) -> str:
     return text + (f" (+{len(ranks) - limit})" if len(ranks) > limit else "")
 
 
-def _facts(v: RankView, now: float, track: RankTrack | None) -> list[tuple[str, str]]:
+def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
+           ) -> list[tuple[str, str]]:
     steps_s, tokens_s = track.rates(now) if track is not None else (None, None)
-    hb = None if v.last_seen_t is None else now - v.last_seen_t
-    return [
+    m = v.metrics
+    facts = [
         ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")),
-        ("host / pid", f"{v.host or fmt.NA} / {v.pid if v.pid is not None else fmt.NA}"),
-        ("device / backend", f"{v.device or fmt.NA} / {v.backend or fmt.NA}"),
-        ("step", fmt.NA if v.step is None else str(v.step)),
-        ("steps/s  tokens/s", f"{fmt.num(steps_s, 2)}  {fmt.si(tokens_s)}"),
-        ("loss", fmt.num(v.loss)),
-        ("phase", f"{v.phase or fmt.NA} for {fmt.age(v.phase_since_s)} s"),
-        ("collectives issued / done", f"{_opt(v.collectives_issued)} / "
-                                      f"{_opt(v.collectives_completed)}"),
-        ("heartbeat age s", fmt.age(hb)),
-        ("skipped steps", _opt(v.skipped_steps)),
-        ("dropped / seq gaps", f"{_opt(v.dropped)} / {v.seq_gaps}"),
+        ("host / pid", f"{v.host or NA} / {_opt(v.pid)}"),
+        ("device / backend", f"{v.device or NA} / {v.backend or NA}"),
+        ("scalemon / torch", f"{v.agent_version or NA} / {v.torch_version or NA}"),
+        ("step", _opt(v.step)),
+        ("steps/s  tokens/s", f"{display.num(steps_s, 2)}  {display.si(tokens_s)}"),
+        ("loss", display.num(m["loss"])),
+        ("phase", f"{m['phase'] or NA} for {display.age(m['phase_since_s'])} s"),
+        ("collectives issued / done", f"{_opt(m['collectives_issued'])} / "
+                                      f"{_opt(m['collectives_completed'])}"),
+        ("heartbeat age s", display.age(v.value("heartbeat_age_s", now))),
+        ("skipped steps", _opt(m["skipped_steps"])),
+        ("dropped / seq gaps", f"{_opt(m['dropped'])} / {v.seq_gaps}"),
         ("restarts", _opt(v.restart_count)),
         ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
     ]
+    if v.extra:
+        facts.append(("log extra", display.flat_text(v.extra)))
+    for key, by_rank in sorted(data.state.info.items()):
+        if v.rank in by_rank:
+            facts.append((f"info {key}", display.flat_text(by_rank[v.rank])))
+    return facts
 
 
 def _opt(value: object) -> str:
-    return fmt.NA if value is None else str(value)
+    return NA if value is None else str(value)

@@ -8,7 +8,9 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
-HELP = """\
+from scalemon.tui.views import COLUMNS
+
+HELP_TEMPLATE = """\
 # scalemon dashboard
 
 - `↑` `↓` `PgUp` `PgDn` `Home` `End`, mouse: move in the rank table; `←` `→` scroll it sideways
@@ -18,13 +20,9 @@ HELP = """\
 - `Ctrl+P`: command palette (type `rank 3` to open rank 3; theme; screenshot)
 - `?`: this help, `q`: quit (the job keeps running; only `scalemon demo` stops its own job)
 
-**Columns.** *step ms*: wall time of the whole iteration. *all-red ms*: the DDP gradient
-all-reduces of the step, summed over buckets. They overlap backward, and a slow rank makes
-everyone wait inside the collective, so this is similar on all ranks when one is slow.
-*optim ms*: `optimizer.step()`. *late ms*: when the rank issued the step's first gradient
-all-reduce, minus the median rank's (smoothed; needs synchronised host clocks across nodes).
-*hb age s*: seconds since the rank's last message. *alloc / resv / peak GiB*: the torch caching
-allocator. *NVML GiB*: device memory used by all processes / total. *CPU %*: 100 = one core.
+**Columns.** *rank*, *state* (see below), *step*: the last step the rank logged, *host*.
+
+{columns}
 **n/a** means the value cannot exist there (no GPU, no AMP scaler, not timed): never zero.
 
 **Stragglers** are running ranks that reach the all-reduce at least 10 ms and 10% of a step
@@ -40,10 +38,22 @@ ended with exit code N. A rank shown as `<phase> Ns` has been in one phase (for 
 a lower bound, since the all-reduce overlaps backward), all-reduce and optimizer, as means
 over ranks. *AMP loss scale* is on a log scale; ▲ marks skipped steps (inf/NaN gradients).
 Each pixel column keeps the minimum and maximum of its steps, so no spike is averaged away.
+A rank's detail also plots every number the script passes to `log(name=value)`.
 
 **Hub.** "disconnected, retrying" means the job's hub does not answer; the dashboard attaches
-again by itself and resumes where it stopped, without gaps.
+again by itself and resumes where it stopped, without gaps. "incompatible" means the hub runs
+another scalemon protocol version: attach with the scalemon version the job runs.
 """
+
+
+def columns_help() -> str:
+    """One line per metric column of the rank table: its heading and what it means, from the
+    table of metrics."""
+    return "".join(f"- *{c.heading}*: {c.metric.description}\n"
+                   for c in COLUMNS if c.metric is not None)
+
+
+HELP = HELP_TEMPLATE.format(columns=columns_help())
 
 
 class HelpScreen(ModalScreen[None]):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Grid
-from textual.screen import Screen
 from textual.widgets import Footer
 
+from scalemon.tui.messages import OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.views import overview
 from scalemon.tui.widgets.header import JobHeader
 from scalemon.tui.widgets.plot import LinePlot
@@ -16,7 +17,7 @@ from scalemon.tui.widgets.rank_table import RankTable
 PLOTS = ("loss", "scale", "time", "memory")
 
 
-class OverviewScreen(Screen[None]):
+class OverviewScreen(DataScreen):
     """Everything about the job on one screen."""
 
     DEFAULT_CSS = """
@@ -36,7 +37,7 @@ class OverviewScreen(Screen[None]):
         self.query_one(RankTable).focus()
         self.query_one(RankTable).tooltip = (
             "Enter: this rank's detail.  late ms = arrival at the step's first gradient "
-            "all-reduce minus the median rank's; all-red ms overlaps backward under DDP.")
+            "all-reduce minus the median rank's; allred ms overlaps backward under DDP.")
         self.query_one("#plot-time", LinePlot).tooltip = (
             "compute = step - all-reduce - optimizer (at least 0). Under DDP the all-reduce "
             "overlaps backward, so compute is a lower bound and the three need not add up.")
@@ -53,8 +54,8 @@ class OverviewScreen(Screen[None]):
 
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:
         """Format the rows that came into view at the next tick."""
-        self.app.redraw_now(plots=False)  # type: ignore[attr-defined]
+        self.post_message(RedrawNeeded(plots=False))
 
     def on_rank_table_selected(self, event: RankTable.Selected) -> None:
         """Enter (or a click on the highlighted row) opens the rank's detail."""
-        self.app.open_rank(event.rank)  # type: ignore[attr-defined]
+        self.post_message(OpenRank(event.rank))

@@ -7,15 +7,17 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.events import Resize
-from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from scalemon.tui.messages import RedrawNeeded
 from scalemon.tui.model import DashboardData
-from scalemon.tui.views import DETAIL_PLOTS, rank_detail
+from scalemon.tui.plotdata import PlotSpec
+from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.views import DETAIL_PANELS, rank_detail
 from scalemon.tui.widgets.plot import LinePlot
 
 
-class RankDetailScreen(Screen[None]):
+class RankDetailScreen(DataScreen):
     """All of one rank. Escape goes back; left/right step through the ranks."""
 
     BINDINGS = [
@@ -34,14 +36,16 @@ class RankDetailScreen(Screen[None]):
     def __init__(self, rank: int) -> None:
         super().__init__()
         self.rank = rank
+        self.rank_ids: list[int] = [rank]  # every known rank, from the last redraw
+        self.extra_plots: dict[str, LinePlot] = {}  # a plot per numeric log(**extra) name
 
     def compose(self) -> ComposeResult:
         yield Static(id="detail-title")
         with VerticalScroll(id="detail-body"):
             yield Static(id="facts")
             with Grid(id="detail-plots"):
-                for group in DETAIL_PLOTS:
-                    yield LinePlot(id=f"detail-{group[0]}")
+                for _, group in DETAIL_PANELS:
+                    yield LinePlot(id=f"detail-{group[0].name}")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -54,6 +58,7 @@ class RankDetailScreen(Screen[None]):
 
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from the data (plots only when `plots`)."""
+        self.rank_ids = data.rank_ids() or [self.rank]
         detail = rank_detail(data, self.rank, now)
         title = self.query_one("#detail-title", Static)
         if detail is None:
@@ -72,8 +77,22 @@ class RankDetailScreen(Screen[None]):
             table.add_row(left[0], left[1], right[0], right[1])
         self.query_one("#facts", Static).update(table)
         if plots:
-            for group, spec in zip(DETAIL_PLOTS, detail.plots, strict=True):
-                self.query_one(f"#detail-{group[0]}", LinePlot).update_spec(spec)
+            for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):
+                self.query_one(f"#detail-{group[0].name}", LinePlot).update_spec(spec)
+            self._show_extra_plots(detail.extra_plots)
+
+    def _show_extra_plots(self, specs: dict[str, PlotSpec]) -> None:
+        """A plot per numeric extra value, added as names appear (another rank's names stay,
+        saying this rank does not log them)."""
+        grid = self.query_one("#detail-plots", Grid)
+        for name in specs:
+            if name not in self.extra_plots:
+                plot = LinePlot(id=f"detail-extra-{len(self.extra_plots)}")
+                self.extra_plots[name] = plot
+                grid.mount(plot)
+        for name, plot in self.extra_plots.items():
+            plot.update_spec(specs.get(name) or PlotSpec(
+                f"{name} (log extra)", empty=f"n/a: rank {self.rank} does not log({name}=...)"))
 
     def action_back(self) -> None:
         """Back to the overview."""
@@ -81,9 +100,7 @@ class RankDetailScreen(Screen[None]):
 
     def action_step_rank(self, delta: int) -> None:
         """Show the previous or next known rank."""
-        ranks = self.app.data.rank_ids()  # type: ignore[attr-defined]
-        if not ranks:
-            return
+        ranks = self.rank_ids
         i = ranks.index(self.rank) if self.rank in ranks else 0
         self.rank = ranks[(i + delta) % len(ranks)]
-        self.app.redraw_now()  # type: ignore[attr-defined]
+        self.post_message(RedrawNeeded())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
-from scalemon.tui import format as fmt
+from scalemon import display
 from scalemon.tui.views import Summary
 
 STATE_STYLES = {
@@ -22,6 +22,7 @@ CONN_STYLES = {
     "connecting": "yellow",
     "waiting": "yellow",
     "disconnected": "bold red",
+    "incompatible": "bold red",
 }
 
 
@@ -29,22 +30,22 @@ def header_text(s: Summary) -> Text:
     """Three lines: identity and state; progress, rates and drops; hub link and stragglers."""
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("job ", style="dim").append(s.job or "?", style="bold")
-    world = fmt.NA if s.world_size is None else str(s.world_size)
+    world = display.NA if s.world_size is None else str(s.world_size)
     t.append("  world ", style="dim").append(world)
     if s.world_size is not None and s.ranks_seen != s.world_size:
         t.append(f" ({s.ranks_seen} seen)", style="yellow")
-    t.append("  elapsed ", style="dim").append(fmt.duration(s.elapsed_s))
+    t.append("  elapsed ", style="dim").append(display.duration(s.elapsed_s))
     t.append("  ")
     t.append(s.state_text, style=STATE_STYLES.get(s.state, "bold"))
     t.append("\n")
     if s.step_min is None:
-        t.append("step ", style="dim").append(fmt.NA)
+        t.append("step ", style="dim").append(display.NA)
     elif s.step_min == s.step_max:
         t.append("step ", style="dim").append(str(s.step_max), style="bold")
     else:
         t.append("step min/max ", style="dim").append(f"{s.step_min}/{s.step_max}", style="bold")
-    t.append("  steps/s ", style="dim").append(fmt.num(s.steps_per_s, 2))
-    t.append("  tokens/s ", style="dim").append(fmt.si(s.tokens_per_s))
+    t.append("  steps/s ", style="dim").append(display.num(s.steps_per_s, 2))
+    t.append("  tokens/s ", style="dim").append(display.si(s.tokens_per_s))
     t.append("  dropped ", style="dim").append(str(s.dropped),
                                                style="bold red" if s.dropped else "")
     t.append("  seq gaps ", style="dim").append(str(s.gaps), style="bold red" if s.gaps else "")
@@ -64,7 +65,7 @@ def header_text(s: Summary) -> Text:
         t.append(", ".join(parts) + more, style="bold yellow")
         t.append(f" ({s.straggler_basis} vs median)", style="dim")
     else:
-        t.append("none" if s.straggler_basis else fmt.NA)
+        t.append("none" if s.straggler_basis else display.NA)
     return t
 
 

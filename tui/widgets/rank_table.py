@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from scalemon.tui import format as fmt
+from scalemon.display import NA
 from scalemon.tui.views import COLUMNS, Row
 
 PAD = 1  # blank cells on each side of a column
@@ -68,7 +68,7 @@ class RankTable(ScrollView, can_focus=True):
         self.rank_ids: list[int] = []
         self.rows: dict[int, Row] = {}  # latest formatted row of every rank shown so far
         self._strips: dict[int, tuple[tuple[str, tuple[str, ...]], Strip]] = {}
-        self._widths = [w + 2 * PAD for _, _, w in COLUMNS]
+        self._widths = [c.width + 2 * PAD for c in COLUMNS]
         self._total = sum(self._widths)
         self.virtual_size = Size(self._total, 1)
 
@@ -127,8 +127,7 @@ class RankTable(ScrollView, can_focus=True):
 
     def _header(self) -> Strip:
         style = self.get_component_rich_style("ranktable--header")
-        text = "".join(_pad(heading, w, heading != "host" and heading != "state")
-                       for (_, heading, w) in COLUMNS)
+        text = "".join(_pad(c.heading, c.width, not c.align_left) for c in COLUMNS)
         return Strip([Segment(text, style)], self._total)
 
     def _row_strip(self, index: int) -> Strip:
@@ -144,10 +143,9 @@ class RankTable(ScrollView, can_focus=True):
         if index == self.cursor:
             base = base + self.get_component_rich_style("ranktable--cursor")
         segments = []
-        for (_, _, w), text in zip(COLUMNS, row.cells, strict=True):
-            right = text[:1].isdigit() or text[:1] in "+-" or text == fmt.NA
-            style = base + NA_STYLE if text == fmt.NA else base
-            segments.append(Segment(_pad(text, w, right), style))
+        for column, text in zip(COLUMNS, row.cells, strict=True):
+            style = base + NA_STYLE if text == NA else base
+            segments.append(Segment(_pad(text, column.width, not column.align_left), style))
         strip = Strip(segments, self._total)
         self._strips[row.rank] = (key, strip)
         return strip
@@ -163,14 +161,24 @@ class RankTable(ScrollView, can_focus=True):
         """The visible rows changed."""
 
     def watch_cursor(self, old: int, new: int) -> None:
-        """Keep the cursor row in view and repaint."""
+        """Repaint, and bring the cursor row into view after the refresh: a scroll now would
+        be clamped to the size laid out before (before the first layout, or right after new
+        ranks arrived, to the top), and nothing would scroll again."""
+        self.refresh()
+        self.call_after_refresh(self.scroll_to_cursor)
+
+    def on_resize(self) -> None:
+        """A new height may hide the cursor row."""
+        self.call_after_refresh(self.scroll_to_cursor)
+
+    def scroll_to_cursor(self) -> None:
+        """Scroll the least that shows the cursor row below the header."""
         visible = max(1, self.scrollable_content_region.height - 1)
         top = self.scroll_offset.y
-        if new < top:
-            self.scroll_to(y=new, animate=False)
-        elif new >= top + visible:
-            self.scroll_to(y=new - visible + 1, animate=False)
-        self.refresh()
+        if self.cursor < top:
+            self.scroll_to(y=self.cursor, animate=False)
+        elif self.cursor >= top + visible:
+            self.scroll_to(y=self.cursor - visible + 1, animate=False)
 
     def action_cursor(self, delta: int) -> None:
         """Move the cursor."""

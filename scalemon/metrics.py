@@ -1,0 +1,344 @@
+"""The one table of per-rank metrics: what each value is called, where it comes from, its unit,
+what it means and how people see it.
+
+Everything else is derived from `METRICS`: the `step` and `heartbeat` body fields that
+`protocol.decode` validates, the values the `JobState` reducer keeps per rank (and so the
+`scalemon snapshot --json` keys), the columns of the dashboard's rank table and of the
+`scalemon snapshot` table, the `?` help, the rank detail's plots and the field tables of
+`docs/protocol.md` (regenerate them with `python -m scalemon.metrics --update-docs`).
+`tests/test_metrics.py` checks that they agree.
+
+To add a metric: add one `Metric` here, produce the value (agent, or the dashboard for a
+`dashboard` one), run `python -m scalemon.metrics --update-docs`. Names carry their unit
+(`_s` seconds, `_bytes`, `_pct`, `_w`, `_c`, `_t` Unix seconds) and are the same on the wire,
+in the JSON and in the code; only `Show` converts for people (seconds to ms, bytes to GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCES = ("step", "heartbeat", "extra", "hub", "dashboard")
+"""Where a value comes from: a field of the `step` or `heartbeat` message; a well-known name a
+script passes to `log(**extra)` (kept in the rank's `extra`); computed by the reducer from the
+envelope (`hub`); or computed by the dashboard from other metrics (`dashboard`)."""
+
+KINDS = {"float": "number", "int": "int", "bool": "bool", "str": "str", "map": "map"}
+"""Value kinds and how docs/protocol.md names them."""
+
+STYLES = ("num", "signed", "loss_scale", "si", "used_of", "int", "age")
+"""How `scalemon.display` writes a value: fixed decimals, signed decimals, an AMP loss scale,
+k/M/G prefixes, `used/total`, a whole number, an age (one decimal below a minute)."""
+
+
+@dataclass(frozen=True)
+class Show:
+    """How people see a metric. The shown number is the wire value times `scale`, in `unit`."""
+
+    unit: str = ""
+    scale: float = 1.0
+    style: str = "num"
+    digits: int = 1
+    column: str | None = None
+    """Heading in the rank tables (the unit is appended); None: no column."""
+    width: int = 6
+    plot: str | None = None
+    """Plot title in the rank detail (the line's label inside a `group`); None: not plotted."""
+    group: str | None = None
+    """Metrics with the same group share one plot panel, titled by the group."""
+    log: bool = False
+    of: str | None = None
+    """For style `used_of`: the metric holding the total."""
+    na: str = ""
+    """Why the value can be missing ("no GPU on this rank"): said instead of an empty plot."""
+
+    @property
+    def heading(self) -> str:
+        """The column heading with its unit."""
+        return f"{self.column} {self.unit}" if self.unit else str(self.column)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One per-rank value."""
+
+    name: str
+    source: str
+    kind: str
+    unit: str
+    """Unit of the value as sent and stored (docs): s, bytes, %, W, °C, "s (Unix)", or ""."""
+    description: str
+    required: bool = False
+    nullable: bool = True
+    kept: bool = True
+    """False for message fields the reducer handles itself (the step number, `extra`)."""
+    show: Show | None = None
+
+    @property
+    def on_wire(self) -> bool:
+        """True for fields of the `step` and `heartbeat` messages."""
+        return self.source in ("step", "heartbeat")
+
+
+_NO_GPU = "no GPU on this rank"
+_NO_NVML = "no GPU or NVML on this rank"
+_NO_DDP = "no DDP all-reduce timed"
+
+METRICS: tuple[Metric, ...] = (
+    # --- the step message -----------------------------------------------------------------
+    Metric("step", "step", "int", "", "step number given by the training script",
+           required=True, nullable=False, kept=False),
+    Metric("loss", "step", "float", "", "loss of the step (may be NaN/Inf). null when not given, "
+           "or when a CPU-side rank was given a device tensor (the agent never syncs the device).",
+           show=Show(style="num", digits=4, column="loss", width=7, plot="loss")),
+    Metric("tokens", "step", "int", "", "tokens processed in this step **on this rank**, as "
+           "given by the script"),
+    Metric("step_time_s", "step", "float", "s", "host wall time between this `log()` call and the "
+           "previous one, i.e. one full iteration; null for the first step of the process",
+           show=Show(unit="ms", scale=1e3, column="step", width=7, plot="step",
+                     group="step time")),
+    Metric("optimizer_time_s", "step", "float", "s", "total duration of the `optimizer.step()` "
+           "calls of this step (CUDA events on GPU, host clock on CPU); null when no optimizer is "
+           "watched or none completed",
+           show=Show(unit="ms", scale=1e3, column="opt", width=6, plot="optimizer",
+                     na="no optimizer watched")),
+    Metric("allreduce_time_s", "step", "float", "s", "sum, over the DDP gradient buckets of this "
+           "step, of the time from issuing each bucket's all-reduce to its completion. Buckets "
+           "overlap with backward and with each other, so this is a sum, not wall time. null when "
+           "nothing was timed.",
+           show=Show(unit="ms", scale=1e3, column="allred", width=6,
+                     plot="all-reduce, sum of buckets", na=_NO_DDP)),
+    Metric("allreduce_count", "step", "int", "", "number of bucket all-reduces issued during the "
+           "step (0 without DDP collective timing)"),
+    Metric("allreduce_bytes", "step", "int", "bytes", "total size of those buckets"),
+    Metric("allreduce_issue_t", "step", "float", "s (Unix)", "Unix seconds, host clock, when the "
+           "first gradient-bucket all-reduce of the step was issued; null when there was none. "
+           "Differences between ranks show who reached the collective late (stragglers)."),
+    Metric("arrival_late_s", "dashboard", "float", "s", "when the rank issued the step's first "
+           "gradient all-reduce, minus the median rank's (from `allreduce_issue_t`; the column "
+           "is smoothed over steps). Positive: the rank arrives late and the others wait for it. "
+           "Needs host clocks in sync across nodes.",
+           show=Show(unit="ms", scale=1e3, style="signed", column="late", width=6,
+                     plot="arrival at all-reduce - median", na=_NO_DDP)),
+    Metric("compute_s", "dashboard", "float", "s", "step time minus all-reduce and optimizer "
+           "time, at least 0: a lower bound of the compute time, since under DDP the all-reduce "
+           "overlaps backward",
+           show=Show(unit="ms", scale=1e3, plot="compute", group="step time")),
+    Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank, as the script "
+           "measured it between two host syncs (`log(tokens_per_s=...)`; the demo trainer sends "
+           "it on every logged step)",
+           show=Show(style="si", column="tok/s", width=6, plot="tokens/s",
+                     na="the script does not log(tokens_per_s=...)")),
+    Metric("mfu", "extra", "float", "", "model FLOPs utilisation: achieved over peak FLOP/s of "
+           "the device, a fraction (`log(mfu=...)`; the demo trainer sends it where it knows the "
+           "GPU's peak)",
+           show=Show(unit="%", scale=100.0, column="MFU", width=5, plot="MFU",
+                     na="the script does not log(mfu=...)")),
+    Metric("loss_scale", "step", "float", "", "AMP `GradScaler` scale after the step; null "
+           "without a scaler",
+           show=Show(style="loss_scale", column="loss scale", width=10,
+                     plot="AMP loss scale, log", log=True, na="no AMP GradScaler")),
+    Metric("skipped", "step", "bool", "", "true when the AMP loss scale dropped, i.e. the "
+           "optimizer step was skipped because of inf/NaN gradients. The scale is compared with "
+           "the previous step's, or with the scaler's initial scale for the first step. Absent "
+           "when `loss_scale` is null."),
+    Metric("skipped_steps", "step", "int", "", "cumulative number of skipped steps on this rank "
+           "process; absent when `loss_scale` is null"),
+    Metric("mem_allocated_bytes", "step", "int", "bytes", "bytes held by tensors at the `log()` "
+           "call (the caching allocator's `allocated_bytes.all.current`, what "
+           "`torch.cuda.memory_allocated()` returns); null on CPU ranks",
+           show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="alloc", width=6,
+                     plot="alloc", group="GPU memory, torch", na=_NO_GPU)),
+    Metric("mem_reserved_bytes", "step", "int", "bytes", "bytes the caching allocator holds from "
+           "the driver (`reserved_bytes.all.current`, as `torch.cuda.memory_reserved()`); null "
+           "on CPU ranks",
+           show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="resv", width=6,
+                     plot="resv", group="GPU memory, torch", na=_NO_GPU)),
+    Metric("mem_peak_bytes", "step", "int", "bytes", "peak of `mem_allocated_bytes` since start "
+           "or the script's last reset (`allocated_bytes.all.peak`, as "
+           "`torch.cuda.max_memory_allocated()`); null on CPU ranks",
+           show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="peak", width=6,
+                     plot="peak", group="GPU memory, torch", na=_NO_GPU)),
+    Metric("agent_time_s", "step", "float", "s", "seconds the agent spent on the training thread "
+           "for this step, i.e. the monitor's own overhead. It is the time in the agent's hooks "
+           "(forward pre-hook, optimizer step hooks, all-reduce comm hook) since the previous "
+           "`log()` call, plus the duration of that previous `log()` call. A call's own cost is "
+           "known only after it returns, so it is carried by the next step.",
+           show=Show(unit="ms", scale=1e3, digits=3, plot="monitor overhead")),
+    Metric("extra", "step", "map", "", "extra keyword values given to `log()` (str keys; number, "
+           "str or null values: NumPy scalars and one-element tensors are read, CUDA ones "
+           "without a sync, once the step completed; any other value is left out with a warning "
+           "on the rank); present only when there are any. The reducer keeps the last value of "
+           "each name in the rank's `extra`.", kept=False),
+    # --- computed from the envelope --------------------------------------------------------
+    Metric("heartbeat_age_s", "hub", "float", "s", "seconds since the rank's last message of any "
+           "kind (the reader's clock minus the envelope `t`, so it needs clocks in sync)",
+           show=Show(column="hb", unit="s", style="age", width=4)),
+    # --- the heartbeat message -------------------------------------------------------------
+    Metric("phase", "heartbeat", "str", "", "what the training thread is doing. The agent sets "
+           "`init`, `forward-backward` (from the model's forward until the all-reduce or the "
+           "optimizer starts), `allreduce`, `optimizer`, `after-optimizer` and `data`; scripts "
+           "can set any other name with `set_phase()`.", required=True, nullable=False),
+    Metric("phase_since_s", "heartbeat", "float", "s", "time spent in the current `phase` so far "
+           "(monotonic clock)"),
+    Metric("step", "heartbeat", "int", "", "last step number passed to `log()`; null before the "
+           "first", kept=False),
+    Metric("collectives_issued", "heartbeat", "int", "", "cumulative number of DDP bucket "
+           "all-reduces issued by this rank (0 without DDP collective timing)"),
+    Metric("collectives_completed", "heartbeat", "int", "", "cumulative number of those that "
+           "completed. `issued > completed` for a long time means a collective is stuck."),
+    Metric("gpu_mem_used_bytes", "heartbeat", "int", "bytes", "NVML device memory in use (all "
+           "processes on the GPU); null without GPU/NVML",
+           show=Show(unit="GiB", scale=1 / 2**30, style="used_of", of="gpu_mem_total_bytes",
+                     column="NVML", width=7, plot="GPU memory used, NVML", na=_NO_NVML)),
+    Metric("gpu_mem_total_bytes", "heartbeat", "int", "bytes", "NVML device memory size; null "
+           "without GPU/NVML"),
+    Metric("gpu_util_pct", "heartbeat", "float", "%", "NVML GPU utilisation (share of time a "
+           "kernel was running); null without GPU/NVML",
+           show=Show(unit="%", style="int", column="GPU", width=5, plot="GPU utilisation",
+                     na=_NO_NVML)),
+    Metric("gpu_power_w", "heartbeat", "float", "W", "NVML board power draw; null without "
+           "GPU/NVML", show=Show(unit="W", style="int", plot="GPU power", na=_NO_NVML)),
+    Metric("gpu_temp_c", "heartbeat", "float", "°C", "NVML GPU temperature; null without "
+           "GPU/NVML", show=Show(unit="°C", style="int", plot="GPU temperature", na=_NO_NVML)),
+    Metric("cpu_pct", "heartbeat", "float", "%", "CPU use of the rank process since the previous "
+           "heartbeat; 100 = one core, can exceed 100",
+           show=Show(unit="%", style="int", column="CPU", width=5, plot="CPU, 100 = one core")),
+    Metric("rss_bytes", "heartbeat", "int", "bytes", "resident memory of the rank process",
+           show=Show(unit="GiB", scale=1 / 2**30, digits=2, plot="process RSS")),
+    Metric("dropped", "heartbeat", "int", "", "cumulative number of messages this rank dropped "
+           "before sending ([section 7](#7-seq-drops-and-gaps))", required=True, nullable=False),
+    Metric("queued", "heartbeat", "int", "", "messages waiting in the agent's send queues at this "
+           "moment, including steps still waiting for the GPU"),
+)
+
+KEPT: tuple[Metric, ...] = tuple(m for m in METRICS if m.kept and m.source in
+                                 ("step", "heartbeat", "extra", "hub"))
+"""The values a rank view holds (what `scalemon snapshot --json` shows per rank)."""
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS if m.kept}
+"""Every kept metric by name (the names the reducer, the JSON and the dashboard use)."""
+COLUMNS: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.column)
+"""Metrics with a column in the rank tables, in table order."""
+PLOTTED: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.plot)
+"""Metrics the rank detail plots, in table order."""
+
+
+def fields_of(source: str) -> tuple[Metric, ...]:
+    """The body fields of message `source` ("step" or "heartbeat"), in table order."""
+    return tuple(m for m in METRICS if m.source == source)
+
+
+def latest_of(source: str) -> tuple[str, ...]:
+    """Names of the fields of message `source` whose latest value the reducer keeps."""
+    return tuple(m.name for m in fields_of(source) if m.kept)
+
+
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "float": (int, float), "int": (int,), "bool": (bool,), "str": (str,), "map": (dict,),
+}
+
+
+def wire_types(metric: Metric) -> tuple[type, ...]:
+    """The Python types `protocol.decode` accepts for a field (None where nullable)."""
+    types = _WIRE_TYPES[metric.kind]
+    return (*types, type(None)) if metric.nullable else types
+
+
+def plot_panels() -> list[tuple[str, tuple[Metric, ...]]]:
+    """The rank detail's plot panels: (title, metrics drawn in it), in table order."""
+    panels: list[tuple[str, list[Metric]]] = []
+    groups: dict[str, list[Metric]] = {}
+    for m in PLOTTED:
+        assert m.show is not None and m.show.plot is not None
+        if m.show.group is None:
+            panels.append((m.show.plot, [m]))
+        elif m.show.group in groups:
+            groups[m.show.group].append(m)
+        else:
+            groups[m.show.group] = [m]
+            panels.append((m.show.group, groups[m.show.group]))
+    return [(title, tuple(ms)) for title, ms in panels]
+
+
+# --- docs/protocol.md -----------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+_BLOCK = re.compile(r"(<!-- metrics:(\w+) begin[^>]*-->\n)(.*?)(<!-- metrics:\2 end -->)", re.S)
+
+
+def markdown_fields(source: str) -> str:
+    """The field table of a message for docs/protocol.md."""
+    lines = ["| field | type | required | nullable | unit | meaning |",
+             "|---|---|---|---|---|---|"]
+    for m in fields_of(source):
+        required = "yes" if m.required else "no"
+        nullable = "yes" if m.nullable else ("no" if m.required else "**no**")
+        lines.append(f"| `{m.name}` | `{KINDS[m.kind]}` | {required} | {nullable} | {m.unit} | "
+                     f"{m.description} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_state_keys() -> str:
+    """The per-rank metric keys of the `state` map, for docs/protocol.md section 9.3."""
+    by_source = {
+        "step": "the latest `step` values",
+        "heartbeat": "the latest `heartbeat` values",
+        "extra": "well-known `extra` names, also shown as dashboard columns (inside `extra`)",
+        "hub": "computed when the state is read",
+    }
+    lines = []
+    for source, what in by_source.items():
+        names = [m.name for m in KEPT if m.source == source]
+        lines.append(f"* {what}: " + ", ".join(f"`{n}`" for n in names) + ";")
+    lines.append("* `extra`: map of every name the rank passed to `log(**extra)` → its last "
+                 "value (a name absent from a step keeps its earlier value).")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_dashboard() -> str:
+    """What the reference dashboard computes from the folded messages, for section 13."""
+    return "".join(f"* `{m.name}` ({m.unit or 'no unit'}): {m.description}\n"
+                   for m in METRICS if m.source == "dashboard")
+
+
+GENERATED = {"step": lambda: markdown_fields("step"),
+             "heartbeat": lambda: markdown_fields("heartbeat"),
+             "state": markdown_state_keys,
+             "dashboard": markdown_dashboard}
+
+
+def render_docs(text: str) -> str:
+    """`text` (docs/protocol.md) with every generated block rewritten from the table."""
+    def block(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in GENERATED:
+            raise ValueError(f"unknown generated block {name!r} in the docs")
+        return match.group(1) + GENERATED[name]() + match.group(4)
+
+    return _BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scalemon.metrics`: print the table, or rewrite the docs' generated blocks."""
+    p = argparse.ArgumentParser(description="scalemon's table of per-rank metrics")
+    p.add_argument("--update-docs", action="store_true",
+                   help=f"rewrite the generated field tables in {DOCS.name}")
+    args = p.parse_args(argv)
+    if args.update_docs:
+        text = DOCS.read_text()
+        new = render_docs(text)
+        DOCS.write_text(new)
+        print(f"{DOCS}: {'updated' if new != text else 'already up to date'}")
+        return 0
+    for m in METRICS:
+        shown = m.show.heading if m.show and m.show.column else ""
+        print(f"{m.source:<10} {m.name:<22} {m.kind:<6} {m.unit:<9} {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

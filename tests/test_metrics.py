@@ -1,0 +1,169 @@
+"""The table of metrics and everything derived from it agree: protocol validation, the reducer
+and its JSON, the agent's bodies, the dashboard's columns, help and plots, the snapshot table,
+the simulated job and docs/protocol.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scalemon import display, metrics, protocol
+from scalemon.cli import format_snapshot
+from scalemon.jobstate import JobState
+from scalemon.metrics import BY_NAME, METRICS, fields_of
+from scalemon.protocol import Message
+from scalemon.tui import model
+from scalemon.tui.screens.help import HELP
+from scalemon.tui.sim import SimJob
+from scalemon.tui.views import COLUMNS, DETAIL_PANELS
+
+UNIT_SUFFIX = {"s": "_s", "bytes": "_bytes", "%": "_pct", "W": "_w", "°C": "_c",
+               "s (Unix)": "_t"}
+SAMPLE = {"float": 1.5, "int": 7, "bool": True, "str": "forward", "map": {"lr": 0.001}}
+
+
+def full_body(source: str) -> dict:
+    """A body with every field of message `source`, each with a value of its kind."""
+    return {m.name: SAMPLE[m.kind] for m in fields_of(source)}
+
+
+def test_the_table_is_well_formed():
+    kept = [m for m in METRICS if m.kept]
+    assert len(BY_NAME) == len(kept), "two kept metrics share a name"
+    for m in METRICS:
+        assert m.source in metrics.SOURCES and m.kind in metrics.KINDS, m.name
+        assert m.description and not m.description.endswith(" "), m.name
+        if m.unit in UNIT_SUFFIX:  # units are in the names
+            assert m.name.endswith(UNIT_SUFFIX[m.unit]), m.name
+        if m.show is not None:
+            assert m.show.style in metrics.STYLES, m.name
+            assert m.show.of is None or m.show.of in BY_NAME, m.name
+            assert m.show.column or m.show.plot, f"{m.name}: shown neither as column nor plot"
+    headings = [c.heading for c in display.rank_columns()]
+    assert len(headings) == len(set(headings)), headings
+
+
+def test_protocol_validates_exactly_the_table_fields():
+    for source in ("step", "heartbeat"):
+        spec = protocol.MESSAGE_FIELDS[source]
+        assert list(spec) == [m.name for m in fields_of(source)]
+        for m in fields_of(source):
+            types, required = spec[m.name]
+            assert required == m.required and (type(None) in types) == m.nullable, m.name
+        body = full_body(source)
+        decoded = protocol.decode(protocol.encode(source, "j", 0, 0, body))
+        assert decoded.body == body
+        for m in fields_of(source):
+            wrong = {**body, m.name: [1]}  # a list is no metric's kind
+            with pytest.raises(protocol.ProtocolError, match=f"{source}.{m.name}"):
+                protocol.decode(protocol.encode(source, "j", 0, 0, wrong))
+
+
+def test_the_reducer_keeps_every_metric_under_its_name_and_the_json_shows_it():
+    state = JobState()
+    state.apply(Message("hello", "j", 0, 0, 10.0, {
+        "host": "h", "pid": 1, "world_size": 1, "local_rank": 0, "agent_version": "9.9",
+        "torch_version": "2.13", "config": {"preset": "tiny", "model": {"n_layer": 2}}}))
+    step, beat = full_body("step"), full_body("heartbeat")
+    step["extra"] = {"lr": 0.001, "tokens_per_s": 5e4, "mfu": 0.4}
+    state.apply(Message("step", "j", 0, 1, 11.0, step))
+    state.apply(Message("heartbeat", "j", 0, 2, 12.0, beat))
+    state.apply(Message("step", "j", 0, 3, 13.0, {"step": 2, "extra": {"lr": 0.002}}))
+    view = state.ranks[0]
+    assert set(view.metrics) == set(metrics.latest_of("step") + metrics.latest_of("heartbeat"))
+    out = state.to_json(now=20.0)
+    rank = out["ranks"][0]
+    for m in metrics.KEPT:
+        if m.source == "heartbeat":
+            assert rank[m.name] == beat[m.name], m.name
+        elif m.source == "step":
+            assert rank[m.name] is None, f"{m.name}: a step without it must not keep it"
+        elif m.source == "extra":
+            assert rank["extra"][m.name] == step["extra"][m.name] == view.value(m.name)
+    assert rank["heartbeat_age_s"] == pytest.approx(7.0) == view.value("heartbeat_age_s", 20.0)
+    assert rank["extra"] == {"lr": 0.002, "tokens_per_s": 5e4, "mfu": 0.4}  # last value each
+    assert rank["step"] == 2 and rank["agent_version"] == "9.9"
+    assert rank["torch_version"] == "2.13"
+    assert out["info"]["config"] == {"0": {"preset": "tiny", "model": {"n_layer": 2}}}
+    with pytest.raises(KeyError):
+        view.value("mem_alloc_gib")  # one name per metric: no display-unit aliases
+
+
+def test_extra_names_per_rank_are_bounded():
+    state = JobState()
+    for i in range(200):
+        state.apply(Message("step", "j", 0, i, 1.0, {"step": i, "extra": {f"x{i}": i}}))
+    state.apply(Message("step", "j", 0, 201, 1.0, {"step": 201, "extra": {"x0": -1}}))
+    extra = state.ranks[0].extra
+    assert len(extra) == 64 and extra["x0"] == -1 and "x100" not in extra
+
+
+def test_the_agent_sends_the_table_fields_and_nothing_else():
+    torch = pytest.importorskip("torch")
+    from scalemon.agent.heartbeat import Heartbeat, Phase
+    from scalemon.agent.nvml import GpuReader
+    from scalemon.agent.steps import ScaleTracker, StepFinisher
+
+    finisher = StepFinisher(ScaleTracker(1024.0), Phase(), None)
+    raw = (3, 64, 0.1, 1e-5, {"lr": 0.1}, 2.5, 512.0, None, [], [], None)
+    body = finisher.finish(raw, None)
+    assert body is not None and set(body) == {m.name for m in fields_of("step")}
+    assert body["skipped"] is True and body["extra"] == {"lr": 0.1}
+    protocol.check_body("step", body)
+
+    beat = Heartbeat(Phase(), GpuReader(), lambda *_: True, lambda: {"dropped": 0, "queued": 0},
+                     interval_s=60)
+    body = beat.beat()
+    beat.stop()
+    assert set(body) == {m.name for m in fields_of("heartbeat")}
+    protocol.check_body("heartbeat", body)
+    del torch
+
+
+def test_the_simulated_job_speaks_the_table():
+    sim = SimJob(ranks=2)
+    names = {m.name for m in fields_of("step")}
+    for body in sim.step_bodies(10, sim.start_t):
+        assert set(body) <= names
+        protocol.check_body("step", body)
+    assert set(sim.heartbeat(0, 10)) <= {m.name for m in fields_of("heartbeat")}
+
+
+def test_dashboard_columns_help_and_plots_come_from_the_table():
+    metric_columns = [c for c in COLUMNS if c.metric is not None]
+    assert [c.metric for c in metric_columns] == list(metrics.COLUMNS)
+    for c in metric_columns:
+        assert c.heading == c.metric.show.heading and c.key == c.metric.name
+        assert f"*{c.heading}*: {c.metric.description}" in HELP
+    plotted = [m for _, group in DETAIL_PANELS for m in group]
+    assert len(plotted) == len(set(plotted)) and set(plotted) == set(metrics.PLOTTED)
+    assert set(model.AGGREGATED) <= set(BY_NAME)
+    assert set(model.STEP_PLOTTED + model.EXTRA_PLOTTED + model.HEARTBEAT_PLOTTED) <= set(BY_NAME)
+
+
+def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
+    sim = SimJob(ranks=2)
+    state = JobState()
+    for msg in sim.run(20):
+        state.apply(msg)
+    text = format_snapshot(state.to_json(now=sim.end_t(20)))
+    header = text.splitlines()[1]
+    for c in display.rank_columns(dashboard=False):
+        assert c.heading in header, c.heading
+    assert "late ms" not in header  # computed by the dashboard only
+    row = text.splitlines()[2]
+    assert re.search(r"\b0\b.*\b20\b", row) and "running" in row
+    assert "rank 0 extra: lr=" in text and "tokens_per_s=" in text
+    assert "info config (rank 0,1): preset=gpt2-124m" in text
+
+
+def test_docs_field_tables_are_generated_from_the_table():
+    path = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+    text = path.read_text()
+    assert text.count("<!-- metrics:") == 2 * len(metrics.GENERATED)
+    assert metrics.render_docs(text) == text, (
+        "docs/protocol.md is out of date: run `python -m scalemon.metrics --update-docs`")
+    for m in METRICS:
+        assert f"`{m.name}`" in text, m.name
