@@ -1,6 +1,6 @@
 """`scalemon demo`: start a monitored 2-rank run of the demo trainer and watch it.
 
-The job runs under torchrun in its own session (`--device cuda` with NCCL when there is a GPU
+The job runs under torchrun in its own session (`--device auto`, NCCL, when NVML counts a GPU
 per rank, else `--device cpu` with gloo), its output goes to a log file, and the dashboard
 attaches to it by job id. Quitting the dashboard stops the job and its hub; `scalemon snapshot
 <job>` can still replay the history afterwards.
@@ -65,8 +65,9 @@ def trainer_path() -> str:
 
 
 def demo_device(ranks: int, gpus: int) -> str:
-    """`cuda` when every rank gets a GPU of its own (NCCL needs one each), else `cpu`."""
-    return "cuda" if 0 < ranks <= gpus else "cpu"
+    """`cpu` unless NVML counts a GPU for every rank (NCCL needs one each); then `auto`, so a
+    torch that cannot use them (a CPU build) still trains, on the CPU."""
+    return "auto" if 0 < ranks <= gpus else "cpu"
 
 
 def job_command(args: argparse.Namespace, device: str) -> list[str]:
