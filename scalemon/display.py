@@ -12,7 +12,6 @@ from scalemon import metrics
 from scalemon.metrics import Metric
 
 NA = "n/a"
-GIB = float(1 << 30)
 
 
 def num(value: float | None, digits: int = 4) -> str:
@@ -22,35 +21,6 @@ def num(value: float | None, digits: int = 4) -> str:
     if not math.isfinite(value):
         return str(value)
     return f"{value:.{digits}f}"
-
-
-def ms(seconds: float | None, digits: int = 1) -> str:
-    """Seconds shown as milliseconds."""
-    return NA if seconds is None else num(seconds * 1000.0, digits)
-
-
-def signed_ms(seconds: float | None) -> str:
-    """A signed difference in milliseconds (+ when late)."""
-    if seconds is None or not math.isfinite(seconds):
-        return NA
-    return f"{seconds * 1000.0:+.1f}"
-
-
-def gib(nbytes: float | None, digits: int = 2) -> str:
-    """Bytes shown as GiB."""
-    return NA if nbytes is None else f"{nbytes / GIB:.{digits}f}"
-
-
-def used_of(used: float | None, total: float | None) -> str:
-    """'used/total' in GiB, n/a when either is unknown."""
-    if used is None or total is None:
-        return NA
-    return f"{used / GIB:.1f}/{total / GIB:.0f}"
-
-
-def pct(value: float | None) -> str:
-    """A percentage without decimals."""
-    return NA if value is None else f"{value:.0f}"
 
 
 def scale(value: float | None) -> str:

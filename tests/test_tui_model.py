@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from scalemon import display as fmt
+from scalemon import metrics
 from scalemon.protocol import Message
 from scalemon.tui.model import DashboardData, step_values
 from scalemon.tui.series import Series
@@ -76,12 +77,20 @@ def test_line_mask_interpolates_missing_columns():
     assert mask.any(axis=0).all()
 
 
+def metric_cell(name: str, value: object, **others: object) -> str:
+    """The table text of metric `name` holding `value` (and `others`, for used/total)."""
+    return fmt.metric_text(metrics.BY_NAME[name], {name: value, **others})
+
+
 def test_formats_say_na_never_zero():
-    assert fmt.ms(None) == "n/a" and fmt.gib(None) == "n/a" and fmt.pct(None) == "n/a"
-    assert fmt.used_of(None, 80 << 30) == "n/a"
-    assert fmt.ms(0.0123) == "12.3" and fmt.gib(3 << 30) == "3.00"
+    assert metric_cell("step_time_s", None) == "n/a"
+    assert metric_cell("mem_allocated_bytes", None) == "n/a"
+    assert metric_cell("gpu_util_pct", None) == "n/a"
+    assert metric_cell("gpu_mem_used_bytes", None, gpu_mem_total_bytes=80 << 30) == "n/a"
+    assert metric_cell("step_time_s", 0.0123) == "12.3"
+    assert metric_cell("mem_allocated_bytes", 3 << 30) == "3.00"
     assert fmt.num(float("nan")) == "nan" and fmt.scale(65536.0) == "65536"
-    assert fmt.signed_ms(0.021) == "+21.0" and fmt.duration(3725) == "1:02:05"
+    assert metric_cell("arrival_late_s", 0.021) == "+21.0" and fmt.duration(3725) == "1:02:05"
 
 
 def test_compute_time_is_clamped_and_missing_values_are_left_out():
