@@ -120,20 +120,23 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
+    """The numeric ones among `values[name]` for `names`, as floats; others left out."""
+    out: dict[str, float] = {}
+    for name in names:
+        value = _number(values.get(name))
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def step_values(body: dict[str, Any]) -> dict[str, float]:
     """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
     with the well-known extras and the dashboard's `compute_s`; absent ones left out."""
-    out: dict[str, float] = {}
-    for name in STEP_PLOTTED:
-        value = _number(body.get(name))
-        if value is not None:
-            out[name] = value
+    out = _numbers(body, STEP_PLOTTED)
     extra = body.get("extra")
     if extra:
-        for name in EXTRA_PLOTTED:
-            value = _number(extra.get(name))
-            if value is not None:
-                out[name] = value
+        out.update(_numbers(extra, EXTRA_PLOTTED))
     step_time = out.get("step_time_s")
     if step_time is not None:
         busy = out.get("allreduce_time_s", 0.0) + out.get("optimizer_time_s", 0.0)
@@ -146,18 +149,12 @@ def extra_values(body: dict[str, Any]) -> dict[str, float]:
     extra = body.get("extra")
     if not extra:
         return {}
-    return {name: value for name, raw in extra.items()
-            if name not in metrics.BY_NAME and (value := _number(raw)) is not None}
+    return _numbers(extra, tuple(name for name in extra if name not in metrics.BY_NAME))
 
 
 def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
     """The plotted numbers of one `heartbeat` body by metric name, in wire units."""
-    out: dict[str, float] = {}
-    for name in HEARTBEAT_PLOTTED:
-        value = _number(body.get(name))
-        if value is not None:
-            out[name] = value
-    return out
+    return _numbers(body, HEARTBEAT_PLOTTED)
 
 
 class DashboardData:
