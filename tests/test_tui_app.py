@@ -5,6 +5,7 @@ the job picker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -401,6 +402,7 @@ def test_a_hub_of_another_protocol_version_is_named_in_the_header(home, start_hu
 def test_screens_ask_their_host_app_through_messages():
     """The overview works in any app that answers its messages (no reaching into the app)."""
     from textual.app import App
+    from textual.css.query import NoMatches
 
     from scalemon.tui.messages import OpenRank, RedrawNeeded
     from scalemon.tui.model import DashboardData
@@ -417,7 +419,14 @@ def test_screens_ask_their_host_app_through_messages():
 
         def on_mount(self) -> None:
             self.push_screen(OverviewScreen())
-            self.set_interval(0.05, lambda: self.screen.refresh_view(data, sim.end_t(5), True))
+            self.set_interval(0.05, self.draw)
+
+        def draw(self) -> None:
+            """As DashboardApp's tick: only a screen whose widgets are composed."""
+            screen = self.screen
+            if isinstance(screen, OverviewScreen) and screen.is_mounted:
+                with contextlib.suppress(NoMatches):
+                    screen.refresh_view(data, sim.end_t(5), True)
 
         def on_open_rank(self, message: OpenRank) -> None:
             self.opened.append(message.rank)
