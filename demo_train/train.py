@@ -291,7 +291,7 @@ def train(t: Trainer) -> int:
     monitor with the logged step; the monitor gets the loss of every step without a sync."""
     args, env = t.args, t.env
     stats: dict[str, list] = {"steps": [], "step_times_s": [], "losses": [], "loss_scales": [],
-                              "agent_totals_s": [], "intervals": []}
+                              "agent_totals_s": []}  # finish() adds the clock's intervals
     scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
     clock = SyncClock(t.start_step, time.perf_counter())
     for step in range(t.start_step + 1, args.max_steps + 1):

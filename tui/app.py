@@ -190,9 +190,8 @@ class DashboardApp(App[None]):
     # ---- actions -------------------------------------------------------------------------
 
     def open_rank(self, rank: int) -> None:
-        """Show the detail screen of `rank`."""
+        """Show the detail screen of `rank` (it asks for its first draw when shown)."""
         self.push_screen(RankDetailScreen(rank))
-        self.redraw_now()
 
     def on_open_rank(self, message: OpenRank) -> None:
         """A screen asked for a rank's detail."""
