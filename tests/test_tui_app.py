@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+from test_tui_snapshots import screen_text
 
 from conftest import wait_for
 from scalemon import display
@@ -440,5 +441,37 @@ def test_screens_ask_their_host_app_through_messages():
             await until(pilot, lambda: len(app.screen.query_one(RankTable).rows) == 3)
             await pilot.press("down", "enter")
             await until(pilot, lambda: app.opened == [1])
+
+    asyncio.run(scenario())
+
+
+def test_text_from_a_rank_is_shown_as_typed_never_read_as_markup():
+    """An exit reason, an error and a log() extra holding Rich markup brackets: the rank's
+    detail opens and shows them literally (a stray "[/x]" used to raise MarkupError)."""
+    from scalemon.protocol import Message
+    from scalemon.tui.model import DashboardData
+
+    sim = SimJob(ranks=1, gpu=False, amp=False)
+    messages = sim.run(3)
+    messages.append(Message("step", "sim", 0, 998, sim.end_t(3),
+                            {"step": 4, "extra": {"note": "[/] [bold]x"}}))
+    messages.append(Message("exit", "sim", 0, 999, sim.end_t(3),
+                            {"reason": "[red]boom[/red]", "exit_code": 1,
+                             "error": "KeyError: '[/x]'"}))
+    data = DashboardData()
+    data.apply_messages(messages)
+
+    async def scenario() -> None:
+        app = DashboardApp(data=data, clock=lambda: sim.end_t(3) + 1)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: len(cells(app)) == 1)
+            app.open_rank(0)
+            await until(pilot, lambda: isinstance(app.screen, RankDetailScreen)
+                        and app.screen.query("#detail-title"))
+            title = app.screen.query_one("#detail-title")
+            await until(pilot, lambda: "exited ([red]boom[/red])" in str(title.render()))
+            text = screen_text(app)
+            assert "KeyError: '[/x]'" in text and "note=[/] [bold]x" in text
+            assert isinstance(app.screen, RankDetailScreen)  # still up, nothing raised
 
     asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
@@ -64,8 +65,10 @@ class RankDetailScreen(DataScreen):
         if detail is None:
             title.update(f"rank {self.rank}: not seen (yet)")
             return
+        # Text, never markup: facts hold what ranks sent (errors, log() extras, config), and a
+        # "[/x]" in them must show as typed, not stop the dashboard with a MarkupError
         facts = detail.facts
-        title.update(f"rank {self.rank}  ·  {facts[0][1]}  ·  Esc back, ←/→ other ranks")
+        title.update(Text(f"rank {self.rank}  ·  {facts[0][1]}  ·  Esc back, ←/→ other ranks"))
         table = Table.grid(padding=(0, 2), expand=True)
         half = (len(facts) + 1) // 2
         for _ in range(2):
@@ -74,7 +77,7 @@ class RankDetailScreen(DataScreen):
         for i in range(half):
             left = facts[i]
             right = facts[half + i] if half + i < len(facts) else ("", "")
-            table.add_row(left[0], left[1], right[0], right[1])
+            table.add_row(*(Text(cell) for cell in (*left, *right)))
         self.query_one("#facts", Static).update(table)
         if plots:
             for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):
