@@ -6,6 +6,9 @@
     --inject-crash RANK:STEP   that rank raises before step STEP, in the first attempt only
                                (TORCHELASTIC_RESTART_COUNT == 0), so a job restarted by
                                `torchrun --max-restarts N` resumes and goes on
+    --slow-rank RANK:SECONDS   that rank sleeps SECONDS before every backward (after its
+                               forward): it computes slowly, reaches each gradient all-reduce
+                               last, and the others wait for it there (a straggler)
     --inject-overflow STEP     rank 0's backward of step STEP yields inf gradients (all ranks
                                see them after the all-reduce): with --amp fp16 the loss scaler
                                skips that step and halves the scale
@@ -27,6 +30,30 @@ HANG_PHASE = "injected-hang"
 
 class InjectedCrash(RuntimeError):
     """Raised by --inject-crash."""
+
+
+@dataclass(frozen=True)
+class RankDelay:
+    """A (rank, seconds) pair given as `RANK:SECONDS`."""
+
+    rank: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.seconds:g}"
+
+
+def rank_delay(text: str) -> RankDelay:
+    """argparse type for `RANK:SECONDS`."""
+    try:
+        rank_text, seconds_text = text.split(":")
+        rank, seconds = int(rank_text), float(seconds_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:SECONDS, e.g. 1:0.05; got {text!r}"
+                                         ) from None
+    if rank < 0 or not 0 < seconds < 3600:
+        raise argparse.ArgumentTypeError(f"need RANK >= 0 and 0 < SECONDS < 3600; got {text!r}")
+    return RankDelay(rank, seconds)
 
 
 @dataclass(frozen=True)
@@ -65,8 +92,10 @@ class Faults:
         hang: RankStep | None = None,
         crash: RankStep | None = None,
         overflow_step: int | None = None,
+        slow: RankDelay | None = None,
     ) -> None:
         self.rank = rank
+        self.slow_s = slow.seconds if slow and slow.rank == rank else None
         self.hang_step = hang.step if hang and hang.rank == rank else None
         first_attempt = restart_count() == 0
         self.crash_step = crash.step if crash and crash.rank == rank and first_attempt else None
@@ -85,6 +114,11 @@ class Faults:
                 monitor.set_phase(HANG_PHASE)
             while True:
                 time.sleep(3600)
+
+    def before_backward(self) -> None:
+        """Sleep here when this rank is the planted straggler."""
+        if self.slow_s is not None:
+            time.sleep(self.slow_s)
 
     def overflow(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The tensor to call backward on: `loss`, or `loss * inf` at the planted step."""

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from scalemon.demo_train.checkpoint import Checkpointer, TermSignal, TrainState
 from scalemon.demo_train.data import ByteBatches, load_corpus
-from scalemon.demo_train.faults import Faults, rank_step
+from scalemon.demo_train.faults import Faults, rank_delay, rank_step
 from scalemon.demo_train.memory import MemoryEstimate, estimate_memory
 from scalemon.demo_train.model import GPT, PRESETS, GPTConfig, peak_flops
 from scalemon.demo_train.parallel import (
@@ -99,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="that rank raises before that step (first attempt only)")
     p.add_argument("--inject-overflow", type=int, metavar="STEP",
                    help="inf gradients at that step (skipped under --amp fp16)")
+    p.add_argument("--slow-rank", type=rank_delay, metavar="RANK:SECONDS",
+                   help="that rank sleeps before every backward: a planted straggler")
     # system
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: a GPU per rank where the node has GPUs, else the CPU; with fewer "
@@ -195,7 +197,8 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
     t = Trainer(
         args=args, env=env, amp=amp, model=model, module=module, optimizer=optimizer,
         scaler=scaler, data=data, state=TrainState(model, optimizer, data, scaler, settings),
-        faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow),
+        faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow,
+                      args.slow_rank),
         memory=memory, tokens_per_step=args.batch_size * args.grad_accum * config.block_size,
         flops_per_token=flops_per_token, peak_flops=peak_flops(device_name),
         log_every=args.log_every or (10 if env.device.type == "cuda" else 1),
@@ -238,6 +241,7 @@ def forward_backward(t: Trainer, step: int) -> torch.Tensor:
             scaled = t.scaler.scale(loss) if t.scaler is not None else loss
             if last:
                 scaled = t.faults.overflow(step, scaled)
+                t.faults.before_backward()
             scaled.backward()
         total += loss.detach()
     return total
@@ -393,6 +397,9 @@ def write_stats(t: Trainer, stats: dict[str, list], summary: dict[str, Any]) -> 
     if t.monitor is not None:  # the agent's own cost, for bench/agent_overhead.py
         out["agent_time_total_s"] = t.monitor.agent_time_total_s
         out["agent_steps"] = t.monitor.steps_logged
+        recorder = getattr(t.monitor, "recorder", None)  # its background thread's reads
+        out["recorder_read_s"] = recorder.read_s if recorder is not None else None
+        out["recorder_entries"] = recorder.entries if recorder is not None else None
     with open(t.args.stats_json, "w") as f:
         json.dump(out, f)
 
