@@ -16,14 +16,12 @@ from .warn import Warnings
 class Phase:
     """What the training thread is doing now; set from hooks, read by the heartbeat."""
 
-    __slots__ = ("name", "since", "step", "collectives_issued", "collectives_completed", "cost_s")
+    __slots__ = ("name", "since", "step", "cost_s")
 
     def __init__(self) -> None:
         self.name = "init"
         self.since = time.perf_counter()  # hooks reuse their own perf_counter reading
         self.step: int | None = None
-        self.collectives_issued = 0
-        self.collectives_completed = 0
         self.cost_s = 0.0  # time the agent's hooks spent on the training thread, not yet reported
 
     def set(self, name: str) -> None:
@@ -63,8 +61,6 @@ class Heartbeat:
             "phase": self.phase.name,
             "phase_since_s": time.perf_counter() - self.phase.since,
             "step": self.phase.step,
-            "collectives_issued": self.phase.collectives_issued,
-            "collectives_completed": self.phase.collectives_completed,
             "cpu_pct": self._proc.cpu_percent(None),
             "rss_bytes": int(mem.rss),
             **self.gpu.read(),

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,7 +27,9 @@ import scalemon
 from .autostart import hub_address
 from .env import RankEnv, read_rank_env
 from .heartbeat import Heartbeat, Phase
+from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
+from .recorder import Recorder
 from .steps import ScaleTracker, StepFinisher
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
 from .transport import Sender
@@ -97,6 +100,20 @@ class Run:
         self._finished = False
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings)
+        self.sender.on_command = self._on_command
+        self._nccl = uses_nccl()
+        self.host_timer: HostTimer | None = None
+        if time_collectives and not self._nccl:  # gloo: the recorder has no durations
+            self.host_timer = HostTimer()
+            self.host_timer.install()
+        if not dist_initialized():  # timing read from the environment at group creation
+            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+        self.recorder = Recorder(
+            self.sender.submit, threading.get_ident(), lambda: self._last_log_t,
+            lambda: self.phase.step, nccl=self._nccl,
+            ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
+            host_calls=self.host_timer.calls if self.host_timer else None,
+            warnings=self.warnings)
         self._hello(model, config)
         if optimizer is not None:
             self.watch_optimizer(optimizer)
@@ -138,15 +155,19 @@ class Run:
 
     @guarded
     def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
-        """Track forward/backward phases; on DDP also time the gradient all-reduce.
+        """Track forward/backward phases; on DDP over gloo also time the gradient all-reduce.
 
-        The timing comm hook is installed at the model's first forward, not here: DDP takes
-        one comm hook, so a script that registers its own after `init()` keeps it (and the
-        all-reduce goes untimed) instead of getting DDP's "can only be called once" error."""
+        NCCL needs no hook: the Flight Recorder times every collective in C++. On gloo it has
+        no durations, so a timing comm hook is installed, at the model's first forward, not
+        here: DDP takes one comm hook, so a script that registers its own after `init()` keeps
+        it (and the all-reduce goes untimed) instead of getting DDP's "can only be called
+        once" error."""
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
-        if time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase, self.warnings),
-                                  model)
+        if (time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                and not group_uses_nccl(model.process_group)):
+            samples = self.host_timer.calls if self.host_timer else None
+            self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase, self.warnings,
+                                                 samples), model)
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
@@ -242,6 +263,13 @@ class Run:
         self._finished = True
         try:
             try:
+                self.recorder.stop()  # a last read: what the last steps issued
+                if self.host_timer is not None:
+                    self.host_timer.remove()
+            except Exception as exc:
+                self.warnings.once("last-read", "scalemon: the last Flight Recorder read "
+                                   "failed: %s: %s", type(exc).__name__, exc)
+            try:
                 self.heartbeat.stop()  # sends a last reading
             except Exception as exc:
                 self.warnings.once("last-heartbeat", "scalemon: the last heartbeat failed: "
@@ -280,8 +308,18 @@ class Run:
             self._disabled_reason = reason
             log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
 
-    def _counters(self) -> dict[str, int]:
-        return {"dropped": self.sender.dropped, "queued": self.sender.queued}
+    def _counters(self) -> dict[str, Any]:
+        return {"dropped": self.sender.dropped, "queued": self.sender.queued,
+                "clock_offset_s": self.sender.clock_offset_s,
+                **self.recorder.heartbeat_fields()}
+
+    def _on_command(self, command: dict[str, Any]) -> None:
+        """A command the hub relayed (on the sender thread)."""
+        if command.get("name") == "dump_fr" and isinstance(command.get("directory"), str):
+            self.recorder.request_dump(command["directory"], self.env.rank)
+        else:
+            self.warnings.once(f"command:{command.get('name')}", "scalemon: the hub sent an "
+                               "unknown command %r; a newer hub? ignored", command.get("name"))
 
 
 _forked = False
@@ -305,6 +343,44 @@ def _cuda_device(model: torch.nn.Module | None) -> torch.device | None:
     if torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def ras_port() -> int:
+    """The port NCCL RAS listens on (NCCL_RAS_ADDR=host:port, default 28028)."""
+    from .ras import RAS_PORT
+
+    addr = os.environ.get("NCCL_RAS_ADDR", "")
+    try:
+        return int(addr.rsplit(":", 1)[1]) if ":" in addr else RAS_PORT
+    except ValueError:
+        return RAS_PORT
+
+
+def dist_initialized() -> bool:
+    """True once torch.distributed's default group exists."""
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
+def group_uses_nccl(group: Any = None) -> bool:
+    """True when `group` (default: the default group) runs NCCL for CUDA tensors."""
+    try:
+        import torch.distributed as dist
+
+        return "nccl" in str(dist.get_backend(group))
+    except Exception:
+        return False
+
+
+def uses_nccl() -> bool:
+    """True when this process uses NCCL (or will: CUDA is there and no group exists yet)."""
+    if dist_initialized():
+        return group_uses_nccl()
+    return torch.cuda.is_available()
 
 
 def dist_backend() -> str | None:

@@ -92,7 +92,6 @@ class StepFinisher:
                 extra[name] = value
             self.pinned.setdefault(len(values), []).append(buf)
             self.events.put(event)
-            self.phase.collectives_completed += len(comm_spans)
         if extra:
             body["extra"] = self._sendable(extra)
         wall_offset = time.time() - time.perf_counter()

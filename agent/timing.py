@@ -15,19 +15,25 @@ tensor sent (its byte count is read later, on the sender thread).
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .heartbeat import Phase
+from .hosttiming import group_seq, original
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 
-Span = list  # [issued_at: float, start: float|Event, end: float|Event|None, sent: Tensor|None]
+def _all_reduce(*args: Any, **kwargs: Any) -> Any:
+    """torch's all_reduce, not the host timer's wrapper (the hook times its own)."""
+    return original(dist.all_reduce)(*args, **kwargs)
+
+
+Span = list  # [issued_at, start: float|Event, end: float|Event|None, sent: Tensor|None, ...]
 
 
 class EventPool:
@@ -129,13 +135,14 @@ class OptimizerTimer:
 class AllReduceTimer:
     """A DDP communication hook: the default averaging all-reduce, timed per bucket."""
 
-    def __init__(self, timer: SpanTimer, phase: Phase, warnings: Warnings | None = None) -> None:
+    def __init__(self, timer: SpanTimer, phase: Phase, warnings: Warnings | None = None,
+                 samples: deque | None = None) -> None:
         self.timer = timer
+        self.calls = samples  # HostCall lists for the recorder (durations on gloo)
         self.phase = phase
         self.warnings = warnings or Warnings()
         self._group: Any = None
         self._group_size = 1
-        self._lock = threading.Lock()  # gloo completes futures on several threads
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Install on a DDP model (before its first backward). DDP takes one comm hook: when
@@ -164,9 +171,8 @@ class AllReduceTimer:
         span = None
         try:
             phase.name, phase.since = "allreduce", t
-            phase.collectives_issued += 1
             events = self.timer.events
-            span = [t, t if events is None else events.record(), None, tensor]
+            span = [t, t if events is None else events.record(), None, tensor, None]
             self.timer.spans.append(span)
         except Exception as exc:  # the all-reduce itself must go on
             span = None
@@ -174,7 +180,15 @@ class AllReduceTimer:
                                "(%s: %s); such buckets go untimed", type(exc).__name__, exc)
         phase.cost_s += time.perf_counter() - t
         tensor.div_(self._group_size)
-        fut = dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
+        fut = _all_reduce(tensor, group=self._group, async_op=True).get_future()
+        if span is not None and self.calls is not None:
+            t2 = time.perf_counter()
+            try:
+                span[4] = call = [self._group, group_seq(self._group), None, None]
+                self.calls.append(call)
+            except Exception:  # a torch without sequence numbers: no duration for the table
+                span[4] = None
+            phase.cost_s += time.perf_counter() - t2
         return fut.then(lambda f: self._done(f, span))
 
     def _done(self, fut: torch.futures.Future, span: Span | None) -> torch.Tensor:
@@ -185,8 +199,8 @@ class AllReduceTimer:
                 events = self.timer.events
                 if events is None:
                     span[2] = time.perf_counter()
-                    with self._lock:
-                        self.phase.collectives_completed += 1
+                    if span[4] is not None:
+                        span[4][3] = span[2] - span[1]
                 else:
                     span[2] = events.record()
             except Exception as exc:  # the gradients must still come back to DDP

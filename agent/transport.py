@@ -6,9 +6,14 @@ wakes every `flush_interval_s`, owns the ZeroMQ PUSH socket, packs messages and 
 NOBLOCK. A full deque or a full socket queue (no hub,
 slow hub) drops the message and counts it; the hub sees the drop as a gap in `seq` too.
 
-The thread also asks the hub for its protocol version once (a `ping` on the hub's RPC socket,
-answered whenever the hub is up): a hub of another major version would refuse every message,
-so the agent says so once, naming both versions, and stops sending.
+The thread also keeps a round trip going with the hub's RPC socket (a `sync` request every
+`sync_every_s`, answered whenever the hub is up). The first answer gives the hub's protocol
+version: a hub of another major version would refuse every message, so the agent says so once,
+naming both versions, and stops sending. Every answer gives the hub's clock, from which the
+agent estimates the offset between the hub's clock and this host's (`clock_offset_s`, from the
+fastest of the last 8 round trips, once there are 3,
+as NTP does), and carries the commands the hub queued for this
+rank (a Flight Recorder dump), handed to `on_command` on this thread.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Sender:
         flush_interval_s: float = 0.05,
         rpc_endpoint: str | None = None,
         warnings: Warnings | None = None,
+        sync_every_s: float = 1.0,
     ) -> None:
         self.endpoint = endpoint
         self.rpc_endpoint = rpc_endpoint
@@ -56,6 +62,12 @@ class Sender:
         self.socket_hwm = socket_hwm
         self.close_timeout_s = close_timeout_s
         self.flush_interval_s = flush_interval_s
+        self.sync_every_s = sync_every_s
+        self.on_command: Callable[[dict[str, Any]], None] | None = None
+        self._round_trips: deque[tuple[float, float]] = deque(maxlen=8)  # (rtt, offset)
+        self._sync_sent: float | None = None  # monotonic time of the request in flight
+        self._next_sync = 0.0
+        self._sync_refused = False
         self.dropped = 0  # changed under _drop_lock: several threads drop
         self.sent = 0
         self._drop_lock = threading.Lock()
@@ -119,14 +131,12 @@ class Sender:
             sock.setsockopt(zmq.RECONNECT_IVL, 200)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(self.endpoint)
-            probe = self._ask_version(ctx)
+            probe = self._probe(ctx)
             while True:
                 self._wake.wait(self.flush_interval_s)
                 stopping = self._stopping
-                if probe is not None and probe.poll(0, zmq.POLLIN):
-                    self._read_version(probe)
-                    probe.close(linger=0)
-                    probe = None
+                if probe is not None:
+                    self._sync(probe)
                 self._drain(sock)
                 if stopping:  # wait a little for the device, then give up on what is stuck
                     self._drain_deferred(sock, time.monotonic() + self.close_timeout_s, True)
@@ -142,24 +152,49 @@ class Sender:
             sock.close()  # waits up to LINGER for queued frames to leave
             ctx.term()
 
-    def _ask_version(self, ctx: zmq.Context) -> zmq.Socket | None:
-        """Send one `ping` to the hub's RPC socket; it queues until the hub is up."""
+    def _probe(self, ctx: zmq.Context) -> zmq.Socket | None:
+        """The DEALER socket of the round trips with the hub's RPC socket."""
         if self.rpc_endpoint is None:
             return None
         probe = ctx.socket(zmq.DEALER)
         probe.setsockopt(zmq.LINGER, 0)
+        probe.setsockopt(zmq.SNDHWM, 4)
         probe.connect(self.rpc_endpoint)
-        try:
-            probe.send(protocol.encode_request("ping"), zmq.NOBLOCK)
-        except zmq.Again:
-            probe.close(linger=0)
-            return None
         return probe
 
-    def _read_version(self, probe: zmq.Socket) -> None:
-        """The hub's answer to the ping: another major version switches sending off."""
+    @property
+    def clock_offset_s(self) -> float | None:
+        """The hub's clock minus this host's, from the fastest recent round trip."""
+        trips = list(self._round_trips)
+        return min(trips)[1] if len(trips) >= 3 else None
+
+    def _sync(self, probe: zmq.Socket) -> None:
+        """Read the answer to the request in flight; send the next one when due."""
+        while probe.poll(0, zmq.POLLIN):
+            self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
+        now = time.monotonic()
+        if self._sync_refused or self._failed and self.hub_version is not None:
+            return
+        overdue = self._sync_sent is not None and now - self._sync_sent > 5.0
+        if (self._sync_sent is None or overdue) and now >= self._next_sync:
+            try:
+                probe.send(protocol.encode_request("sync", rank=self.rank, t=time.time()),
+                           zmq.NOBLOCK)
+                self._sync_sent = now
+            except zmq.Again:
+                pass
+            self._next_sync = now + self.sync_every_s
+            # wait a little for the answer: read late, it would skew the clock estimate
+            if self._sync_sent is not None and probe.poll(20, zmq.POLLIN):
+                self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
+
+    def _read_sync(self, frame: bytes) -> None:
+        """The hub's answer: its version (another major switches sending off), its clock, and
+        the commands for this rank."""
+        t1 = time.time()
+        self._sync_sent = None
         try:
-            reply = protocol.decode_reply(probe.recv_multipart(zmq.NOBLOCK)[-1])
+            reply = protocol.decode_reply(frame)
             self.hub_version = tuple(reply["v"])  # type: ignore[assignment]
         except protocol.VersionMismatch as exc:
             self.hub_version = exc.theirs
@@ -171,9 +206,23 @@ class Sender:
                 "this rank. Install the same scalemon version in the training environment and "
                 "where the hub runs.", self.rpc_endpoint, protocol.version_text(exc.theirs),
                 scalemon.__version__, protocol.version_text(exc.ours))
-        except (protocol.ProtocolError, zmq.ZMQError) as exc:
-            self.warnings.once("hub-ping", "scalemon: the hub's answer to a ping was unusable: "
+            return
+        except protocol.ProtocolError as exc:
+            if "unknown request op" in str(exc):  # an older hub: no clock, no commands
+                self._sync_refused = True
+            self.warnings.once("hub-sync", "scalemon: the hub's answer to a sync was unusable: "
                                "%s", exc)
+            return
+        t0, hub_t = reply.get("t0"), reply.get("t")
+        if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
+            self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))
+        for command in reply.get("commands") or ():
+            if self.on_command is not None and isinstance(command, dict):
+                try:
+                    self.on_command(command)
+                except Exception as exc:
+                    self.warnings.once(f"command:{command.get('name')}", "scalemon: command "
+                                       "%s failed: %s", command.get("name"), exc)
 
     def _drain(self, sock: zmq.Socket) -> None:
         while self._queue:

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a rank lost after S seconds without a message (default 5)",
     )
     parser.add_argument(
+        "--hang-after", type=float, default=10.0, metavar="S",
+        help="the job is hung when no rank completed a step for S seconds (default 10)",
+    )
+    parser.add_argument(
         "--linger", type=float, default=600.0, metavar="S",
         help="stay up S seconds after the job ended so its final state can be read (default 600)",
     )
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         hub = Hub(
             job=args.job, home=args.home, address=args.address, world_size=args.world_size,
             lost_after_s=args.lost_after, linger_s=args.linger, memory_limit=args.memory_limit,
+            hang_after_s=args.hang_after,
         )
     except (HubAlreadyRunning, ValueError, OSError) as exc:
         print(f"scalemon hub: {exc}", file=sys.stderr)

@@ -27,8 +27,10 @@ import scalemon
 from scalemon import protocol
 from scalemon.history import HISTORY_FILE, History
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
-from scalemon.jobstate import JobState, RankView
+from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
+
+from .frdump import FrDump
 
 log = logging.getLogger("scalemon.hub")
 
@@ -56,6 +58,7 @@ class Hub:
         lost_after_s: float = 5.0,
         linger_s: float = 600.0,
         memory_limit: int = 1_000_000,
+        hang_after_s: float = HANG_AFTER_S,
     ) -> None:
         self.job = job
         self.home = home
@@ -67,7 +70,10 @@ class Hub:
         self.linger_s = linger_s
         self._lock_file = self._take_lock()
         self.history = History(self.run_dir / HISTORY_FILE, memory_limit)
-        self.state = JobState(job=job, world_size=world_size)
+        self.state = JobState(job=job, world_size=world_size, hang_after_s=hang_after_s)
+        self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
+        self._dump: FrDump | None = None
+        self._pending_dump_record = False
         self.received = 0
         self.rejected = 0
         self.reject_reasons: Counter[str] = Counter()
@@ -262,6 +268,7 @@ class Hub:
     # --- rank liveness and lifetime --------------------------------------------------------
     def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
         self.history.flush()
+        self._advance_dump(feed)
         self._detect_lost(feed, now)
         if self._job_file and self._job_file.world_size != self.state.world_size:
             self._write_job_file()
@@ -342,6 +349,11 @@ class Hub:
     def _answer(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "ping":
             return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
+        if op == "sync":
+            return {"t0": args["t"], "t": time.time(),
+                    "commands": self._commands.pop(args["rank"], [])}
+        if op == "command":
+            return self._command(args["name"])
         if op == "state":
             return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
         since = max(0, args["since"])
@@ -353,6 +365,33 @@ class Hub:
                 break
             records.append(record)
         return {"records": records, "head": len(self.history)}
+
+    # --- commands to the ranks -------------------------------------------------------------
+    def _command(self, name: str) -> dict[str, Any]:
+        """A dashboard's command for every rank; raises ProtocolError for an unknown one."""
+        if name != "dump_fr":
+            raise ProtocolError(f"unknown command {name!r}; known: dump_fr")
+        if self._dump is not None and not self._dump.finished:
+            return {"directory": self._dump.directory, "note": "a dump is already under way"}
+        ranks = sorted(r for r, v in self.state.ranks.items() if v.state != "finished")
+        self._dump = FrDump(self.run_dir, ranks)
+        for rank in ranks:
+            self._commands.setdefault(rank, []).append(
+                {"name": "dump_fr", "directory": self._dump.directory})
+        self._pending_dump_record = True
+        return {"directory": self._dump.directory, "ranks": ranks}
+
+    def _advance_dump(self, feed: zmq.Socket) -> None:
+        """Record a dump's progress in the history: requested, then analysed."""
+        dump = self._dump
+        if dump is None:
+            return
+        if self._pending_dump_record:
+            self._pending_dump_record = False
+            self._record(feed, "fr_dump", dump.body())
+        if dump.advance(self.state) and not dump.recorded:
+            dump.recorded = True
+            self._record(feed, "fr_dump", dump.body())
 
     def stats(self) -> dict[str, Any]:
         """Hub counters, as reported in `state` replies."""

@@ -162,7 +162,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     """Open the dashboard on a job."""
     from scalemon.tui.attach import attach
 
-    return attach(args.target, stats_path=args.stats_json)
+    return attach(args.target, stats_path=args.stats_json, hang_after_s=args.hang_after)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     attach = sub.add_parser("attach", help="open the dashboard on a job")
     attach.add_argument("target", nargs="?",
                         help="job id or hub address (default: the live job, or pick from a list)")
+    attach.add_argument("--hang-after", type=float, default=10.0, metavar="S",
+                        help="call the job hung after S seconds without a completed step "
+                             "(default 10)")
     attach.add_argument("--stats-json", type=Path, metavar="PATH",
                         help="on exit, write redraw times and message counts here (benchmarks)")
     attach.set_defaults(func=cmd_attach)

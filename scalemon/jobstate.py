@@ -6,11 +6,23 @@ each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (n
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from scalemon import metrics
+from scalemon.collectives import (
+    ArrivalTracker,
+    CollectiveStats,
+    StatRow,
+    bucket_text,
+    bus_factor,
+    busbw_gbps,
+    find_culprits,
+    hist_quantile,
+)
 from scalemon.protocol import HUB_RANK, Message
 
 STEP_FIELDS = metrics.latest_of("step")
@@ -19,6 +31,8 @@ EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
 logs a new name every step cannot grow the state without bound."""
 TERMINAL_STATES = ("exited", "finished")
+HANG_AFTER_S = 10.0
+"""A job where no rank completed a step for this long is hung (hub and dashboard setting)."""
 
 
 def _no_values() -> dict[str, Any]:
@@ -52,6 +66,9 @@ class RankView:
     seq_gaps: int = 0
     metrics: dict[str, Any] = field(default_factory=_no_values)
     extra: dict[str, Any] = field(default_factory=dict)
+    last_step_t: float | None = None
+    lateness: deque[float] | None = field(default=None, repr=False)
+    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
 
     def value(self, name: str, now: float | None = None) -> Any:
         """The current value of metric `name` of the table (KeyError for other names): from
@@ -63,15 +80,19 @@ class RankView:
             if self.last_seen_t is None:
                 return None
             return (time.time() if now is None else now) - self.last_seen_t
+        if name == "arrival_lateness_s":
+            return statistics.median(self.lateness) if self.lateness else None
         return self.metrics[name]
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """A JSON-ready dict: identity and state, then every metric under its own name."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("metrics", "extra")}
+               if f.name not in ("metrics", "extra", "lateness", "collectives")}
         out.update(self.metrics)
         out["extra"] = dict(self.extra)
-        out["heartbeat_age_s"] = self.value("heartbeat_age_s", now)
+        for m in metrics.KEPT:
+            if m.source == "hub":
+                out[m.name] = self.value(m.name, now)
         return out
 
 
@@ -86,6 +107,17 @@ class JobState:
     messages: int = 0
     started_t: float | None = None
     last_t: float | None = None
+    last_step_t: float | None = None
+    hang_after_s: float = HANG_AFTER_S
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Process groups by name (the same on every rank): {"desc": str, "ranks": [int]}."""
+    arrival: ArrivalTracker = field(default_factory=ArrivalTracker, repr=False)
+    bad_collectives: int = 0
+    hosts: set[str] = field(default_factory=set, repr=False)
+    host_offsets: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)
+    """Each host's ranks' latest `clock_offset_s` (one clock per host)."""
+    fr_dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Flight Recorder dumps the hub asked for, newest last, with torch's analysis."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -127,6 +159,7 @@ class JobState:
     def _on_hello(self, msg: Message, view: RankView) -> None:
         b = msg.body
         view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
+        self.hosts.add(b["host"])
         view.restart_count = b.get("restart_count")
         view.device, view.backend = b.get("device"), b.get("backend")
         view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
@@ -139,6 +172,9 @@ class JobState:
         b = msg.body
         view.step = b["step"]
         view.steps_received += 1
+        view.last_step_t = msg.t
+        if self.last_step_t is None or msg.t > self.last_step_t:
+            self.last_step_t = msg.t
         view.metrics.update({name: b.get(name) for name in STEP_FIELDS})  # absent -> None
         extra = b.get("extra")
         if extra:
@@ -154,8 +190,29 @@ class JobState:
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
         view.metrics.update({name: b.get(name) for name in HEARTBEAT_FIELDS})
+        offset = b.get("clock_offset_s")
+        if view.host is not None and isinstance(offset, (int, float)):
+            self.host_offsets.setdefault(view.host, {})[msg.rank] = offset
         if view.state == "lost":
             view.state, view.state_reason = "running", None
+
+    def _on_collectives(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        try:
+            for name, group in b["groups"].items():
+                if name not in self.groups:
+                    ranks = [int(r) for r in group["ranks"]]
+                    self.groups[name] = {"desc": str(group.get("desc") or ""), "ranks": ranks}
+                    self.arrival.set_group(name, ranks)
+            view.collectives.merge_wire(b["stats"])
+            offset = self.clock_offset(view)
+            arrival = self.arrival
+            for group, seq, t in b["issues"]:
+                arrival.issued(group, seq, msg.rank, t + offset)
+        except (KeyError, TypeError, ValueError):
+            self.bad_collectives += 1  # counted, shown; the rest of the history goes on
+        if view.lateness is None:
+            view.lateness = self.arrival.series(msg.rank)
 
     def _on_info(self, msg: Message, view: RankView) -> None:
         self.info.setdefault(msg.body["key"], {})[msg.rank] = msg.body["value"]
@@ -168,6 +225,14 @@ class JobState:
         view.error = b.get("error")
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
+
+    def _on_fr_dump(self, msg: Message) -> None:
+        b = dict(msg.body)
+        for i, old in enumerate(self.fr_dumps):
+            if old["directory"] == b["directory"]:
+                self.fr_dumps[i] = b
+                return
+        self.fr_dumps = [*self.fr_dumps[-4:], b]
 
     def _on_rank_state(self, msg: Message) -> None:
         b = msg.body
@@ -193,6 +258,166 @@ class JobState:
             return "degraded"
         return "running"
 
+    # --- collectives ---------------------------------------------------------------------
+    def clock_offset(self, view: RankView) -> float:
+        """Seconds to add to a time of `view`'s host clock to get the hub's: 0 while every rank
+        seen runs on one host (one clock), else the median of that host's ranks' estimates."""
+        if len(self.hosts) <= 1:
+            return 0.0
+        offsets = self.host_offsets.get(view.host or "")
+        return statistics.median(offsets.values()) if offsets else 0.0
+
+    def group_label(self, name: str) -> str:
+        """A group as people know it: its description ("default_pg"), with its name where
+        two groups share one."""
+        group = self.groups.get(name)
+        desc = group["desc"] if group else ""
+        if not desc or desc == "undefined":
+            return f"pg {name}"
+        if sum(1 for g in self.groups.values() if g["desc"] == desc) > 1:
+            return f"{desc} ({name})"
+        return desc
+
+    def collectives_table(self) -> list[dict[str, Any]]:
+        """The job's collectives so far, a row per (group, op) with its size buckets in
+        `sizes`, largest total time first. Counts and bytes are one rank's (the largest: every
+        member issues each collective); durations pool every rank's."""
+        per_key: dict[tuple[str, str, int], list[StatRow]] = {}
+        for view in self.ranks.values():
+            for key, row in view.collectives.rows.items():
+                per_key.setdefault(key, []).append(row)
+        by_op: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for (group, op, bucket), rows in per_key.items():
+            n = len(self.groups.get(group, {}).get("ranks", ())) or len(rows)
+            timing = StatRow()
+            for row in rows:
+                timing.merge(row)
+            size = self._row(group, op, n, max(r.count for r in rows),
+                             max(r.bytes for r in rows), timing)
+            size["size_bucket"], size["size_text"] = bucket, bucket_text(bucket)
+            by_op.setdefault((group, op), []).append(size)
+        table = []
+        for (group, op), sizes in by_op.items():
+            n = sizes[0]["ranks"]
+            timing = StatRow()
+            for size in sizes:
+                timing.merge(size.pop("_timing"))
+            row = self._row(group, op, n, sum(s["count"] for s in sizes),
+                            sum(s["bytes"] for s in sizes), timing)
+            del row["_timing"]
+            row["sizes"] = sorted(sizes, key=lambda s: s["size_bucket"])
+            table.append(row)
+        table.sort(key=lambda r: (-(r["time_total_s"] or 0.0), r["group"], r["op"]))
+        return table
+
+    def _row(self, group: str, op: str, n: int, count: int, nbytes: int,
+             timing: StatRow) -> dict[str, Any]:
+        mean = timing.time_sum_s / timing.timed if timing.timed else None
+        per_op = nbytes / count if count else 0
+        return {
+            "group": self.group_label(group), "group_name": group, "op": op, "ranks": n,
+            "count": count, "bytes": nbytes, "timed": timing.timed,
+            "time_p50_s": hist_quantile(timing.hist, 0.5),
+            "time_p99_s": hist_quantile(timing.hist, 0.99),
+            "time_max_s": timing.time_max_s if timing.timed else None,
+            "time_mean_s": mean,
+            "time_total_s": mean * count if mean is not None else None,
+            "algbw_gbps": per_op / mean / 1e9 if mean else None,
+            "busbw_gbps": busbw_gbps(op, n, per_op, 1, mean),
+            "bus_factor": bus_factor(op, n),
+            "_timing": timing,
+        }
+
+    # --- hangs -----------------------------------------------------------------------------
+    def hang(self, now: float | None = None) -> dict[str, Any] | None:
+        """The job's hang, or None: no rank completed a step for `hang_after_s` while the job
+        runs. Names the culprit ranks (which did not issue the collective the others wait in,
+        or whose process is gone), the collective, each rank's whereabouts and stack."""
+        now = time.time() if now is None else now
+        if self.last_step_t is None or self.state in ("finished", "ended", "waiting"):
+            return None
+        since = now - self.last_step_t
+        if since < self.hang_after_s:
+            return None
+        gone = {r for r, v in self.ranks.items() if v.state in ("lost", "exited")}
+        status = {r: v.metrics.get("groups") or {} for r, v in self.ranks.items()}
+        members = {name: tuple(g["ranks"]) for name, g in self.groups.items()}
+        finding = find_culprits(status, members, gone) or {}
+        group = finding.get("group")
+        seq = finding.get("seq")
+        op, waited = self._awaited(group, seq, finding.get("waiting", ()), now)
+        return {
+            "since_s": since,
+            "culprits": finding.get("culprits", []),
+            "waiting": finding.get("waiting", []),
+            "group": self.group_label(group) if group is not None else None,
+            "op": op, "seq": seq, "waited_s": waited,
+            "gone": sorted(gone),
+            "text": self._hang_text(finding, op, waited, since, gone),
+            "stacks": {str(r): self._stack_text(v) for r, v in sorted(self.ranks.items())},
+            "nccl_ras": {str(r): v for r, v in self.info.get("nccl_ras", {}).items()},
+            "ranks": {str(r): self._hang_rank(v, now) for r, v in sorted(self.ranks.items())},
+        }
+
+    def _awaited(self, group: str | None, seq: int | None, waiting: Any,
+                 now: float) -> tuple[str | None, float | None]:
+        """The op of collective (group, seq), and how long the first waiting rank has waited
+        in it, from the waiting ranks' in-flight lists."""
+        op, waited = None, None
+        for rank in waiting:
+            view = self.ranks[rank]
+            offset = self.clock_offset(view)
+            for item in view.metrics.get("inflight") or ():
+                if len(item) >= 4 and item[0] == group and item[1] == seq:
+                    op = op or item[2]
+                    if isinstance(item[3], (int, float)):
+                        w = now - (item[3] + offset)
+                        waited = w if waited is None else max(waited, w)
+        return op, waited
+
+    def _hang_text(self, finding: dict[str, Any], op: str | None, waited: float | None,
+                   since: float, gone: set[int]) -> str:
+        head = f"no rank completed a step for {since:.0f} s"
+        if not finding:
+            return head + ("; every rank completed the collectives it issued: look at the "
+                           "stacks")
+        label = self.group_label(finding["group"])
+        what = f"{op or 'collective'} #{finding['seq']} of group {label}"
+        wait = f" for {waited:.0f} s" if waited is not None else ""
+        culprits, waiting = finding["culprits"], finding["waiting"]
+        parts = []
+        alive = [r for r in culprits if r not in gone]
+        dead = [r for r in culprits if r in gone]
+        if alive:
+            parts.append(f"{_ranks_text(alive)} never issued {what}")
+        if dead:
+            why = self.ranks[dead[0]].state_reason or "no exit reported"
+            parts.append(f"{_ranks_text(dead)}: process gone ({why})")
+        if waiting:
+            verb = "waits" if len(waiting) == 1 else "wait"
+            parts.append(f"{_ranks_text(waiting)} {verb} in {'it' if culprits else what}{wait}")
+        if not culprits:
+            parts.append("every rank issued it: a network or communication-library problem, "
+                         "not a late rank")
+        return "; ".join(parts)
+
+    @staticmethod
+    def _stack_text(view: RankView) -> str:
+        if view.state in ("lost", "exited"):
+            return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
+        return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
+            "its training thread is stuck for a few seconds)"
+
+    def _hang_rank(self, view: RankView, now: float) -> dict[str, Any]:
+        groups = view.metrics.get("groups") or {}
+        return {
+            "state": view.state, "step": view.step, "phase": view.metrics.get("phase"),
+            "stuck_s": now - view.last_step_t if view.last_step_t is not None else None,
+            "groups": {self.group_label(g): {"last_issued": s[0], "last_completed": s[1]}
+                       for g, s in groups.items() if isinstance(s, list) and len(s) == 2},
+            "inflight": view.metrics.get("inflight") or [],
+        }
+
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
         now = time.time() if now is None else now
@@ -205,4 +430,14 @@ class JobState:
             "last_t": self.last_t,
             "info": {k: {str(r): v for r, v in d.items()} for k, d in self.info.items()},
             "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
+            "groups": {self.group_label(n): {"name": n, **g} for n, g in self.groups.items()},
+            "collectives": self.collectives_table(),
+            "hang": self.hang(now),
+            "hang_after_s": self.hang_after_s,
+            "fr_dumps": list(self.fr_dumps),
         }
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 1", "ranks 0,2,3"."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)

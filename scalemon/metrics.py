@@ -27,7 +27,8 @@ SOURCES = ("step", "heartbeat", "extra", "hub", "dashboard")
 script passes to `log(**extra)` (kept in the rank's `extra`); computed by the reducer from the
 envelope (`hub`); or computed by the dashboard from other metrics (`dashboard`)."""
 
-KINDS = {"float": "number", "int": "int", "bool": "bool", "str": "str", "map": "map"}
+KINDS = {"float": "number", "int": "int", "bool": "bool", "str": "str", "map": "map",
+         "list": "array"}
 """Value kinds and how docs/protocol.md names them."""
 
 STYLES = ("num", "signed", "loss_scale", "si", "used_of", "int", "age")
@@ -86,7 +87,8 @@ class Metric:
 
 _NO_GPU = "no GPU on this rank"
 _NO_NVML = "no GPU or NVML on this rank"
-_NO_DDP = "no DDP all-reduce timed"
+_NO_DDP = "no DDP all-reduce timed by the host (gloo only; NCCL: see the collectives screen)"
+_NO_SKEW = "no collective issued by every rank of a group yet"
 
 METRICS: tuple[Metric, ...] = (
     # --- the step message -----------------------------------------------------------------
@@ -106,24 +108,27 @@ METRICS: tuple[Metric, ...] = (
            "watched or none completed",
            show=Show(unit="ms", scale=1e3, column="opt", width=6, plot="optimizer",
                      na="no optimizer watched")),
-    Metric("allreduce_time_s", "step", "float", "s", "sum, over the DDP gradient buckets of this "
-           "step, of the time from issuing each bucket's all-reduce to its completion. Buckets "
-           "overlap with backward and with each other, so this is a sum, not wall time. null when "
-           "nothing was timed.",
+    Metric("allreduce_time_s", "step", "float", "s", "gloo only: sum, over the DDP gradient "
+           "buckets of this step, of the time from issuing each bucket's all-reduce to its "
+           "completion (host clock, through the agent's DDP comm hook). Buckets overlap with "
+           "backward and with each other, so this is a sum, not wall time. null on NCCL, where "
+           "the agent installs no hook and the Flight Recorder times every collective "
+           "(`collectives` messages), and when nothing was timed.",
            show=Show(unit="ms", scale=1e3, column="allred", width=6,
                      plot="all-reduce, sum of buckets", na=_NO_DDP)),
-    Metric("allreduce_count", "step", "int", "", "number of bucket all-reduces issued during the "
-           "step (0 without DDP collective timing)"),
+    Metric("allreduce_count", "step", "int", "", "gloo only: number of bucket all-reduces "
+           "issued during the step (0 without the host timer)"),
     Metric("allreduce_bytes", "step", "int", "bytes", "total size of those buckets"),
-    Metric("allreduce_issue_t", "step", "float", "s (Unix)", "Unix seconds, host clock, when the "
-           "first gradient-bucket all-reduce of the step was issued; null when there was none. "
-           "Differences between ranks show who reached the collective late (stragglers)."),
-    Metric("arrival_late_s", "dashboard", "float", "s", "when the rank issued the step's first "
-           "gradient all-reduce, minus the median rank's (from `allreduce_issue_t`; the column "
-           "is smoothed over steps). Positive: the rank arrives late and the others wait for it. "
-           "Needs host clocks in sync across nodes.",
-           show=Show(unit="ms", scale=1e3, style="signed", column="late", width=6,
-                     plot="arrival at all-reduce - median", na=_NO_DDP)),
+    Metric("allreduce_issue_t", "step", "float", "s (Unix)", "gloo only: Unix seconds, host "
+           "clock, when the first gradient-bucket all-reduce of the step was issued; null when "
+           "there was none"),
+    Metric("arrival_lateness_s", "hub", "float", "s", "median, over the rank's last 100 "
+           "collectives that every rank of their group issued, of how much later this rank "
+           "issued each one than the first rank of the group (Flight Recorder issue times, "
+           "corrected by each host's `clock_offset_s`). A rank that computes slowly arrives "
+           "last and then waits least, so this, not collective time, names stragglers.",
+           show=Show(unit="ms", scale=1e3, digits=1, column="late", width=6,
+                     plot="arrival lateness at collectives", na=_NO_SKEW)),
     Metric("compute_s", "dashboard", "float", "s", "step time minus all-reduce and optimizer "
            "time, at least 0: a lower bound of the compute time, since under DDP the all-reduce "
            "overlaps backward",
@@ -187,10 +192,35 @@ METRICS: tuple[Metric, ...] = (
            "(monotonic clock)"),
     Metric("step", "heartbeat", "int", "", "last step number passed to `log()`; null before the "
            "first", kept=False),
-    Metric("collectives_issued", "heartbeat", "int", "", "cumulative number of DDP bucket "
-           "all-reduces issued by this rank (0 without DDP collective timing)"),
-    Metric("collectives_completed", "heartbeat", "int", "", "cumulative number of those that "
-           "completed. `issued > completed` for a long time means a collective is stuck."),
+    Metric("collectives_issued", "heartbeat", "int", "", "cumulative number of collectives "
+           "this rank issued, over every process group the Flight Recorder knows (the sum of the "
+           "last sequence numbers in `groups`)"),
+    Metric("collectives_completed", "heartbeat", "int", "", "cumulative number of those the "
+           "recorder saw complete. `issued > completed` for a long time means a collective is "
+           "stuck (gloo marks completion late: compare ranks, not the two numbers)."),
+    Metric("groups", "heartbeat", "map", "", "per process group (by its name, as "
+           "`collectives.groups` describes it): `[last issued, last completed]` collective "
+           "sequence numbers, from the Flight Recorder's `pg_status`; null where it is not "
+           "readable"),
+    Metric("inflight", "heartbeat", "list", "", "only while the training thread is stuck (no "
+           "`log()` for a while): the collectives issued and not completed, as `[group, seq, op, "
+           "issue time (Unix s, this host's clock)]`; else null"),
+    Metric("stack", "heartbeat", "str", "", "only while the training thread is stuck: its "
+           "Python stack (`sys._current_frames()`, taken by the agent's own thread); else null"),
+    Metric("clock_offset_s", "heartbeat", "float", "s", "the hub's clock minus this host's, "
+           "estimated from the round trip of the agent's pings (the fastest of the last 8); "
+           "null until the hub answered",
+           show=Show(unit="ms", scale=1e3, style="signed", digits=2,
+                     plot="clock offset to the hub")),
+    Metric("recorder_read_s", "heartbeat", "float", "s", "cumulative seconds the agent's "
+           "background thread spent reading the Flight Recorder (never on the training "
+           "thread)", show=Show(unit="ms", scale=1e3, digits=1,
+                                plot="Flight Recorder reading, cumulative")),
+    Metric("recorder_entries", "heartbeat", "int", "", "cumulative number of recorder entries "
+           "read"),
+    Metric("recorder_lost", "heartbeat", "int", "", "cumulative number of recorder entries "
+           "overwritten before they were read (gaps in `record_id`: the ring of "
+           "TORCH_FR_BUFFER_SIZE entries wrapped between two reads)"),
     Metric("gpu_mem_used_bytes", "heartbeat", "int", "bytes", "NVML device memory in use (all "
            "processes on the GPU); null without GPU/NVML",
            show=Show(unit="GiB", scale=1 / 2**30, style="used_of", of="gpu_mem_total_bytes",
@@ -239,6 +269,7 @@ def latest_of(source: str) -> tuple[str, ...]:
 
 _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float), "int": (int,), "bool": (bool,), "str": (str,), "map": (dict,),
+    "list": (list,),
 }
 
 

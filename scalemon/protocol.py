@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -60,6 +60,15 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # from the agent's background thread. Both bodies come from the table of metrics.
     "step": _fields_from_table("step"),
     "heartbeat": _fields_from_table("heartbeat"),
+    # What the Flight Recorder saw since the agent's previous read: the process groups, rows
+    # of `scalemon.collectives.STATS_FIELDS` by (group, op, size bucket), and the issue time of
+    # every new collective as [group, seq, Unix s] (arrival skew).
+    "collectives": {
+        "groups": ((dict,), True),
+        "stats": ((list,), True),
+        "issues": ((list,), True),
+        "step": (_OPT_INT, False),
+    },
     # Free-form facts about the run (memory estimate, configuration, ...).
     "info": {
         "key": ((str,), True),
@@ -73,6 +82,17 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "error": (_OPT_STR, False),
         "dropped": (_OPT_INT, False),
     },
+    # Written by the hub: a Flight Recorder dump it asked every rank for, and torch's
+    # analysis of it (`state`: "requested", then "analysed").
+    "fr_dump": {
+        "directory": ((str,), True),
+        "state": ((str,), True),
+        "requested": ((list,), False),
+        "written": ((list,), False),
+        "missing": ((list,), False),
+        "analysis": (_OPT_STR, False),
+        "exit_code": (_OPT_INT, False),
+    },
     # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
     "rank_state": {
         "target": ((int,), True),
@@ -83,6 +103,8 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 RANK_STATES = ("running", "lost", "exited", "finished")
+HUB_TYPES = ("rank_state", "fr_dump")
+"""Message types only the hub writes (as rank `HUB_RANK`)."""
 
 
 class ProtocolError(ValueError):
@@ -197,10 +219,10 @@ def check_body(mtype: str, body: dict[str, Any]) -> None:
 
 
 def _check_sender(mtype: str, rank: int) -> None:
-    if (mtype == "rank_state") != (rank == HUB_RANK):
+    if (mtype in HUB_TYPES) != (rank == HUB_RANK):
         raise ProtocolError(
-            f"{mtype} message from rank {rank}: only the hub writes rank_state, always as rank "
-            f"{HUB_RANK}"
+            f"{mtype} message from rank {rank}: only the hub writes {' and '.join(HUB_TYPES)}, "
+            f"always as rank {HUB_RANK}"
         )
     if rank < HUB_RANK:
         raise ProtocolError(f"rank {rank} is negative")
@@ -256,6 +278,11 @@ _REQUIRED = {
 
 RPC_OPS = {
     "ping": {},
+    # an agent's periodic round trip: its clock `t` (Unix s); the reply carries the hub's `t`
+    # (clock offset) and the commands queued for that rank
+    "sync": {"rank": int, "t": float},
+    # a dashboard asks the hub to have every rank do something (see hub.COMMANDS)
+    "command": {"name": str},
     "state": {},
     "fetch": {"since": int, "limit": int},
 }

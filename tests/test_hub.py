@@ -410,16 +410,17 @@ def test_another_protocol_version_gets_one_clear_message_on_every_side(start_hub
         run.log(1, loss=1.0)
         run.finish()
     said = [r.getMessage() for r in caplog.records if "speaks protocol" in r.getMessage()]
-    assert len(said) == 1 and "speaks protocol 2.0" in said[0] and "speaks 1.0" in said[0]
+    ours = protocol.version_text(protocol.PROTOCOL_VERSION)
+    assert len(said) == 1 and "speaks protocol 2.0" in said[0] and f"speaks {ours}" in said[0]
     assert "monitoring is off on this rank" in said[0]
     assert run.sender.dropped >= 3 and run.sender.hub_version == (2, 0)
 
     snap = run_cli("snapshot", "jobV")
     assert snap.returncode == 2 and snap.stdout == ""
     assert snap.stderr.count("\n") == 1 and "replaying" not in snap.stderr
-    assert "speaks scalemon protocol 2.0, this scalemon (0.1.0) speaks 1.0" in snap.stderr
+    assert f"speaks scalemon protocol 2.0, this scalemon (0.1.0) speaks {ours}" in snap.stderr
 
     log = wait_for(lambda: "refusing" in (text := hub.log.read_text()) and text)
     refusals = [line for line in log.splitlines() if "refusing every frame" in line]
     assert len(refusals) == 1  # 30 frames and a ping, one line
-    assert "protocol version 1.0" in refusals[0] and "speaks 2.0" in refusals[0]
+    assert f"protocol version {ours}" in refusals[0] and "speaks 2.0" in refusals[0]

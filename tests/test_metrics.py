@@ -21,7 +21,8 @@ from scalemon.tui.views import COLUMNS, DETAIL_PANELS
 
 UNIT_SUFFIX = {"s": "_s", "bytes": "_bytes", "%": "_pct", "W": "_w", "°C": "_c",
                "s (Unix)": "_t"}
-SAMPLE = {"float": 1.5, "int": 7, "bool": True, "str": "forward", "map": {"lr": 0.001}}
+SAMPLE = {"float": 1.5, "int": 7, "bool": True, "str": "forward", "map": {"lr": 0.001},
+          "list": [["0", 3, "all_reduce", 1.5]]}
 
 
 def full_body(source: str) -> dict:
@@ -56,7 +57,8 @@ def test_protocol_validates_exactly_the_table_fields():
         decoded = protocol.decode(protocol.encode(source, "j", 0, 0, body))
         assert decoded.body == body
         for m in fields_of(source):
-            wrong = {**body, m.name: [1]}  # a list is no metric's kind
+            # a map is a list's wrong kind, a list every other kind's
+            wrong = {**body, m.name: {"x": 1} if m.kind == "list" else [1]}
             with pytest.raises(protocol.ProtocolError, match=f"{source}.{m.name}"):
                 protocol.decode(protocol.encode(source, "j", 0, 0, wrong))
 
@@ -112,8 +114,13 @@ def test_the_agent_sends_the_table_fields_and_nothing_else():
     assert body["skipped"] is True and body["extra"] == {"lr": 0.1}
     protocol.check_body("step", body)
 
-    beat = Heartbeat(Phase(), GpuReader(), lambda *_: True, lambda: {"dropped": 0, "queued": 0},
-                     interval_s=60)
+    from scalemon.agent.recorder import Recorder
+
+    recorder = Recorder(lambda *_: True, 0, lambda: None, lambda: None, nccl=False, sources=[],
+                        start=False)
+    counters = {"dropped": 0, "queued": 0, "clock_offset_s": None,
+                **recorder.heartbeat_fields()}  # what Run._counters adds
+    beat = Heartbeat(Phase(), GpuReader(), lambda *_: True, lambda: counters, interval_s=60)
     body = beat.beat()
     beat.stop()
     assert set(body) == {m.name for m in fields_of("heartbeat")}
@@ -150,7 +157,7 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
     header = text.splitlines()[1]
     for c in display.rank_columns(dashboard=False):
         assert c.heading in header, c.heading
-    assert "late ms" not in header  # computed by the dashboard only
+    assert "late ms" in header  # arrival lateness: computed by the reducer, hub and dashboard
     row = text.splitlines()[2]
     assert re.search(r"\b0\b.*\b20\b", row) and "running" in row
     assert "rank 0 extra: lr=" in text and "tokens_per_s=" in text

@@ -18,6 +18,7 @@ from conftest import wait_for
 from scalemon import display
 from scalemon.history import history_path, read_records
 from scalemon.jobs import HubAddress
+from scalemon.protocol import PROTOCOL_VERSION, version_text
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.attach import make_app
 from scalemon.tui.feed import HubFeed
@@ -394,7 +395,8 @@ def test_a_hub_of_another_protocol_version_is_named_in_the_header(home, start_hu
         app = DashboardApp(HubFeed(address=hub.address, timeout_s=1.0, retry_s=0.3))
         async with app.run_test(size=(160, 30)) as pilot:
             await until(pilot, lambda: "hub incompatible" in header(app))
-            assert "speaks scalemon protocol 2.0, this dashboard 1.0" in header(app)
+            ours = version_text(PROTOCOL_VERSION)
+            assert f"speaks scalemon protocol 2.0, this dashboard {ours}" in header(app)
             assert "disconnected" not in header(app)
 
     asyncio.run(scenario())
@@ -470,6 +472,8 @@ def test_text_from_a_rank_is_shown_as_typed_never_read_as_markup():
                         and app.screen.query("#detail-title"))
             title = app.screen.query_one("#detail-title")
             await until(pilot, lambda: "exited ([red]boom[/red])" in str(title.render()))
+            # the facts were updated with the title; their new height is laid out at a refresh
+            await until(pilot, lambda: "KeyError" in screen_text(app))
             text = screen_text(app)
             assert "KeyError: '[/x]'" in text and "note=[/] [bold]x" in text
             assert isinstance(app.screen, RankDetailScreen)  # still up, nothing raised

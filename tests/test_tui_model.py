@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections import deque
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from scalemon.protocol import Message
 from scalemon.tui.model import DashboardData, step_values
 from scalemon.tui.series import Series
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import COLUMNS, overview
+from scalemon.tui.views import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
 from scalemon.tui.widgets.braille import column_envelope, line_mask, pack, rasterize
 
 
@@ -90,7 +91,8 @@ def test_formats_say_na_never_zero():
     assert metric_cell("step_time_s", 0.0123) == "12.3"
     assert metric_cell("mem_allocated_bytes", 3 << 30) == "3.00"
     assert fmt.num(float("nan")) == "nan" and fmt.scale(65536.0) == "65536"
-    assert metric_cell("arrival_late_s", 0.021) == "+21.0" and fmt.duration(3725) == "1:02:05"
+    assert metric_cell("arrival_lateness_s", 0.021) == "21.0" and fmt.duration(3725) == "1:02:05"
+    assert metric_cell("arrival_lateness_s", None) == "n/a"
 
 
 def test_compute_time_is_clamped_and_missing_values_are_left_out():
@@ -102,14 +104,17 @@ def test_compute_time_is_clamped_and_missing_values_are_left_out():
     assert with_extra == {"tokens_per_s": 5e4}  # the table's extras; `lr` is plotted apart
 
 
-def test_the_rank_that_reaches_the_all_reduce_late_is_named():
+def test_the_rank_that_issues_its_collectives_late_is_named():
     sim = SimJob(ranks=8, straggler=5, straggler_s=0.04)
     data = DashboardData()
     data.apply_messages(sim.run(60))
     view = overview(data, now=sim.end_t(60) + 0.5)
     assert [r for r, _ in view.summary.stragglers] == [5]
-    assert view.summary.straggler_basis == "all-reduce arrival"
-    assert view.summary.stragglers[0][1] == pytest.approx(0.04 * 0.7, rel=0.3)
+    assert view.summary.straggler_basis == ARRIVAL_BASIS
+    # its gradient buckets are issued 0.7..1.0 of its extra compute late: median 0.85 of it
+    assert view.summary.stragglers[0][1] == pytest.approx(0.04 * 0.85, rel=0.1)
+    at = [c.key for c in COLUMNS].index("arrival_lateness_s")
+    assert view.rows[5].cells[at] == f"{data.state.ranks[5].value('arrival_lateness_s') * 1e3:.1f}"
     styles = {row.rank: row.style for row in view.rows}
     assert styles[5] == "straggler" and all(styles[r] == "" for r in range(8) if r != 5)
     # every rank's step time is the same (the all-reduce equalises it): not a usable signal
@@ -123,6 +128,24 @@ def test_no_straggler_without_one():
     data = DashboardData()
     data.apply_messages(sim.run(60))
     assert overview(data, now=sim.end_t(60)).summary.stragglers == []
+
+
+def test_stragglers_by_compute_time_before_any_collective_and_largest_lateness_first():
+    sim = SimJob(ranks=4, straggler=2, straggler_s=0.04)
+    data = DashboardData()
+    data.apply_messages(m for m in sim.run(60) if m.type != "collectives")
+    summary = overview(data, now=sim.end_t(60)).summary
+    assert summary.straggler_basis == COMPUTE_BASIS and [r for r, _ in summary.stragglers] == [2]
+    # two late ranks: the one with the larger lateness comes first, whatever its number
+    data = DashboardData()
+    data.apply_messages(SimJob(ranks=4).run(10))
+    with data.lock:
+        for rank, late in ((1, 0.015), (3, 0.050), (0, 0.001)):
+            data.state.arrival.lateness[rank] = deque([late] * 5)
+            data.state.ranks[rank].lateness = data.state.arrival.lateness[rank]
+    summary = overview(data, now=sim.end_t(10)).summary
+    assert summary.stragglers == [(3, 0.050), (1, 0.015)]
+    assert summary.straggler_basis == ARRIVAL_BASIS
 
 
 def test_summary_rates_state_and_na_cells_of_a_cpu_job():
@@ -183,6 +206,7 @@ def test_long_history_is_folded_in_chunks_and_only_visible_rows_are_formatted():
 
 def test_headless_modules_do_not_import_textual():
     code = ("import sys; import scalemon.tui.model, scalemon.tui.views, scalemon.tui.feed, "
-            "scalemon.tui.sim, scalemon.tui.widgets.braille, scalemon.cli; "
+            "scalemon.tui.sim, scalemon.tui.widgets.braille, scalemon.tui.collview, "
+            "scalemon.tui.hangview, scalemon.cli; "
             "assert 'textual' not in sys.modules, 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,4 +1,5 @@
-"""Snapshots of the overview and rank detail screens at fixed terminal sizes.
+"""Snapshots of the overview, rank detail, collectives and hang screens at fixed terminal
+sizes.
 
 Each snapshot is stored twice under tests/snapshots/: `.txt` (the screen as text: readable
 diffs) and `.svg` (colours and styles too; open it in a browser to review). Both must match.
@@ -19,6 +20,8 @@ import pytest
 from rich.console import Console
 
 from scalemon.tui.app import DashboardApp
+from scalemon.tui.screens.collectives import CollectivesScreen
+from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import settle, simulated_app
 
@@ -26,8 +29,10 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("SCALEMON_UPDATE_SNAPSHOTS") == "1"
 
 
-def sim_app(ranks: int, gpu: bool, straggler: int | None = None) -> DashboardApp:
-    return simulated_app(ranks=ranks, gpu=gpu, steps=300, straggler=straggler, seed=7)
+def sim_app(ranks: int, gpu: bool, straggler: int | None = None, hang: int | None = None,
+            wrapped: int | None = None) -> DashboardApp:
+    return simulated_app(ranks=ranks, gpu=gpu, steps=300, straggler=straggler, seed=7,
+                         hang=hang, wrapped=wrapped)
 
 
 def screen_text(app: DashboardApp) -> str:
@@ -94,5 +99,34 @@ def test_rank_detail_120x40():
             assert isinstance(app.screen, RankDetailScreen)
             await settle(pilot, app)
             compare("rank_detail_120x40", screen_text(app), app.export_screenshot())
+
+    asyncio.run(run())
+
+
+def test_collectives_120x40():
+    app = sim_app(ranks=8, gpu=True, straggler=5, wrapped=2)
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await settle(pilot, app)
+            await pilot.press("c")
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, CollectivesScreen)
+            await settle(pilot, app)
+            compare("collectives_120x40", screen_text(app), app.export_screenshot())
+
+    asyncio.run(run())
+
+
+def test_hang_120x40():
+    """The job hangs (rank 3 never issues the next all-reduce): the hang screen by itself."""
+    app = sim_app(ranks=8, gpu=True, straggler=5, hang=3)
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await settle(pilot, app)
+            assert isinstance(app.screen, HangScreen)
+            await settle(pilot, app)
+            compare("hang_120x40", screen_text(app), app.export_screenshot())
 
     asyncio.run(run())

@@ -5,6 +5,9 @@ records into `DashboardData` under its lock); one 0.1 s timer redraws the visibl
 the data changed (and once a second for the ages), so redraws stay at or under 10/s whatever
 the message rate. Plots are re-rasterised less often when they are expensive. The thread talks
 to the app only through `post_message` (status changes).
+
+When the job hangs (`JobState.hang`) the app shows the hang screen by itself, once per hang;
+its `d` asks the hub for a Flight Recorder dump from a thread worker.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import zmq
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -26,12 +30,17 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from scalemon.jobs import JobFile
+from scalemon.client import HubClient, HubUnreachable
+from scalemon.jobs import HubAddress, JobFile
+from scalemon.protocol import ProtocolError
 from scalemon.tui import views
 from scalemon.tui.feed import Feed, HubFeed
-from scalemon.tui.messages import OpenRank, RedrawNeeded
+from scalemon.tui.hangview import current_hang
+from scalemon.tui.messages import DumpRequested, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.screens.collectives import CollectivesScreen
+from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.help import HelpScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
@@ -39,6 +48,9 @@ from scalemon.tui.screens.rank_detail import RankDetailScreen
 
 TICK_S = 0.1
 AGES_EVERY_S = 1.0
+NO_HUB = "no hub: dumps need a live job"
+SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen)
+"""Screens that `c` and `h` replace instead of stacking another one on."""
 
 
 def run_app(app: DashboardApp) -> None:
@@ -62,6 +74,15 @@ class FeedStatus(Message):
         self.detail = detail
 
 
+class DumpAnswer(Message):
+    """What became of a Flight Recorder dump request (posted from the worker's thread)."""
+
+    def __init__(self, text: str, ok: bool) -> None:
+        super().__init__()
+        self.text = text
+        self.ok = ok
+
+
 class DashboardApp(App[None]):
     """The scalemon dashboard."""
 
@@ -70,16 +91,20 @@ class DashboardApp(App[None]):
         Binding("q", "quit", "Quit"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("l", "toggle_lines", "Lines/band"),
+        Binding("c", "collectives", "Collectives"),
+        Binding("h", "hang", "Hang view"),
     ]
 
     def __init__(self, feed: Feed | None = None, *, data: DashboardData | None = None,
                  jobs: list[JobFile] | None = None, home: Path | None = None,
                  clock: Callable[[], float] = time.time, stats_path: Path | None = None,
-                 job_process: subprocess.Popen | None = None, job_log: Path | None = None
-                 ) -> None:
+                 job_process: subprocess.Popen | None = None, job_log: Path | None = None,
+                 hang_after_s: float | None = None) -> None:
         super().__init__()
         self.feed = feed
         self.data = data or DashboardData()
+        if hang_after_s is not None:
+            self.data.set_hang_after(hang_after_s)
         self.jobs = jobs or []
         self.home = home
         self.clock = clock
@@ -94,6 +119,8 @@ class DashboardApp(App[None]):
         self.redraw_ms: deque[float] = deque(maxlen=100_000)
         self.redraws = 0
         self._job_exit_reported = False
+        self._hang_shown = False  # the hang screen was shown for the hang going on
+        self.dump_status: str | None = None  # what became of the last dump request
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -131,10 +158,10 @@ class DashboardApp(App[None]):
     def on_feed_status(self, event: FeedStatus) -> None:
         """Tell the user when the hub goes away and comes back."""
         if event.status == "incompatible":
-            self.notify(event.detail, severity="error", timeout=30)
+            self.notify(event.detail, severity="error", timeout=30, markup=False)
         elif event.status == "disconnected":
             self.notify(f"hub disconnected ({event.detail}); retrying", severity="warning",
-                        timeout=4)
+                        timeout=4, markup=False)
         elif event.status == "connected" and getattr(self.feed, "attaches", 0) > 1:
             self.notify("hub reconnected", timeout=3)
         self.redraw_now()
@@ -160,6 +187,8 @@ class DashboardApp(App[None]):
                      and start - self._plots_at >= self._plot_interval)
         if not changed and not plots_due and now - self._drawn_at < AGES_EVERY_S:
             return
+        if self._show_hang(now):
+            return  # the hang screen draws at the next tick
         try:
             screen.refresh_view(self.data, now, plots=plots_due)
         except NoMatches:
@@ -169,6 +198,21 @@ class DashboardApp(App[None]):
             self._plots_version, self._plots_at = version, start
         self.redraws += 1
         self.call_after_refresh(self._redrawn, start, plots_due)
+
+    def _show_hang(self, now: float) -> bool:
+        """Show the hang screen when a hang begins (once per hang); True when it did."""
+        with self.data.lock:
+            hang = current_hang(self.data, now)
+        if hang is None:
+            self._hang_shown = False
+            return False
+        if self._hang_shown:
+            return False
+        self._hang_shown = True
+        if isinstance(self.screen, HangScreen):
+            return False
+        self.push_screen(HangScreen(self.dump_status))
+        return True
 
     def _redrawn(self, start: float, plots: bool) -> None:
         elapsed = time.perf_counter() - start
@@ -185,7 +229,7 @@ class DashboardApp(App[None]):
             self._job_exit_reported = True
             where = f"; its output is in {self.job_log}" if self.job_log else ""
             self.notify(f"the job exited with code {code}{where}",
-                        severity="error" if code else "information", timeout=15)
+                        severity="error" if code else "information", timeout=15, markup=False)
 
     # ---- actions -------------------------------------------------------------------------
 
@@ -206,6 +250,68 @@ class DashboardApp(App[None]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    def _show_side(self, screen: DataScreen) -> None:
+        """Open a screen over the overview, in place of another one opened from it."""
+        if isinstance(self.screen, SIDE_SCREENS):
+            self.switch_screen(screen)
+        else:
+            self.push_screen(screen)
+
+    def action_collectives(self) -> None:
+        """Collectives: durations, bus bandwidth, arrival skew, the recorder's health."""
+        if isinstance(self.screen, DataScreen) and not isinstance(self.screen,
+                                                                  CollectivesScreen):
+            self._show_side(CollectivesScreen())
+
+    def action_hang(self) -> None:
+        """The hang view: culprit, each rank's whereabouts and stack, Flight Recorder dumps."""
+        if isinstance(self.screen, DataScreen) and not isinstance(self.screen, HangScreen):
+            self._show_side(HangScreen(self.dump_status))
+
+    def hub_address(self) -> HubAddress | None:
+        """The live hub's address; None without one (a replayed history file, a test)."""
+        if not isinstance(self.feed, HubFeed) or self.data.conn.status == "offline":
+            return None
+        return self.feed.address
+
+    def on_dump_requested(self, message: DumpRequested) -> None:
+        """The hang screen's `d`: ask the hub, off the UI thread."""
+        address = self.hub_address()
+        if address is None:
+            self._dump_answered(NO_HUB, ok=False)
+        else:
+            self._request_dump(address)
+
+    @work(thread=True, exclusive=True, group="dump", name="dump request")
+    def _request_dump(self, address: HubAddress) -> None:
+        client = HubClient(address, timeout_s=5.0)
+        try:
+            reply = client.request("command", name="dump_fr")
+        except (HubUnreachable, ProtocolError, zmq.ZMQError) as exc:
+            self.post_message(DumpAnswer(f"dump failed: {exc}", ok=False))
+            return
+        finally:
+            client.close()
+        where = reply.get("directory", "?")
+        if "ranks" in reply:
+            text = f"dump requested: {len(reply['ranks'])} ranks -> {where}"
+        else:
+            text = f"dump requested: {reply.get('note') or 'the hub took it'} -> {where}"
+        self.post_message(DumpAnswer(text, ok=True))
+
+    def on_dump_answer(self, message: DumpAnswer) -> None:
+        """Say what became of a dump request."""
+        self._dump_answered(message.text, message.ok)
+
+    def _dump_answered(self, text: str, ok: bool) -> None:
+        self.dump_status = text
+        self.notify(text, severity="information" if ok else "warning", timeout=8,
+                    markup=False)  # paths and errors, never markup
+        for screen in self.screen_stack:
+            if isinstance(screen, HangScreen):
+                screen.show_status(text)
+        self.redraw_now(plots=False)
+
     def action_toggle_lines(self) -> None:
         """Loss and memory plots: one line per rank <-> mean with a min..max band."""
         with self.data.lock:
@@ -220,6 +326,10 @@ class DashboardApp(App[None]):
                             self.action_help)
         yield SystemCommand("Toggle plot lines", "One line per rank, or mean with a band",
                             self.action_toggle_lines)
+        yield SystemCommand("Collectives", "Durations and bus bandwidth by op and size, arrival "
+                            "skew heat map, Flight Recorder health (c)", self.action_collectives)
+        yield SystemCommand("Hang view", "Who holds up the job, every rank's stack, Flight "
+                            "Recorder dumps (h)", self.action_hang)
         with self.data.lock:
             hosts = {r: v.host for r, v in self.data.state.ranks.items()}
         for rank in sorted(hosts):

@@ -20,3 +20,7 @@ class RedrawNeeded(Message):
     def __init__(self, plots: bool = True) -> None:
         super().__init__()
         self.plots = plots
+
+
+class DumpRequested(Message):
+    """Ask the hub for a Flight Recorder dump of every rank."""

@@ -2,9 +2,9 @@
 
 The receiver thread calls `apply_batch`; the UI thread reads through `views`, which copies what
 a redraw needs while holding `lock`. Besides the shared `JobState` reducer it keeps, per rank,
-bounded series of every metric (x = step), job-wide min/mean/max per step, each rank's arrival
-at the step's first gradient all-reduce against the median rank (smoothed), and samples for
-step and token rates.
+bounded series of every metric (x = step; a rank's arrival lateness at collectives after
+each `collectives` message), job-wide min/mean/max per step, each rank's compute time against
+the median rank (smoothed) and samples for step and token rates.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import metrics
-from scalemon.jobstate import JobState, RankView
+from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import Message
 from scalemon.tui.series import Marks, Series
 
@@ -51,8 +51,7 @@ class ConnState:
 class RankTrack:
     """The per-rank history the reducer does not keep."""
 
-    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "late_ema", "compute_ema",
-                 "cap")
+    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "compute_ema", "cap")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -61,7 +60,6 @@ class RankTrack:
         self.skipped = Marks()
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
         self.tokens = 0
-        self.late_ema: float | None = None
         self.compute_ema: float | None = None
 
     def add(self, name: str, x: float, value: float) -> None:
@@ -94,9 +92,9 @@ class RankTrack:
 
 
 class _StepAcc:
-    """Cross-rank min/max/sum of each metric at one step, plus all-reduce arrival times."""
+    """Cross-rank min/max/sum of each metric at one step, plus each rank's compute time."""
 
-    __slots__ = ("ranks", "lo", "hi", "sum", "n", "issue", "compute")
+    __slots__ = ("ranks", "lo", "hi", "sum", "n", "compute")
 
     def __init__(self) -> None:
         self.ranks = 0
@@ -104,7 +102,6 @@ class _StepAcc:
         self.hi: dict[str, float] = {}
         self.sum: dict[str, float] = {}
         self.n: dict[str, int] = {}
-        self.issue: dict[int, float] = {}
         self.compute: dict[int, float] = {}
 
 
@@ -158,12 +155,15 @@ def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
 
 
 class DashboardData:
-    """Thread-safe fold of one job's records for the dashboard."""
+    """Thread-safe fold of one job's records for the dashboard. `hang_after_s`: a job where no
+    rank completed a step for this long is hung (`JobState.hang`)."""
 
-    def __init__(self, job: str | None = None, cap: int | None = None) -> None:
+    def __init__(self, job: str | None = None, cap: int | None = None,
+                 hang_after_s: float = HANG_AFTER_S) -> None:
         self.lock = threading.Lock()
         self._job = job
         self._cap = cap
+        self._hang_after_s = hang_after_s
         self.version = 0  # bumped on every change the screen may show
         self.conn = ConnState()
         self.rejected = 0  # records the receiver could not decode
@@ -171,7 +171,7 @@ class DashboardData:
         self._reset()
 
     def _reset(self) -> None:
-        self.state = JobState(job=self._job)
+        self.state = JobState(job=self._job, hang_after_s=self._hang_after_s)
         self.next_seq = 0  # record number of the next record expected from the hub
         self.last_key: tuple | None = None  # identity of the last record folded
         self.records = 0
@@ -190,6 +190,12 @@ class DashboardData:
         """Forget everything (the hub's history was recreated)."""
         with self.lock:
             self._reset()
+            self.version += 1
+
+    def set_hang_after(self, seconds: float) -> None:
+        """Call the job hung after `seconds` without a completed step (kept across resets)."""
+        with self.lock:
+            self._hang_after_s = self.state.hang_after_s = seconds
             self.version += 1
 
     def set_conn(self, status: str, detail: str = "") -> bool:
@@ -249,6 +255,13 @@ class DashboardData:
             x = float(x if isinstance(x, int) else (view.step or 0))
             for name, value in heartbeat_values(msg.body).items():
                 track.add(name, x, value)
+        elif msg.type == "collectives":
+            late = view.value("arrival_lateness_s")
+            if late is not None:
+                x = msg.body.get("step")
+                x = x if isinstance(x, int) else view.step
+                if x is not None:
+                    self._track(msg.rank).add("arrival_lateness_s", float(x), late)
 
     def _on_step(self, msg: Message, view: RankView) -> None:
         track = self._track(msg.rank)
@@ -269,10 +282,9 @@ class DashboardData:
         self.last_step_t = msg.t if self.last_step_t is None else max(self.last_step_t, msg.t)
         if view.steps_received == 1:
             self._expected = None
-        self._accumulate(msg.rank, step, values, _number(msg.body.get("allreduce_issue_t")))
+        self._accumulate(msg.rank, step, values)
 
-    def _accumulate(self, rank: int, step: int, values: dict[str, float],
-                    issue_t: float | None) -> None:
+    def _accumulate(self, rank: int, step: int, values: dict[str, float]) -> None:
         if step in self._closed and step not in self._open:
             return  # arrived after its step was closed: kept per rank only
         acc = self._open.get(step)
@@ -291,8 +303,6 @@ class DashboardData:
             else:
                 acc.lo[name] = acc.hi[name] = acc.sum[name] = value
                 acc.n[name] = 1
-        if issue_t is not None and math.isfinite(issue_t):
-            acc.issue[rank] = issue_t
         if "compute_s" in values:
             acc.compute[rank] = values["compute_s"]
         if self._expected is None:
@@ -309,14 +319,6 @@ class DashboardData:
         self._closed.append(step)
         for name, n in acc.n.items():
             self.agg[name].add(step, acc.lo[name], acc.hi[name], acc.sum[name] / n)
-        if len(acc.issue) >= 2:
-            median = statistics.median(acc.issue.values())
-            for rank, t in acc.issue.items():
-                track = self._track(rank)
-                late = t - median
-                track.add("arrival_late_s", step, late)
-                track.late_ema = late if track.late_ema is None else (
-                    (1 - EMA) * track.late_ema + EMA * late)
         if len(acc.compute) >= 2:
             median = statistics.median(acc.compute.values())
             for rank, c in acc.compute.items():

@@ -1,9 +1,10 @@
 """What the screens draw, built from `DashboardData` under its lock: the header summary, the
 rank table's rows (formatted text, only for the rows on screen), plot data and a rank's facts.
 
-Stragglers are named by when each rank reaches the step's first gradient all-reduce against
-the median rank (an all-reduce makes every rank's step equally long, so step time cannot tell
-who is slow), or, without all-reduce timing, by compute time.
+Stragglers are named by how late each rank issues the collectives of its groups against the
+first rank (`arrival_lateness_s`: a collective makes every rank's step equally long, so step
+time cannot tell who is slow), or, before any collective was seen by every rank, by compute
+time. A hung job (`JobState.hang`) says so in the header's state.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from scalemon import display, metrics
 from scalemon.display import NA, Column
 from scalemon.jobstate import RankView
 from scalemon.metrics import Metric
+from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
 from scalemon.tui.plotdata import Line, PlotSpec
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
 STRAGGLER_MIN_S = 0.010
-"""A rank must arrive this much later than the median (and 10% of a step) to be named."""
+"""A rank must arrive this much later than the first rank (and 10% of a step) to be named."""
 
 COLUMNS: tuple[Column, ...] = display.rank_columns()
 """The rank table: rank, state, step, one column per metric of the table that has one, host."""
@@ -43,7 +45,7 @@ class Summary:
     job: str | None
     world_size: int | None
     ranks_seen: int
-    state: str  # JobState.state, or "stalled"
+    state: str  # JobState.state, "stalled" or "hung"
     state_text: str
     step_min: int | None
     step_max: int | None
@@ -54,8 +56,8 @@ class Summary:
     gaps: int
     rejected: int
     records: int
-    stragglers: list[tuple[int, float]]  # (rank, seconds late or slower than the median)
-    straggler_basis: str  # "all-reduce arrival", "compute time" or ""
+    stragglers: list[tuple[int, float]]  # (rank, seconds late or slower), largest first
+    straggler_basis: str  # ARRIVAL_BASIS, COMPUTE_BASIS or ""
     conn: ConnState
 
 
@@ -122,8 +124,11 @@ def _summary(data: DashboardData, now: float) -> Summary:
     lost = [v.rank for v in ranks if v.state == "lost"]
     exited = [v.rank for v in ranks if v.state == "exited"]
     median_step = _median_step_s(data)
+    hang = current_hang(data, now) if running else None
     if job_state == "waiting":
         state_text = "waiting for ranks"
+    elif hang is not None:
+        job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
         if quiet > max(10.0, 10.0 * (median_step or 0.0)):
@@ -153,32 +158,36 @@ def _summary(data: DashboardData, now: float) -> Summary:
     )
 
 
+ARRIVAL_BASIS = "arrival at collectives, vs the first rank"
+COMPUTE_BASIS = "compute time, vs the median rank"
+
+
 def _stragglers(data: DashboardData, median_step: float | None
                 ) -> tuple[list[tuple[int, float]], str]:
-    """Running ranks that reach the all-reduce late (or, without all-reduce timing, compute
-    slower) than the median rank by at least 10 ms and 10% of a step; latest first."""
+    """Running ranks that issue their collectives at least 10 ms and 10% of a step later than
+    the first rank (median over their last 100 collectives); before any rank has that, ranks
+    whose compute time is that much above the median rank's (smoothed). Largest first."""
     bar = max(STRAGGLER_MIN_S, 0.1 * (median_step or 0.0))
-    running = {r for r, v in data.state.ranks.items() if v.state == "running"}
-    late = [(r, t.late_ema) for r, t in data.tracks.items()
-            if r in running and t.late_ema is not None]
-    basis = "all-reduce arrival"
+    running = [v for v in data.state.ranks.values() if v.state == "running"]
+    late = [(v.rank, value) for v in running
+            if (value := v.value("arrival_lateness_s")) is not None]
+    basis = ARRIVAL_BASIS
     if not late:
+        ids = {v.rank for v in running}
         late = [(r, t.compute_ema) for r, t in data.tracks.items()
-                if r in running and t.compute_ema is not None]
-        basis = "compute time" if late else ""
-    found = sorted(((r, v) for r, v in late if v > bar), key=lambda rv: -rv[1])
+                if r in ids and t.compute_ema is not None]
+        basis = COMPUTE_BASIS if late else ""
+    found = sorted(((r, v) for r, v in late if v > bar), key=lambda rv: (-rv[1], rv[0]))
     return found, basis
 
 
 def rank_values(data: DashboardData, v: RankView, now: float) -> dict[str, object]:
     """Every metric of the table for one rank, by name: from the messages, the well-known
-    extras, the heartbeat age, and what the dashboard computes (smoothed arrival lateness)."""
+    extras, and what the reducer computes (heartbeat age, arrival lateness)."""
     values: dict[str, object] = dict(v.metrics)
     for m in metrics.KEPT:
         if m.source != "step" and m.source != "heartbeat":
             values[m.name] = v.value(m.name, now)
-    track = data.tracks.get(v.rank)
-    values["arrival_late_s"] = track.late_ema if track is not None else None
     return values
 
 

@@ -1,1 +1,1 @@
-"""Screens of the dashboard: overview, rank detail, help, job picker."""
+"""Screens of the dashboard: overview, rank detail, collectives, hang, help, job picker."""

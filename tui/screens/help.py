@@ -1,4 +1,4 @@
-"""`?`: keys, what each column and plot means, and how stragglers are named."""
+"""`?`: keys, what each column and plot means, how stragglers and hangs are named."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ HELP_TEMPLATE = """\
 - `Enter`, or a click on the highlighted row: that rank's detail, every series over the steps;
   there `←` `→` go to the previous / next rank and `Esc` comes back
 - `l`: loss and memory plots as one line per rank, or mean with a min..max band
+- `c`: collectives: durations and bus bandwidth by group, op and size, a rank x time heat map
+  of arrival lateness, the ranks by lateness and the Flight Recorder's health on each rank
+- `h`: hang view (shown by itself when the job hangs): who holds up whom, each rank's state,
+  collectives in flight and Python stack; there `d` asks every rank for a Flight Recorder dump
+  and shows torch's analysis of it
 - `Ctrl+P`: command palette (type `rank 3` to open rank 3; theme; screenshot)
 - `?`: this help, `q`: quit (the job keeps running; only `scalemon demo` stops its own job)
 
@@ -25,14 +30,28 @@ HELP_TEMPLATE = """\
 {columns}
 **n/a** means the value cannot exist there (no GPU, no AMP scaler, not timed): never zero.
 
-**Stragglers** are running ranks that reach the all-reduce at least 10 ms and 10% of a step
-later than the median rank (without all-reduce timing: whose compute time is that much
-longer). They are named in the header and drawn in yellow.
+**Stragglers** are running ranks that issue their collectives at least 10 ms and 10% of a
+step later than the first rank of the group (*late*: the median over the rank's last 100
+collectives, from the Flight Recorder's issue times on the hub's clock). A slow rank arrives
+last and then waits least, so the time spent in collectives cannot name it. Before any
+collective was seen by every rank, ranks whose compute time is that much above the median
+rank's are named instead. They are named in the header, largest first, and drawn in yellow.
+
+**Collectives.** busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n,
+all_gather/reduce_scatter/all_to_all (n-1)/n, broadcast/reduce 1; S is the whole buffer, t the
+mean duration, n the ranks of the group, 1 GB = 1e9 B. A duration includes the wait for the
+last rank, so a straggler lowers everyone's busbw. *n/a* says why: gloo records no durations
+(the agent times only DDP's all-reduce there), a barrier moves no data. A recorder whose ring
+wrapped between two reads lost entries: raise TORCH_FR_BUFFER_SIZE.
+
+**Hangs.** The job is *hung* when no rank completed a step for the hang threshold (10 s,
+`scalemon attach --hang-after S`). The culprit is the rank that never issued the collective the
+others wait in (or whose process is gone).
 
 **States.** *lost*: the hub heard nothing for a while, or the process is gone. *exited N*: it
 ended with exit code N. A rank shown as `<phase> Ns` has been in one phase (for example
 `allreduce`) that long: a hang candidate. The job is *stalled* when no rank finished a step for
-10 s and 10 steps.
+10 s and 10 steps, and *hung* (above) when the ranks' collectives tell who holds it up.
 
 **Plots.** x is the step. *Step time* shows compute (step - all-reduce - optimizer, at least 0:
 a lower bound, since the all-reduce overlaps backward), all-reduce and optimizer, as means

@@ -13,6 +13,7 @@ STATE_STYLES = {
     "finished": "bold green",
     "waiting": "bold yellow",
     "stalled": "bold magenta",
+    "hung": "bold white on red",
     "degraded": "bold red",
     "ended": "bold red",
 }
@@ -63,7 +64,7 @@ def header_text(s: Summary) -> Text:
         parts = [f"rank {r} {v * 1000:+.0f} ms" for r, v in s.stragglers[:3]]
         more = f" (+{len(s.stragglers) - 3})" if len(s.stragglers) > 3 else ""
         t.append(", ".join(parts) + more, style="bold yellow")
-        t.append(f" ({s.straggler_basis} vs median)", style="dim")
+        t.append(f" ({s.straggler_basis})", style="dim")
     else:
         t.append("none" if s.straggler_basis else display.NA)
     return t
@@ -74,7 +75,8 @@ class JobHeader(Widget):
     height, so an update never re-lays out the screen)."""
 
     DEFAULT_CSS = """
-    JobHeader { height: 3; padding: 0 1; background: $boost; }
+    JobHeader { height: 3; padding: 0 1; background: $boost; text-wrap: nowrap;
+                text-overflow: ellipsis; }
     """
 
     def __init__(self, *, id: str | None = None) -> None:

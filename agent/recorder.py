@@ -1,0 +1,468 @@
+"""Every collective of every process group, from PyTorch's Flight Recorder, read off the
+training thread.
+
+torch records each collective in C++ when it is enqueued (on by default in torch 2.11-2.13,
+TORCH_FR_BUFFER_SIZE entries in a ring). `Recorder` runs its own daemon thread that
+
+- once a second reads the recorder's cheap per-group status (last issued and completed sequence
+  number of every group: the heartbeat's `groups`, and what names a hang's culprit);
+- now and then reads the whole ring (a few ms for 2000 entries, holding the GIL: the interval
+  is chosen so that this stays under ~0.5 % of wall time), takes the entries it has not seen
+  (by `record_id`; a gap means the ring wrapped before the read: counted in `recorder_lost`),
+  aggregates them by (group, op, size bucket) and sends one `collectives` message with the
+  issue time of every new collective (arrival skew);
+- while the training thread is stuck (no `log()` for a few seconds), adds its Python stack and
+  the collectives in flight to the heartbeat.
+
+What each backend records (torch 2.13): NCCL entries carry `duration_ms` once collective timing
+is on (the agent turns it on for every group, also groups created later). gloo entries carry
+counts, sizes, sequence numbers and issue times but no duration; there the host timer of
+`hosttiming.py` supplies durations (the only per-collective work on the training thread, and
+only on gloo).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import pickle
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from scalemon.collectives import CollectiveStats, buffer_bytes, op_name, size_bucket
+
+from .warn import Warnings
+
+log = logging.getLogger("scalemon.agent")
+
+MAX_ISSUES = 20_000
+"""Issue times per `collectives` message at most (the newest are kept)."""
+READ_DUTY = 0.005
+"""Share of wall time the full reads may take (their own measured cost sets the interval)."""
+HELD_BACK_S = 30.0
+HOST_CALLS_KEPT = 50_000
+"""An NCCL entry is taken without a duration once it waited this long to complete."""
+
+
+def _c10d() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d
+
+
+class RecorderSource:
+    """One Flight Recorder ring: the generic one (gloo, CPU) or NCCL's."""
+
+    def __init__(self, name: str, dump: Callable[..., bytes], **options: bool) -> None:
+        self.name = name
+        self._dump = functools.partial(dump, **options) if options else dump
+        self.seen: set[int] = set()  # record ids taken, above the ring's oldest
+        self.last_id: int | None = None
+
+    def read(self, collectives: bool) -> dict[str, Any]:
+        """The recorder's content as a dict (`entries` only with `collectives`)."""
+        return pickle.loads(self._dump(includeCollectives=collectives, onlyActive=False))
+
+
+def find_sources(nccl: bool) -> list[RecorderSource]:
+    """The recorder rings this torch build exposes (NCCL's only where NCCL is in use)."""
+    import torch._C._distributed_c10d as c10d
+
+    sources = []
+    generic = getattr(c10d, "_dump_fr_trace", None)
+    if generic is not None:
+        sources.append(RecorderSource("fr", generic))
+    nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
+    if nccl and nccl_dump is not None:
+        sources.append(RecorderSource("nccl", nccl_dump, includeStackTraces=False))
+    return sources
+
+
+class Recorder:
+    """Reads the Flight Recorder from a daemon thread and sends what it found."""
+
+    def __init__(
+        self,
+        submit: Callable[[str, dict[str, Any]], bool],
+        training_thread: int,
+        last_log: Callable[[], float | None],
+        current_step: Callable[[], int | None],
+        nccl: bool,
+        host_calls: deque | None = None,
+        warnings: Warnings | None = None,
+        status_every_s: float = 1.0,
+        min_read_s: float = 1.0,
+        max_read_s: float = 10.0,
+        stuck_after_s: float = 3.0,
+        ras_port: int | None = None,
+        sources: list[RecorderSource] | None = None,
+        start: bool = True,
+    ) -> None:
+        self.submit = submit
+        self.training_thread = training_thread
+        self.last_log = last_log
+        self.current_step = current_step
+        self.nccl = nccl
+        self.host_calls = host_calls  # HostCall lists from the gloo timer (hosttiming.py)
+        self.warnings = warnings or Warnings()
+        self.status_every_s = status_every_s
+        self.min_read_s = min_read_s
+        self.max_read_s = max_read_s
+        self.stuck_after_s = stuck_after_s
+        self.ras_port = ras_port  # None: do not ask NCCL RAS (gloo, or not this node's rank 0)
+        self._ras_asked = False
+        self.sources = find_sources(nccl) if sources is None else sources
+        self.read_s = 0.0
+        self.entries = 0
+        self.lost = 0
+        self.fields: dict[str, Any] = {"groups": None, "inflight": None, "stack": None,
+                                       "collectives_issued": None,
+                                       "collectives_completed": None}
+        self._groups_sent: set[str] = set()
+        self._group_info: dict[str, dict[str, Any]] = {}
+        self._pg_names: dict[str, str] = {}  # pg_id -> group name, from entries
+        self._held: dict[int, float] = {}  # NCCL record ids read before they completed
+        self._host_calls: dict[tuple[str, int], list] = {}  # (group, seq) -> HostCall (gloo)
+        self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
+        self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
+        self._timed_groups: set[int] = set()
+        self._step_times: deque[float] = deque(maxlen=20)
+        self._stuck_since: float | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.dump_requests: deque[tuple[str, int]] = deque()
+        self._thread = threading.Thread(target=self._run, name="scalemon-recorder", daemon=True)
+        if self.sources:
+            self.enable_timing()
+            if start:
+                self._thread.start()
+        else:
+            self.warnings.once("no-recorder", "scalemon: this torch has no Flight Recorder "
+                               "(torch._C._distributed_c10d._dump_fr_trace): collectives are "
+                               "not monitored")
+
+    # --- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_full = time.monotonic() + self.min_read_s
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                self.enable_timing()
+                self._serve_dumps()
+                stuck = self._stuck()
+                if stuck and not self._ras_asked:
+                    self._ras_asked = True
+                    self.relay_ras()
+                if now >= next_full or (stuck and self.fields["inflight"] is None):
+                    cost = self.read_all(stuck)
+                    gap = min(self.max_read_s, max(self.min_read_s, cost / READ_DUTY))
+                    next_full = time.monotonic() + gap
+                else:
+                    self.read_status(stuck)
+            except Exception as exc:  # keep reading; never into the training loop
+                self.warnings.once("recorder", "scalemon: reading the Flight Recorder failed "
+                                   "(%s: %s); collectives may be missing", type(exc).__name__, exc)
+            self._wake.wait(self.status_every_s)
+            self._wake.clear()
+        try:
+            self.read_all(False)  # what the last steps issued
+        except Exception as exc:
+            self.warnings.once("recorder-last", "scalemon: the last Flight Recorder read failed: "
+                               "%s", exc)
+
+    def stop(self) -> None:
+        """Read once more, send, and stop the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """What the heartbeat carries from here (latest readings)."""
+        return {**self.fields, "recorder_read_s": self.read_s,
+                "recorder_entries": self.entries, "recorder_lost": self.lost}
+
+    # --- collective timing ------------------------------------------------------------------
+    def enable_timing(self) -> None:
+        """NCCL: turn on collective timing (one-way) on every group, new ones included."""
+        if not self.nccl:
+            return
+        names = getattr(_c10d()._world, "pg_names", {})
+        for pg in list(names):
+            if id(pg) in self._timed_groups:
+                continue
+            self._timed_groups.add(id(pg))
+            try:
+                pg._enable_collectives_timing()
+            except Exception as exc:
+                self.warnings.once("fr-timing", "scalemon: could not turn on collective timing "
+                                   "of a process group (%s): its collectives have no duration",
+                                   exc)
+
+    # --- reading ---------------------------------------------------------------------------
+    def _stuck(self) -> bool:
+        """True while the training thread has not called `log()` for long (a hang candidate):
+        `stuck_after_s`, or 1.5 typical steps when steps are long (at most 8 s)."""
+        last = self.last_log()
+        if last is None:
+            return False
+        typical = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else 0
+        after = min(8.0, max(self.stuck_after_s, 1.5 * typical))
+        stuck = time.perf_counter() - last >= after
+        if not stuck:
+            self._stuck_since = None
+            self._ras_asked = False
+            self.fields["stack"] = self.fields["inflight"] = None
+        elif self._stuck_since is None:
+            self._stuck_since = time.monotonic()
+        return stuck
+
+    def note_step_time(self, seconds: float | None) -> None:
+        """Learn the typical step time (sender thread, per step)."""
+        if seconds is not None:
+            self._step_times.append(seconds)
+
+    def read_status(self, stuck: bool) -> None:
+        """The cheap read: each group's last issued and completed collective."""
+        t0 = time.perf_counter()
+        groups: dict[str, list[int]] = {}
+        for source in self.sources:
+            status = source.read(False).get("pg_status") or {}
+            self._merge_status(status, groups)
+        self.read_s += time.perf_counter() - t0
+        self._publish_status(groups)
+        if stuck:
+            self.fields["stack"] = self.training_stack()
+
+    def _merge_status(self, status: dict[str, Any], groups: dict[str, list[int]]) -> None:
+        for pg_id, item in status.items():
+            name = self._pg_names.get(str(pg_id), str(pg_id))
+            try:
+                issued = int(item.get("last_enqueued_collective", -1))
+                completed = int(item.get("last_completed_collective", -1))
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if issued < 0 and name not in groups:
+                continue
+            old = groups.get(name)
+            groups[name] = [max(issued, old[0]), max(completed, old[1])] if old else [
+                max(issued, 0), max(completed, 0)]
+
+    def _publish_status(self, groups: dict[str, list[int]]) -> None:
+        self.fields["groups"] = groups
+        self.fields["collectives_issued"] = sum(s[0] for s in groups.values())
+        self.fields["collectives_completed"] = sum(s[1] for s in groups.values())
+
+    def read_all(self, stuck: bool) -> float:
+        """Read every ring, send the new collectives; returns the read's cost in seconds."""
+        t0 = time.perf_counter()
+        stats = CollectiveStats()
+        issues: list[list[Any]] = []
+        groups: dict[str, list[int]] = {}
+        inflight: list[list[Any]] = []
+        self._collect_host_calls()
+        for source in self.sources:
+            dump = source.read(True)
+            entries = dump.get("entries") or []
+            self._learn_groups(dump, entries)
+            self._merge_status(dump.get("pg_status") or {}, groups)
+            self._take(source, entries, stats, issues)
+            if stuck:
+                inflight.extend(self._inflight(entries, groups))
+        self._time_awaiting(stats)
+        cost = time.perf_counter() - t0
+        self.read_s += cost
+        self._publish_status(groups)
+        if stuck:
+            self.fields["inflight"] = inflight
+            self.fields["stack"] = self.training_stack()
+        new_groups = {n: g for n, g in self._group_info.items() if n not in self._groups_sent}
+        if stats.rows or issues or new_groups:
+            if len(issues) > MAX_ISSUES:
+                issues = issues[-MAX_ISSUES:]
+            if self.submit("collectives", {"groups": new_groups, "stats": stats.to_wire(),
+                                           "issues": issues, "step": self.current_step()}):
+                self._groups_sent.update(new_groups)
+        return cost
+
+    def _learn_groups(self, dump: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+        config = dump.get("pg_config") or {}
+        for e in entries:
+            pg = e.get("process_group") or ("", "")
+            name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+            self._pg_names[str(e.get("pg_id"))] = name
+            if name and name not in self._group_info:
+                ranks = _config_ranks(config.get(name)) or group_ranks(name)
+                self._group_info[name] = {"desc": desc, "ranks": ranks or []}
+
+    def _take(self, source: RecorderSource, entries: list[dict[str, Any]],
+              stats: CollectiveStats, issues: list[list[Any]]) -> None:
+        if not entries:
+            return
+        ids = [e["record_id"] for e in entries]
+        oldest = min(ids)
+        if source.last_id is not None and oldest > source.last_id + 1:
+            self.lost += oldest - source.last_id - 1  # the ring wrapped between reads
+        now = time.time()
+        for e in entries:
+            rid = e["record_id"]
+            if rid in source.seen:
+                continue
+            duration = e.get("duration_ms")
+            name = e.get("profiling_name") or ""
+            if (duration is None and name.startswith("nccl") and e.get("state") != "completed"
+                    and now - e.get("time_created_ns", 0) / 1e9 < HELD_BACK_S):
+                self._held[rid] = now  # read again once it completed
+                continue
+            self._held.pop(rid, None)
+            source.seen.add(rid)
+            ident = (e.get("pg_id"), e.get("collective_seq_id"), e.get("p2p_seq_id"), name)
+            if ident in self._taken:  # the same collective in another ring
+                continue
+            self._taken[ident] = None
+            self.entries += 1
+            group = str((e.get("process_group") or ("?",))[0])
+            seq = int(e.get("collective_seq_id", 0))
+            call = self._host_calls.pop((group, seq), None) if not e.get("is_p2p") else None
+            op = call[2] if call is not None and call[2] else op_name(name)
+            nbytes = buffer_bytes(e)
+            key = (group, op, size_bucket(nbytes))
+            row = stats.row(*key)
+            row.count += 1
+            row.bytes += nbytes
+            if duration is not None:
+                row.add_time(float(duration) / 1000.0)
+            elif call is not None:
+                self._awaiting[(group, seq)] = key
+                self._host_calls[(group, seq)] = call  # its duration may come later
+            if not e.get("is_p2p"):
+                issues.append([group, seq, e.get("time_created_ns", 0) / 1e9])
+        source.last_id = max(source.last_id or -1, max(ids))
+        source.seen = {rid for rid in source.seen if rid >= oldest}
+        self._held = {rid: t for rid, t in self._held.items() if rid >= oldest}
+        _trim(self._taken, HOST_CALLS_KEPT)
+
+    def _collect_host_calls(self) -> None:
+        """Move the gloo timer's calls into a map by (group name, seq)."""
+        calls = self.host_calls
+        if not calls:
+            return
+        c10d = _c10d()
+        names = getattr(c10d._world, "pg_names", {})
+        default = c10d._get_default_group() if c10d.is_initialized() else None
+        while calls:
+            call = calls.popleft()
+            name = names.get(call[0] if call[0] is not None else default)
+            if name is not None:
+                self._host_calls[(str(name), call[1])] = call
+        _trim(self._host_calls, HOST_CALLS_KEPT)
+
+    def _time_awaiting(self, stats: CollectiveStats) -> None:
+        """Durations of taken gloo collectives that completed since, into their rows."""
+        for ident, key in list(self._awaiting.items()):
+            call = self._host_calls.get(ident)
+            if call is None:
+                del self._awaiting[ident]
+            elif call[3] is not None:
+                stats.row(*key).add_time(call[3])
+                del self._awaiting[ident], self._host_calls[ident]
+        _trim(self._awaiting, HOST_CALLS_KEPT)
+
+    @staticmethod
+    def _inflight(entries: list[dict[str, Any]], groups: dict[str, list[int]]) -> list[list]:
+        out = []
+        for e in entries:
+            group = str((e.get("process_group") or ("?",))[0])
+            seq = int(e.get("collective_seq_id", 0))
+            status = groups.get(group)
+            if status is not None and seq > status[1] and not e.get("is_p2p"):
+                out.append([group, seq, op_name(e.get("profiling_name") or ""),
+                            e.get("time_created_ns", 0) / 1e9])
+        return out[-32:]
+
+    def training_stack(self) -> str | None:
+        """The training thread's Python stack, innermost call last."""
+        frame = sys._current_frames().get(self.training_thread)
+        if frame is None:
+            return None
+        return "".join(traceback.format_stack(frame, limit=40))
+
+    def relay_ras(self) -> None:
+        """Send NCCL RAS's status of this node as an `nccl_ras` info (once per stuck spell)."""
+        if self.ras_port is None:
+            return
+        from .ras import RasUnavailable, ras_status
+
+        try:
+            value = {"t": time.time(), "status": ras_status(port=self.ras_port), "error": None}
+        except RasUnavailable as exc:
+            value = {"t": time.time(), "status": None, "error": str(exc)}
+        self.submit("info", {"key": "nccl_ras", "value": value})
+
+    # --- dumps for torch's analyzer ----------------------------------------------------------
+    def request_dump(self, directory: str, rank: int) -> None:
+        """Write this rank's recorder to `directory` soon (from the reader thread)."""
+        self.dump_requests.append((directory, rank))
+        self._wake.set()
+
+    def _serve_dumps(self) -> None:
+        while self.dump_requests:
+            self.write_dump(*self.dump_requests.popleft())
+
+    def write_dump(self, directory: str, rank: int) -> dict[str, Any]:
+        """Write every ring's dump (pickle, as torch writes them) as `<dir>/rank_<rank>`
+        (`nccl_rank_<rank>` for NCCL's); reports the outcome as an `fr_dump` info."""
+        written, error = [], None
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            for source in self.sources:
+                prefix = "rank_" if source.name == "fr" else "nccl_rank_"
+                path = Path(directory) / f"{prefix}{rank}"
+                data = source._dump(includeCollectives=True, onlyActive=False)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+                written.append(str(path))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        result = {"directory": directory, "files": written, "error": error}
+        self.submit("info", {"key": "fr_dump", "value": result})
+        return result
+
+
+def _trim(mapping: dict, keep: int) -> None:
+    """Forget the oldest items of an insertion-ordered map beyond `keep`."""
+    for key in list(itertools.islice(mapping, max(0, len(mapping) - keep))):
+        del mapping[key]
+
+
+def _config_ranks(config: Any) -> list[int] | None:
+    """Ranks from the recorder's `pg_config` entry (NCCL writes them as text: "[0, 1]")."""
+    if not isinstance(config, dict):
+        return None
+    ranks = config.get("ranks")
+    if isinstance(ranks, str):
+        try:
+            ranks = [int(r) for r in ranks.strip("[] ").split(",") if r.strip()]
+        except ValueError:
+            return None
+    return list(ranks) if isinstance(ranks, list) and ranks else None
+
+
+def group_ranks(name: str) -> list[int] | None:
+    """The global ranks of the process group called `name` in this process, if known."""
+    try:
+        c10d = _c10d()
+        for pg, pg_name in list(c10d._world.pg_names.items()):
+            if pg_name == name:
+                return list(c10d.get_process_group_ranks(pg))
+    except Exception:
+        return None
+    return None

@@ -1,0 +1,304 @@
+"""Collectives across ranks: bus bandwidth, duration histograms, arrival skew and hangs.
+
+Pure Python, shared by the hub and the dashboards (through `JobState`) and by the agent, which
+aggregates what the Flight Recorder saw into rows of `CollectiveStats` before sending.
+
+Definitions (nccl-tests, `doc/PERFORMANCE.md`): `algbw = S / t` with S the size of the whole
+buffer (the gathered output of an all_gather, the scattered input of a reduce_scatter, the
+buffer of an all_reduce) and `busbw = algbw * factor(op, n)`, n the ranks of the group, 1 GB =
+1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPE_BYTES = {
+    "Float": 4, "Half": 2, "BFloat16": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
+    "Char": 1, "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16,
+    "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1,
+    "UInt16": 2, "UInt32": 4, "UInt64": 8,
+}
+"""Element size of the dtype names the Flight Recorder writes."""
+
+_ALL_REDUCE = {"all_reduce", "allreduce", "allreduce_coalesced", "all_reduce_coalesced"}
+_N_MINUS_1 = {
+    "all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all", "alltoall",
+    "alltoall_base", "all_to_all_single", "gather", "scatter",
+}
+_ONE = {"broadcast", "reduce", "send", "recv", "recv_anysource", "_broadcast_oop",
+        "_reduce_oop"}
+
+HIST_PER_DECADE = 10
+HIST_MIN_S = 1e-6
+HIST_BUCKETS = 100  # 1 µs .. 10^4 s
+STATS_FIELDS = ("group", "op", "size_bucket", "count", "bytes", "timed", "time_sum_s",
+                "time_max_s", "hist")
+"""The columns of one row of `collectives.stats` on the wire (docs/protocol.md)."""
+
+
+def bus_factor(op: str, n: int) -> float | None:
+    """nccl-tests' bus bandwidth factor of `op` in a group of `n` ranks (None: no data moved,
+    e.g. barrier, or an op it does not define)."""
+    if n < 1:
+        return None
+    if op in _ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if op in _N_MINUS_1:
+        return (n - 1) / n
+    if op in _ONE:
+        return 1.0
+    return None
+
+
+def op_name(profiling_name: str) -> str:
+    """The op as torch names it, from the recorder's `profiling_name` ("nccl:all_reduce")."""
+    return profiling_name.split(":", 1)[-1]
+
+
+def tensor_bytes(sizes: Iterable[Iterable[int]], dtypes: Iterable[str]) -> int:
+    """Bytes of the tensors the recorder lists (sizes and dtype names side by side)."""
+    total = 0
+    for shape, dtype in zip(sizes, dtypes, strict=False):
+        total += math.prod(shape) * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def buffer_bytes(entry: dict[str, Any]) -> int:
+    """S of one recorder entry: the larger of its input and output (the gathered output of an
+    all_gather, the input of a reduce_scatter, the buffer of the others)."""
+    return max(tensor_bytes(entry.get("input_sizes") or (), entry.get("input_dtypes") or ()),
+               tensor_bytes(entry.get("output_sizes") or (), entry.get("output_dtypes") or ()))
+
+
+def size_bucket(nbytes: int) -> int:
+    """Bucket b holds sizes in (2^(b-1), 2^b]; 0 holds 0 and 1 byte."""
+    return max(0, int(nbytes - 1).bit_length()) if nbytes > 0 else 0
+
+
+def bucket_text(bucket: int) -> str:
+    """The upper bound of a size bucket for people: "≤ 4 MiB"."""
+    value = float(2**bucket)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"≤ {value:g} {unit}"
+        value /= 1024
+    return f"≤ {value:g} TiB"
+
+
+def hist_index(seconds: float) -> int:
+    """The duration histogram bucket of `seconds` (10 per decade from 1 µs)."""
+    if seconds <= HIST_MIN_S:
+        return 0
+    return min(HIST_BUCKETS - 1, int(HIST_PER_DECADE * math.log10(seconds / HIST_MIN_S)))
+
+
+def hist_seconds(index: int) -> float:
+    """The geometric middle of histogram bucket `index`."""
+    return HIST_MIN_S * 10 ** ((index + 0.5) / HIST_PER_DECADE)
+
+
+def hist_quantile(hist: dict[int, int], q: float) -> float | None:
+    """The `q` quantile of a duration histogram (within half a bucket, ±12 %)."""
+    total = sum(hist.values())
+    if not total:
+        return None
+    rank = q * (total - 1)
+    seen = 0
+    for index in sorted(hist):
+        seen += hist[index]
+        if seen > rank:
+            return hist_seconds(index)
+    return hist_seconds(max(hist))
+
+
+@dataclass
+class StatRow:
+    """Collectives of one (group, op, size bucket): how many, how big, how long."""
+
+    count: int = 0
+    bytes: int = 0
+    timed: int = 0
+    time_sum_s: float = 0.0
+    time_max_s: float = 0.0
+    hist: dict[int, int] = field(default_factory=dict)
+
+    def add_time(self, seconds: float) -> None:
+        """Count one measured duration."""
+        self.timed += 1
+        self.time_sum_s += seconds
+        self.time_max_s = max(self.time_max_s, seconds)
+        index = hist_index(seconds)
+        self.hist[index] = self.hist.get(index, 0) + 1
+
+    def merge(self, other: StatRow) -> None:
+        """Add another row of the same key."""
+        self.count += other.count
+        self.bytes += other.bytes
+        self.timed += other.timed
+        self.time_sum_s += other.time_sum_s
+        self.time_max_s = max(self.time_max_s, other.time_max_s)
+        for index, n in other.hist.items():
+            self.hist[index] = self.hist.get(index, 0) + n
+
+
+Key = tuple[str, str, int]  # group name, op, size bucket
+
+
+class CollectiveStats:
+    """Rows by (group, op, size bucket), as the agent sends them and the reducer sums them."""
+
+    def __init__(self) -> None:
+        self.rows: dict[Key, StatRow] = {}
+
+    def row(self, group: str, op: str, bucket: int) -> StatRow:
+        """The row of a key, created empty."""
+        key = (group, op, bucket)
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = StatRow()
+        return row
+
+    def to_wire(self) -> list[list[Any]]:
+        """Rows as lists in `STATS_FIELDS` order (hist as [index, count] pairs)."""
+        return [[g, op, b, r.count, r.bytes, r.timed, r.time_sum_s, r.time_max_s,
+                 [[i, n] for i, n in sorted(r.hist.items())]]
+                for (g, op, b), r in self.rows.items()]
+
+    def merge_wire(self, rows: list[list[Any]]) -> None:
+        """Add rows received from `to_wire`; a malformed row raises ValueError."""
+        for item in rows:
+            try:
+                g, op, b, count, nbytes, timed, tsum, tmax, hist = item
+                other = StatRow(int(count), int(nbytes), int(timed), float(tsum), float(tmax),
+                                {int(i): int(n) for i, n in hist})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"bad collectives.stats row {item!r}: {exc}") from None
+            if not (isinstance(g, str) and isinstance(op, str) and type(b) is int):
+                raise ValueError(f"bad collectives.stats key in {item!r}")
+            self.row(g, op, b).merge(other)
+
+
+def busbw_gbps(op: str, n: int, nbytes: int, count: int, seconds: float | None) -> float | None:
+    """Bus bandwidth in GB/s of `count` collectives moving `nbytes` in all (S summed) in
+    `seconds` of summed duration; None without a factor or a duration."""
+    factor = bus_factor(op, n)
+    if factor is None or not seconds or seconds <= 0 or not count:
+        return None
+    return nbytes / seconds * factor / 1e9
+
+
+# --- arrival skew ---------------------------------------------------------------------------
+
+ARRIVAL_WINDOW = 100
+"""Lateness samples per rank whose median is its `arrival_lateness_s`."""
+PENDING_PER_GROUP = 512
+"""Collectives of a group waiting for the issue times of all its ranks, at most."""
+HEAT_SAMPLES = 2000
+"""(issue time, lateness) samples kept per rank for the dashboard's heat map."""
+
+
+class ArrivalTracker:
+    """How late each rank issues the same collective (group, sequence number) as the first
+    rank of its group, on the hub's clock (each rank's issue times plus its clock offset).
+
+    A rank that computes slowly arrives last and then waits least in the collective, so its
+    lateness, not the collective's duration, names it."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, tuple[int, ...]] = {}
+        self.pending: dict[str, dict[int, dict[int, float]]] = {}
+        self.lateness: dict[int, deque[float]] = {}
+        self.heat: dict[int, deque[tuple[float, float]]] = {}
+        self.complete = 0
+
+    def set_group(self, group: str, ranks: Iterable[int]) -> None:
+        """The global ranks of `group` (every rank sends them; the first word stands)."""
+        if group not in self.members:
+            self.members[group] = tuple(sorted(ranks))
+
+    def issued(self, group: str, seq: int, rank: int, t: float) -> None:
+        """Rank `rank` issued collective `seq` of `group` at hub-clock time `t`."""
+        members = self.members.get(group)
+        if members is None or len(members) < 2 or rank not in members:
+            return
+        pending = self.pending.setdefault(group, {})
+        times = pending.get(seq)
+        if times is None:
+            if len(pending) >= PENDING_PER_GROUP:  # ranks that never report it: forget
+                del pending[min(pending)]
+            times = pending[seq] = {}
+        times[rank] = t
+        if len(times) == len(members):
+            del pending[seq]
+            self._settle(times)
+
+    def series(self, rank: int) -> deque[float]:
+        """The lateness samples of `rank` (created empty: a view can hold it from the start)."""
+        samples = self.lateness.get(rank)
+        if samples is None:
+            samples = self.lateness[rank] = deque(maxlen=ARRIVAL_WINDOW)
+        return samples
+
+    def _settle(self, times: dict[int, float]) -> None:
+        first = min(times.values())
+        self.complete += 1
+        for rank, t in times.items():
+            late = t - first
+            self.lateness.setdefault(rank, deque(maxlen=ARRIVAL_WINDOW)).append(late)
+            self.heat.setdefault(rank, deque(maxlen=HEAT_SAMPLES)).append((first, late))
+
+    def median(self, rank: int) -> float | None:
+        """Median lateness of `rank` over its last `ARRIVAL_WINDOW` collectives, or None."""
+        samples = self.lateness.get(rank)
+        return statistics.median(samples) if samples else None
+
+
+# --- hangs ----------------------------------------------------------------------------------
+
+def find_culprits(
+    status: dict[int, dict[str, list[int]]], members: dict[str, tuple[int, ...]],
+    gone: set[int],
+) -> dict[str, Any] | None:
+    """Who holds up whom, from each rank's last issued and completed collective per group
+    (`status[rank][group] = [last_issued_seq, last_completed_seq]`).
+
+    In a group where some ranks issued collective #k and others did not, those that did not
+    are the culprits; those that issued it and have not completed all they issued wait (gloo
+    marks completion late, so what was issued decides). A rank whose process is gone is a
+    culprit of every group it belongs to. Without a mismatch, ranks that
+    issued more than they completed all wait (a network or library problem, not a rank).
+    Returns {"group", "seq", "culprits", "waiting"} of the first group with a finding, preferring
+    mismatches and larger groups; None when every rank completed what it issued."""
+    findings = []
+    for group, ranks in members.items():
+        issued = {r: status[r][group] for r in ranks
+                  if r not in gone and group in status.get(r, {})}
+        dead = sorted(r for r in ranks if r in gone)
+        if not issued:
+            continue
+        top = max(s[0] for s in issued.values())
+        low = min(s[0] for s in issued.values())
+        if low < top:  # some ranks never issued #low+1
+            seq = low + 1
+            culprits = sorted({r for r, s in issued.items() if s[0] < seq} | set(dead))
+            waiting = sorted(r for r, s in issued.items() if s[0] >= seq and s[1] < s[0])
+            findings.append((0, -len(ranks), group, seq, culprits, waiting))
+        elif dead:  # the living issued the same; the dead cannot complete it with them
+            waiting = sorted(r for r, s in issued.items() if s[1] < top)
+            findings.append((0, -len(ranks), group, top, dead, waiting))
+        else:
+            waiting = sorted(r for r, s in issued.items() if s[1] < s[0])
+            if waiting:
+                findings.append((1, -len(ranks), group, top, [], waiting))
+    if not findings:
+        return None
+    _, _, group, seq, culprits, waiting = min(findings, key=lambda f: f[:2])
+    return {"group": group, "seq": seq, "culprits": culprits, "waiting": waiting}

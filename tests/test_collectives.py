@@ -1,0 +1,333 @@
+"""Collectives from the Flight Recorder: bandwidth, arrival skew, hang analysis (units) and
+the agent's reader fed with recorder dumps shaped as torch writes them."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from collections import deque
+
+import pytest
+
+from scalemon import protocol
+from scalemon.collectives import (
+    ArrivalTracker,
+    CollectiveStats,
+    StatRow,
+    bucket_text,
+    buffer_bytes,
+    bus_factor,
+    find_culprits,
+    hist_quantile,
+    size_bucket,
+)
+from scalemon.jobstate import JobState
+from scalemon.protocol import Message
+
+
+def msg(mtype: str, rank: int, seq: int, body: dict, t: float = 1000.0) -> Message:
+    """A message as the hub would fold it (through encode/decode, so it is valid)."""
+    return protocol.decode(protocol.encode(mtype, "job", rank, seq, body, t))
+
+
+def hello(rank: int, world: int, host: str = "h0") -> Message:
+    return msg("hello", rank, 0, {"host": host, "pid": 100 + rank, "world_size": world,
+                                  "local_rank": rank})
+
+
+def entry(rid: int, seq: int, op: str = "all_reduce", numel: int = 1024, group: str = "0",
+          desc: str = "default_pg", t: float = 1000.0, backend: str = "gloo",
+          **extra: object) -> dict:
+    """A Flight Recorder entry as torch 2.13 writes it."""
+    out_sizes = [[2, numel]] if op == "all_gather" else [[numel]]
+    return {"record_id": rid, "pg_id": int(group), "process_group": [group, desc],
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": f"{backend}:{op}", "time_created_ns": int(t * 1e9),
+            "input_sizes": [[numel]], "input_dtypes": ["Float"], "output_sizes": out_sizes,
+            "output_dtypes": ["Float"], "state": "scheduled", "retired": True,
+            "is_p2p": False, "timeout_ms": 600000, **extra}
+
+
+# --- definitions ------------------------------------------------------------------------------
+
+def test_bus_factors_are_those_of_nccl_tests():
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("_allgather_base", 4) == pytest.approx(0.75)
+    assert bus_factor("reduce_scatter", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 8) == 1.0
+    assert bus_factor("barrier", 8) is None
+
+
+def test_s_is_the_whole_buffer_and_sizes_bucket_by_powers_of_two():
+    assert buffer_bytes(entry(0, 1, "all_reduce", 1024)) == 4096
+    assert buffer_bytes(entry(0, 1, "all_gather", 1024)) == 2 * 4096  # the gathered output
+    assert [size_bucket(n) for n in (0, 1, 2, 4096, 4097)] == [0, 0, 1, 12, 13]
+    assert bucket_text(20) == "≤ 1 MiB"
+
+
+def test_duration_quantiles_come_within_half_a_histogram_bucket():
+    row = StatRow()
+    for ms in range(1, 101):
+        row.add_time(ms / 1000)
+    assert hist_quantile(row.hist, 0.5) == pytest.approx(0.050, rel=0.13)
+    assert hist_quantile(row.hist, 0.99) == pytest.approx(0.099, rel=0.13)
+    stats = CollectiveStats()
+    stats.merge_wire([["0", "all_reduce", 12, 100, 409600, row.timed, row.time_sum_s,
+                       row.time_max_s, [[i, n] for i, n in row.hist.items()]]])
+    assert stats.rows["0", "all_reduce", 12].time_max_s == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="bad collectives.stats row"):
+        stats.merge_wire([["0", "all_reduce"]])
+
+
+# --- arrival skew and culprits ----------------------------------------------------------------
+
+def test_arrival_skew_ranks_the_rank_that_issues_last():
+    tracker = ArrivalTracker()
+    tracker.set_group("0", [0, 1, 2])
+    for seq in range(1, 21):
+        for rank, late in ((0, 0.0), (1, 0.050), (2, 0.010)):
+            tracker.issued("0", seq, rank, 100.0 + seq + late)
+    assert tracker.median(1) == pytest.approx(0.050)
+    assert tracker.median(2) == pytest.approx(0.010)
+    assert tracker.median(0) == 0.0
+    tracker.issued("0", 99, 0, 1.0)  # not every rank reported it: no sample yet
+    assert tracker.complete == 20
+
+
+def test_culprits_are_those_that_never_issued_what_the_others_wait_in():
+    members = {"0": (0, 1, 2, 3), "1": (0, 1)}
+    status = {0: {"0": [12, 11], "1": [3, 3]}, 1: {"0": [9, 9], "1": [3, 3]},
+              2: {"0": [12, 11]}, 3: {"0": [12, 11]}}
+    assert find_culprits(status, members, set()) == {
+        "group": "0", "seq": 10, "culprits": [1], "waiting": [0, 2, 3]}
+    same = {r: {"0": [12, 11]} for r in range(4)}
+    assert find_culprits(same, {"0": (0, 1, 2, 3)}, {2}) == {
+        "group": "0", "seq": 12, "culprits": [2], "waiting": [0, 1, 3]}
+    assert find_culprits(same, {"0": (0, 1, 2, 3)}, set())["culprits"] == []
+    done = {r: {"0": [12, 12]} for r in range(4)}
+    assert find_culprits(done, {"0": (0, 1, 2, 3)}, set()) is None
+
+
+# --- the reducer ------------------------------------------------------------------------------
+
+def collectives_body(rank: int, seqs: range, late: float, seconds: float) -> dict:
+    stats = CollectiveStats()
+    row = stats.row("0", "all_reduce", size_bucket(4 << 20))
+    for _ in seqs:
+        row.count += 1
+        row.bytes += 4 << 20
+        row.add_time(seconds)
+    return {"groups": {"0": {"desc": "default_pg", "ranks": [0, 1]}}, "stats": stats.to_wire(),
+            "issues": [["0", s, 500.0 + s + late] for s in seqs], "step": 5}
+
+
+def test_the_reducer_sums_collectives_and_measures_arrival_lateness():
+    st = JobState()
+    for rank in (0, 1):
+        st.apply(hello(rank, 2))
+    st.apply(msg("collectives", 0, 1, collectives_body(0, range(1, 11), 0.0, 0.004)))
+    st.apply(msg("collectives", 1, 1, collectives_body(1, range(1, 11), 0.030, 0.002)))
+    out = st.to_json(now=1000.0)
+    (row,) = out["collectives"]
+    assert (row["group"], row["op"], row["count"], row["bytes"]) == (
+        "default_pg", "all_reduce", 10, 10 * (4 << 20))
+    # busbw = S / mean time * 2(n-1)/n, mean over both ranks' durations
+    assert row["busbw_gbps"] == pytest.approx((4 << 20) / 0.003 * 1.0 / 1e9, rel=1e-6)
+    assert row["sizes"][0]["size_text"] == "≤ 4 MiB"
+    lateness = {r["rank"]: r["arrival_lateness_s"] for r in out["ranks"]}
+    assert lateness[1] == pytest.approx(0.030) and lateness[0] == 0.0
+    assert out["hang"] is None
+
+
+def test_bad_collectives_rows_are_counted_and_the_rest_goes_on():
+    st = JobState()
+    st.apply(hello(0, 1))
+    st.apply(msg("collectives", 0, 1, {"groups": {}, "stats": [["x"]], "issues": []}))
+    st.apply(msg("step", 0, 2, {"step": 1}))
+    assert st.bad_collectives == 1 and st.ranks[0].step == 1
+
+
+def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
+    st = JobState(hang_after_s=10.0)
+    for rank in (0, 1, 2):
+        st.apply(hello(rank, 3))
+    groups = {"0": {"desc": "default_pg", "ranks": [0, 1, 2]}}
+    st.apply(msg("collectives", 0, 1, {"groups": groups, "stats": [], "issues": []}))
+    for rank in (0, 1, 2):
+        st.apply(msg("step", rank, 2, {"step": 4}, t=1000.0))
+    for rank, status in ((0, [10, 9]), (1, [9, 9]), (2, [10, 9])):
+        inflight = [["0", 10, "all_reduce", 1000.5]] if status[0] == 10 else []
+        st.apply(msg("heartbeat", rank, 3, {
+            "phase": "allreduce", "dropped": 0, "groups": {"0": status}, "inflight": inflight,
+            "stack": f'  File "train.py", line 1, in rank{rank}\n'}, t=1020.0))
+    assert st.hang(now=1005.0) is None  # not long enough
+    hang = st.to_json(now=1037.5)["hang"]
+    assert hang["culprits"] == [1] and hang["waiting"] == [0, 2]
+    assert (hang["group"], hang["op"], hang["seq"]) == ("default_pg", "all_reduce", 10)
+    assert hang["since_s"] == pytest.approx(37.5)
+    assert hang["text"] == ("rank 1 never issued all_reduce #10 of group default_pg; "
+                            "ranks 0,2 wait in it for 37 s")
+    assert set(hang["stacks"]) == {"0", "1", "2"} and "rank1" in hang["stacks"]["1"]
+    st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
+                                                      "reason": "process 101 is gone"}))
+    hang = st.hang(now=1040.0)
+    assert hang["culprits"] == [1] and hang["gone"] == [1]
+    assert "process gone (process 101 is gone)" in hang["text"]
+    assert "no stack: the rank is lost" in hang["stacks"]["1"]
+
+
+# --- the agent's reader -----------------------------------------------------------------------
+
+class FakeSource:
+    """A recorder ring whose content the test sets."""
+
+    name = "fr"
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+        self.status: dict = {}
+        self.seen: set[int] = set()
+        self.last_id: int | None = None
+
+    def read(self, collectives: bool) -> dict:
+        return pickle.loads(self._dump(includeCollectives=collectives, onlyActive=False))
+
+    def _dump(self, includeCollectives: bool, onlyActive: bool) -> bytes:  # noqa: N803
+        out = {"version": "2.10", "pg_config": {}, "pg_status": self.status}
+        if includeCollectives:
+            out["entries"] = list(self.entries)
+        return pickle.dumps(out)
+
+
+def reader(source: FakeSource, **kwargs: object):
+    from scalemon.agent.recorder import Recorder
+
+    sent: list[tuple[str, dict]] = []
+    rec = Recorder(lambda t, b: sent.append((t, b)) or True, threading.get_ident(),
+                   kwargs.pop("last_log", lambda: None), lambda: 7, nccl=False,
+                   sources=[source], start=False, **kwargs)
+    return rec, sent
+
+
+def test_the_reader_sends_each_entry_once_and_counts_what_the_ring_overwrote():
+    source = FakeSource()
+    source.entries = [entry(i, i + 1, t=100.0 + i) for i in range(5)]
+    source.status = {"0": {"last_enqueued_collective": "5", "last_completed_collective": "5"}}
+    rec, sent = reader(source)
+    rec.read_all(False)
+    ((mtype, body),) = sent
+    assert mtype == "collectives" and body["step"] == 7
+    assert body["stats"] == [["0", "all_reduce", 12, 5, 5 * 4096, 0, 0.0, 0.0, []]]
+    assert [i[:2] for i in body["issues"]] == [["0", s] for s in range(1, 6)]
+    assert body["groups"]["0"]["desc"] == "default_pg"
+    rec.read_all(False)  # nothing new: nothing sent
+    assert len(sent) == 1
+    source.entries = [entry(i, i + 1) for i in range(8, 12)]  # 5, 6, 7 were overwritten
+    rec.read_all(False)
+    assert rec.lost == 3 and rec.entries == 9
+    assert sent[-1][1]["groups"] == {}  # groups are sent once
+    fields = rec.heartbeat_fields()
+    assert fields["groups"] == {"0": [5, 5]} and fields["recorder_lost"] == 3
+
+
+def test_nccl_entries_wait_for_their_duration_and_gloo_calls_get_the_host_one():
+    source = FakeSource()
+    now = time.time()
+    source.entries = [entry(0, 1, backend="nccl", t=now, state="started"),
+                      entry(1, 2, backend="nccl", t=now, state="completed", duration_ms=2.0)]
+    rec, sent = reader(source)
+    rec.read_all(False)
+    assert sent[0][1]["stats"][0][3:6] == [1, 4096, 1]  # one taken, with its duration
+    source.entries[0] = {**source.entries[0], "state": "completed", "duration_ms": 4.0}
+    rec.read_all(False)
+    assert sent[1][1]["stats"][0][3:7] == [1, 4096, 1, 0.004]
+
+    # gloo: the recorder has no duration; the host timer's call of the same (group, seq) does
+    import torch.distributed as dist
+
+    source = FakeSource()
+    calls: deque = deque()
+    rec, sent = reader(source, host_calls=calls)
+    group = object()
+    source.entries = [entry(0, 1, "all_reduce")]
+    calls.append([group, 1, "reduce_scatter", None])  # issued, not completed yet
+    names = dist.distributed_c10d._world.pg_names
+    names[group] = "0"
+    try:
+        rec.read_all(False)
+        assert sent[0][1]["stats"][0][1] == "reduce_scatter"  # gloo's recorder says all_reduce
+        assert sent[0][1]["stats"][0][5] == 0
+        rec._host_calls["0", 1][3] = 0.25  # it completed
+        rec.read_all(False)
+        assert sent[1][1]["stats"][0][3:7] == [0, 0, 1, 0.25]
+    finally:
+        del names[group]
+
+
+def test_a_stuck_training_thread_gets_its_stack_and_collectives_in_flight_reported():
+    source = FakeSource()
+    source.entries = [entry(0, 1), entry(1, 2, t=123.0)]
+    source.status = {"0": {"last_enqueued_collective": "2", "last_completed_collective": "1"}}
+    rec, _ = reader(source, last_log=lambda: time.perf_counter() - 60.0)
+    assert rec._stuck()
+    rec.read_all(True)
+    fields = rec.heartbeat_fields()
+    assert fields["inflight"] == [["0", 2, "all_reduce", 123.0]]
+    assert "test_a_stuck_training_thread" in fields["stack"]
+    rec.last_log = time.perf_counter  # it logged a step: no longer stuck
+    assert not rec._stuck() and rec.heartbeat_fields()["stack"] is None
+
+
+def test_a_dump_lands_where_torchs_analyzer_looks_and_is_reported(tmp_path):
+    source = FakeSource()
+    source.entries = [entry(0, 1)]
+    rec, sent = reader(source)
+    result = rec.write_dump(str(tmp_path / "fr"), rank=3)
+    assert result["error"] is None and result["files"] == [str(tmp_path / "fr" / "rank_3")]
+    assert pickle.loads((tmp_path / "fr" / "rank_3").read_bytes())["entries"][0]["record_id"] == 0
+    assert sent[-1] == ("info", {"key": "fr_dump", "value": result})
+    bad = rec.write_dump("/proc/no/such/dir", rank=3)
+    assert bad["error"] and bad["files"] == []
+
+
+def test_the_stack_is_the_training_threads_not_the_readers():
+    source = FakeSource()
+    rec, _ = reader(source)
+    stack = rec.training_stack()
+    assert stack and sys._getframe().f_code.co_name in stack
+
+
+def test_nccl_ras_status_is_read_as_ncclras_does_and_its_absence_said():
+    import socket
+
+    from scalemon.agent.ras import RasUnavailable, ras_status
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    said: list[str] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            f = conn.makefile("rwb")
+            for answer in (b"SERVER PROTOCOL 2\n", b"OK\n"):
+                said.append(f.readline().decode().strip())
+                f.write(answer)
+                f.flush()
+            said.append(f.readline().decode().strip())
+            f.write(b"Job summary\n  Nodes 1, processes 2\nCommunicators... (1 total)\n")
+            f.flush()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        report = ras_status("127.0.0.1", port, timeout_s=2.0)
+    finally:
+        thread.join(timeout=5)
+        server.close()
+    assert said == ["CLIENT PROTOCOL 2", "TIMEOUT 2", "STATUS"]
+    assert "Communicators" in report
+    with pytest.raises(RasUnavailable, match="no NCCL RAS at 127.0.0.1"):
+        ras_status("127.0.0.1", port, timeout_s=1.0)  # closed now

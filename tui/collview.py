@@ -1,0 +1,225 @@
+"""What the collectives screen draws, built from `DashboardData` under its lock: the table of
+collectives by (group, op, size) with durations and bus bandwidth, the rank x time heat map of
+arrival lateness, the ranking of ranks by lateness and each rank's Flight Recorder health.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scalemon.display import NA
+from scalemon.tui.model import DashboardData
+
+BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gather/"
+              "reduce_scatter/all_to_all (n-1)/n, broadcast/reduce 1; S = whole buffer, "
+              "t = mean duration, 1 GB = 1e9 B")
+TABLE_HEADINGS = ("group", "op", "n", "size", "count", "bytes", "p50 ms", "p99 ms",
+                  "busbw GB/s", "note")
+BAR = 16
+"""Width of the largest lateness' bar in the ranking."""
+HEAT_SPAN_S = 600.0
+"""The heat map covers at most the last this many seconds of the samples held."""
+MIN_COLUMN_S = 1.0
+"""A heat map column covers at least this long (a step or so: finer ones are mostly empty);
+on a short span each column is drawn several characters wide."""
+
+
+@dataclass
+class CollRow:
+    """One line of the collectives table: cells in TABLE_HEADINGS order; `total` for an
+    op's sum over several sizes (its size rows follow it)."""
+
+    cells: tuple[str, ...]
+    total: bool = False
+    size: bool = False
+
+
+@dataclass
+class Heat:
+    """Arrival lateness binned by rank (rows) and time (columns), in seconds; NaN where the
+    rank issued no collective in that column. `top` is the lateness of the darkest shade;
+    each column is drawn `repeat` characters wide."""
+
+    ranks: list[int]
+    cells: np.ndarray
+    t0: float
+    t1: float
+    top: float
+    repeat: int = 1
+
+
+@dataclass
+class RankHealth:
+    """A rank's arrival lateness and Flight Recorder figures, as text (lateness in ms)."""
+
+    rank: int
+    late_s: float | None
+    cells: tuple[str, ...]  # HEALTH_HEADINGS but the rank: late ms, bar, issued, ...
+    lost: int
+
+
+HEALTH_HEADINGS = ("rank", "late ms", "", "issued", "completed", "recorder entries",
+                   "lost (ring wrapped)", "read ms", "read % of run")
+
+
+@dataclass
+class Collectives:
+    """What the collectives screen draws."""
+
+    rows: list[CollRow]
+    heat: Heat | None
+    health: list[RankHealth]  # largest lateness first; ranks without one last
+    wrapped: list[tuple[int, int]]  # (rank, entries lost) of ranks whose ring wrapped
+    groups: list[str]  # "default_pg: 8 ranks (0-7)"
+    bad: int  # collectives messages the reducer could not fold
+
+
+def collectives(data: DashboardData, heat_columns: int) -> Collectives:
+    """The table, a heat map `heat_columns` wide, the ranking and the recorder health."""
+    with data.lock:
+        st = data.state
+        table = st.collectives_table()
+        samples = {r: list(dq) for r, dq in st.arrival.heat.items()}  # converted unlocked
+        health = [_health(data, r) for r in sorted(st.ranks)]
+        groups = [f"{st.group_label(name)}: {len(g['ranks'])} ranks ({_span(g['ranks'])})"
+                  for name, g in sorted(st.groups.items())]
+        bad = st.bad_collectives
+    health.sort(key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))
+    top = max((h.late_s for h in health if h.late_s is not None), default=0.0)
+    for h in health:
+        if h.late_s is not None and top > 0:
+            h.cells = (h.cells[0], "█" * round(BAR * h.late_s / top), *h.cells[2:])
+    wrapped = [(h.rank, h.lost) for h in health if h.lost > 0]
+    heat = heat_map({r: _array(pairs) for r, pairs in samples.items()}, heat_columns)
+    return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad)
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+def _table_rows(table: list[dict[str, Any]]) -> list[CollRow]:
+    rows = []
+    for op in table:
+        sizes = op["sizes"]
+        if len(sizes) == 1:
+            rows.append(CollRow(_cells(op, sizes[0]["size_text"])))
+            continue
+        rows.append(CollRow(_cells(op, "all"), total=True))
+        rows.extend(CollRow(_cells(size, size["size_text"], first=False), size=True)
+                    for size in sizes)
+    return rows
+
+
+def _cells(row: dict[str, Any], size: str, first: bool = True) -> tuple[str, ...]:
+    timed = row["time_p50_s"] is not None
+    return (row["group"] if first else "", row["op"] if first else "", str(row["ranks"]),
+            size, str(row["count"]), nbytes(row["bytes"]), ms(row["time_p50_s"]),
+            ms(row["time_p99_s"]), gbps(row["busbw_gbps"]), _note(row, timed))
+
+
+def _note(row: dict[str, Any], timed: bool) -> str:
+    """Why a value is n/a (or that only part of the collectives was timed)."""
+    if not timed:
+        return "n/a: gloo records no duration (host-timed: DDP's all-reduce only)"
+    if row["bus_factor"] is None:
+        return f"n/a: {row['op']} moves no data" if row["op"] == "barrier" else \
+            f"n/a: nccl-tests defines no factor for {row['op']}"
+    return ""
+
+
+def ms(seconds: float | None) -> str:
+    """A duration in ms with 3 significant digits."""
+    if seconds is None:
+        return NA
+    value = seconds * 1e3
+    return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+
+
+def gbps(value: float | None) -> str:
+    """A bandwidth in GB/s with 3 significant digits."""
+    if value is None:
+        return NA
+    return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+
+
+def nbytes(value: int) -> str:
+    """Bytes in binary units: 29.3 GiB."""
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if amount < 1024 or unit == "TiB":
+            break
+        amount /= 1024
+    return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+
+
+def _span(ranks: list[int]) -> str:
+    """"0-7" for a contiguous run of ranks, else the first few."""
+    if not ranks:
+        return "none"
+    ordered = sorted(ranks)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
+        return f"{ordered[0]}-{ordered[-1]}"
+    text = ",".join(str(r) for r in ordered[:8])
+    return text + (f",… (+{len(ordered) - 8})" if len(ordered) > 8 else "")
+
+
+# ---- the heat map --------------------------------------------------------------------------
+
+def _array(samples: list[tuple[float, float]]) -> np.ndarray:
+    """A rank's (issue time, lateness) samples as an (n, 2) array."""
+    flat = np.fromiter(itertools.chain.from_iterable(samples), dtype=float,
+                       count=2 * len(samples))
+    return flat.reshape(-1, 2)
+
+
+def heat_map(samples: dict[int, np.ndarray], columns: int) -> Heat | None:
+    """Mean lateness per (rank, column) over the time the samples cover (at most the last
+    HEAT_SPAN_S) in at most `columns` characters; None without samples or room."""
+    samples = {r: a for r, a in samples.items() if len(a)}
+    if not samples or columns < 1:
+        return None
+    t1 = max(float(a[-1, 0]) for a in samples.values())
+    t0 = max(min(float(a[0, 0]) for a in samples.values()), t1 - HEAT_SPAN_S)
+    width = max(t1 - t0, 1e-9)
+    bins = max(1, min(columns, int(width / MIN_COLUMN_S)))
+    repeat, columns = columns // bins, bins
+    ranks = sorted(samples)
+    cells = np.full((len(ranks), columns), np.nan)
+    for i, rank in enumerate(ranks):
+        a = samples[rank]
+        a = a[a[:, 0] >= t0]
+        if not len(a):
+            continue
+        col = np.minimum(((a[:, 0] - t0) / width * columns).astype(int), columns - 1)
+        n = np.bincount(col, minlength=columns)
+        total = np.bincount(col, weights=a[:, 1], minlength=columns)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cells[i] = np.where(n > 0, total / np.maximum(n, 1), np.nan)
+    top = float(np.nanmax(cells)) if np.isfinite(cells).any() else 0.0
+    return Heat(ranks, cells, t0, t1, max(top, 1e-3), repeat)
+
+
+# ---- per rank ------------------------------------------------------------------------------
+
+def _health(data: DashboardData, rank: int) -> RankHealth:
+    st = data.state
+    v = st.ranks[rank]
+    m = v.metrics
+    late = v.value("arrival_lateness_s")
+    lost = m.get("recorder_lost")
+    read = m.get("recorder_read_s")
+    share = NA
+    if read is not None and st.started_t is not None and v.last_seen_t is not None:
+        elapsed = v.last_seen_t - st.started_t
+        share = f"{100 * read / elapsed:.3f}" if elapsed > 0 else NA
+    cells = (NA if late is None else f"{late * 1e3:.1f}", "", _opt(m.get("collectives_issued")),
+             _opt(m.get("collectives_completed")), _opt(m.get("recorder_entries")),
+             _opt(lost), ms(read), share)
+    return RankHealth(rank, late, cells, lost if isinstance(lost, int) else 0)
+
+
+def _opt(value: object) -> str:
+    return NA if value is None else str(value)

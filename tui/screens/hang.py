@@ -1,0 +1,133 @@
+"""The hang screen: who holds up the job, where every rank is, their stacks, and `d` for a
+Flight Recorder dump. The app shows it by itself once per hang; Esc goes back."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Footer, Static
+
+from scalemon.tui.hangview import HangView, hang_view
+from scalemon.tui.messages import DumpRequested
+from scalemon.tui.model import DashboardData
+from scalemon.tui.screens.base import DataScreen
+
+ROLE_STYLES = {"culprit": "bold red", "waiting": "yellow", "": ""}
+TABLE_ROWS = 64
+"""Ranks in the table at most (culprits first); the rest are counted."""
+
+
+class HangScreen(DataScreen):
+    """The job's hang, from `JobState.hang`. Text from ranks (stacks, the analysis) is shown as
+    typed, never read as markup."""
+
+    BINDINGS = [
+        Binding("escape,backspace", "back", "Back"),
+        Binding("d", "dump", "Flight Recorder dump"),
+    ]
+    DEFAULT_CSS = """
+    HangScreen #hang-title { height: 1; padding: 0 1; background: $error; color: $text;
+                             text-style: bold; }
+    HangScreen #hang-text { height: auto; padding: 1 2; text-style: bold; }
+    HangScreen #hang-body > Static { height: auto; padding: 0 1; }
+    HangScreen #hang-body > .section { margin-top: 1; }
+    """
+
+    def __init__(self, status: str | None = None) -> None:
+        super().__init__()
+        self.status = status  # what became of the last dump request
+        self.view: HangView | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="hang-title")
+        yield Static(id="hang-text")
+        with VerticalScroll(id="hang-body"):
+            yield Static(id="hang-ranks")
+            yield Static(id="hang-dump", classes="section")
+            ras = Static(id="hang-ras", classes="section")
+            ras.display = False  # while no node's NCCL RAS report came
+            yield ras
+            yield Static(id="hang-stacks", classes="section")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#hang-body").focus()
+
+    def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
+        """Redraw; after the hang ended the last one stays below the new headline."""
+        view = hang_view(data, now)
+        title = self.query_one("#hang-title", Static)
+        headline = self.query_one("#hang-text", Static)
+        if view.hung:
+            title.update("JOB HUNG  ·  d: Flight Recorder dump  ·  Esc back")
+            headline.update(Text(view.text, style="bold red"))
+            if plots or self.view is None:  # hundreds of rows: at the plots' pace
+                self.query_one("#hang-ranks", Static).update(_table(view))
+                self.query_one("#hang-stacks", Static).update(_stacks(view))
+                ras = self.query_one("#hang-ras", Static)
+                ras.display = bool(view.ras)
+                ras.update(_ras(view))
+        else:
+            title.update("hang view  ·  d: Flight Recorder dump  ·  Esc back")
+            last = "; below: the last hang seen" if self.view is not None else ""
+            headline.update(Text(view.text + last, style="bold green"))
+        self.query_one("#hang-dump", Static).update(self._dump_text(view))
+        if view.hung:
+            self.view = view
+
+    def _dump_text(self, view: HangView) -> Text:
+        t = Text()
+        if self.status:
+            t.append(self.status + "\n", style="bold")
+        for i, (line, style) in enumerate(view.dump):
+            t.append(("\n" if i else "") + line, style=style)
+        return t
+
+    def show_status(self, status: str) -> None:
+        """What became of a dump request (the app answers `DumpRequested` with this)."""
+        self.status = status
+
+    def action_dump(self) -> None:
+        """Ask the app for a Flight Recorder dump."""
+        self.status = "asking the hub for a Flight Recorder dump..."
+        self.post_message(DumpRequested())
+
+    def action_back(self) -> None:
+        """Back to where it was shown."""
+        self.dismiss()
+
+
+def _table(view: HangView) -> Table:
+    table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
+    for heading in view.headings:
+        table.add_column(heading, no_wrap=heading != "in flight")
+    for row in view.rows[:TABLE_ROWS]:
+        style = ROLE_STYLES[row.role]
+        table.add_row(*(Text(c, style=style) for c in row.cells))
+    rest = view.rows[TABLE_ROWS:]
+    if rest:
+        waiting = sum(r.role == "waiting" for r in rest)
+        table.caption = Text(f"(+{len(rest)} ranks, {waiting} of them waiting in the "
+                             "collective)", style="dim")
+        table.caption_justify = "left"
+    return table
+
+
+def _ras(view: HangView) -> Text:
+    t = Text()
+    for i, (heading, report) in enumerate(view.ras):
+        t.append(("\n\n" if i else "") + heading, style="bold")
+        t.append("\n" + report.rstrip("\n"))
+    return t
+
+
+def _stacks(view: HangView) -> Text:
+    t = Text()
+    t.append("Python stacks of the training threads", style="bold underline")
+    for heading, role, stack in view.stacks:
+        t.append("\n\n" + heading, style=ROLE_STYLES[role] or "bold")
+        t.append("\n" + stack.rstrip("\n"))
+    return t
