@@ -121,9 +121,35 @@ def test_an_injected_hang_is_named_with_its_culprit_within_15_s(home, tmp_path, 
                         rf"ranks? {','.join(map(str, others))} wait", hang["text"]), hang["text"]
         assert hang["since_s"] >= 10.0
         if nproc == 2:
+            check_dashboard(home, hang["text"].split(";")[0])
             check_dump(home, nproc)
     finally:
         kill_tree(proc)
+
+
+def check_dashboard(home: Path, culprit_words: str) -> None:
+    """A dashboard attached to the live hub switches to the hang view by itself and says the
+    same in words, with the culprit's stack."""
+    import asyncio
+
+    from test_tui_app import until
+    from test_tui_snapshots import screen_text
+
+    from scalemon.tui.app import DashboardApp
+    from scalemon.tui.feed import HubFeed
+    from scalemon.tui.screens.hang import HangScreen
+
+    job_file = JobFile.read(jobs_dir(home) / f"{home.name}.json")
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=HubAddress.parse(job_file.address)))
+        async with app.run_test(size=(140, 60)) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, HangScreen)
+                        and culprit_words in screen_text(app), timeout=20)
+            text = screen_text(app)
+            assert "culprit" in text and "time.sleep(3600)" in text
+
+    asyncio.run(scenario())
 
 
 def check_dump(home: Path, nproc: int) -> None:
