@@ -119,9 +119,39 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
             text = _short(display.flat_text(rank["extra"]), width)
             lines.append(f"rank {rank['rank']} extra: {text}")
     for key, by_rank in sorted(state.get("info", {}).items()):
+        if key in ("fr_dump", "nccl_ras"):
+            continue  # shown with the hang
         for text, ranks in _group_equal(by_rank).items():
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
+    lines.extend(_collectives_lines(state.get("collectives") or []))
+    lines.extend(_hang_lines(state.get("hang")))
     return "\n".join(lines)
+
+
+def _collectives_lines(rows: list[dict[str, Any]], most: int = 8) -> list[str]:
+    """The job's collectives, largest total time first (busbw as nccl-tests defines it)."""
+    if not rows:
+        return []
+    out = ["collectives (count and bytes per rank; busbw = S/t x nccl-tests factor, GB/s):"]
+    for r in rows[:most]:
+        p50 = display.NA if r["time_p50_s"] is None else f"{r['time_p50_s'] * 1e3:.3g} ms"
+        bw = display.NA if r["busbw_gbps"] is None else f"{r['busbw_gbps']:.3g}"
+        out.append(f"  {r['group']} {r['op']}: {r['count']} x, {r['bytes']} bytes, "
+                   f"p50 {p50}, busbw {bw}")
+    if len(rows) > most:
+        out.append(f"  ... {len(rows) - most} more (--json has them all)")
+    return out
+
+
+def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
+    """The hang in words, then each rank's stack (innermost call last)."""
+    if not hang:
+        return []
+    out = [f"HUNG: {hang['text']}"]
+    for rank, stack in hang["stacks"].items():
+        out.append(f"rank {rank} stack:")
+        out.extend("  " + line for line in stack.rstrip().splitlines())
+    return out
 
 
 def _short(text: str, width: int) -> str:

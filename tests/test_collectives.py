@@ -12,6 +12,7 @@ from collections import deque
 import pytest
 
 from scalemon import protocol
+from scalemon.cli import format_snapshot
 from scalemon.collectives import (
     ArrivalTracker,
     CollectiveStats,
@@ -139,6 +140,9 @@ def test_the_reducer_sums_collectives_and_measures_arrival_lateness():
     lateness = {r["rank"]: r["arrival_lateness_s"] for r in out["ranks"]}
     assert lateness[1] == pytest.approx(0.030) and lateness[0] == 0.0
     assert out["hang"] is None
+    text = format_snapshot(out)
+    assert f"default_pg all_reduce: 10 x, {10 * (4 << 20)} bytes, p50 " in text
+    assert f"busbw {row['busbw_gbps']:.3g}" in text and "HUNG" not in text
 
 
 def test_bad_collectives_rows_are_counted_and_the_rest_goes_on():
@@ -170,6 +174,9 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     assert hang["text"] == ("rank 1 never issued all_reduce #10 of group default_pg; "
                             "ranks 0,2 wait in it for 37 s")
     assert set(hang["stacks"]) == {"0", "1", "2"} and "rank1" in hang["stacks"]["1"]
+    text = format_snapshot(st.to_json(now=1037.5))  # `scalemon snapshot` for people
+    assert "HUNG: rank 1 never issued all_reduce #10 of group default_pg" in text
+    assert 'rank 1 stack:\n    File "train.py", line 1, in rank1' in text
     st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
                                                       "reason": "process 101 is gone"}))
     hang = st.hang(now=1040.0)
