@@ -43,11 +43,43 @@ def check_job_id(job: str) -> str:
     return job
 
 
+class NotOwnedError(PermissionError):
+    """A directory scalemon would use belongs to another user; the text says whose and what
+    to do."""
+
+
 def private_dir(path: Path) -> Path:
-    """Create `path` (and parents) readable by this user only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create `path` and its missing parents readable by this user only (0700), and check that
+    `path` belongs to this user: in a shared, writable `$SCALEMON_HOME` another user who made a
+    run directory first could otherwise swap in their own sockets and receive every metric."""
+    missing = []
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+            directory.mkdir(mode=0o700)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise NotOwnedError(
+            f"{path} belongs to {_user_name(info.st_uid)}, not to you "
+            f"({_user_name(os.getuid())}): scalemon keeps each job's sockets and history in a "
+            "directory of its own user. Remove it (or ask its owner to), or point SCALEMON_HOME "
+            "at a directory of yours")
+    if info.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
     return path
+
+
+def _user_name(uid: int) -> str:
+    """`name (uid N)`, or `uid N` for an unknown user."""
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,11 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_REPLY_BYTES = 64 << 20
 """RPC replies (history pages) may be larger than one message, up to this."""
 
+MAX_WORLD_SIZE = 1 << 20
+"""Ranks and world sizes above this are refused (1,048,576 ranks)."""
+MAX_SEQ = 1 << 53
+"""Sequence numbers at or above this are refused (they would lose precision as JSON numbers)."""
+
 HUB_RANK = -1
 """`rank` of messages the hub itself writes into the history (rank state changes)."""
 
@@ -191,7 +196,11 @@ def decode(frame: bytes) -> Message:
     if not isinstance(obj, dict):
         raise ProtocolError(f"message is a {type(obj).__name__}, expected a map")
     v = obj.get("v")
-    version = PROTOCOL_VERSION if v == _OUR_VERSION else check_version(v)  # fast path
+    # fast path; [1.0, 1] and [True, 1] compare equal to [1, 1], so the types are checked too
+    if v == _OUR_VERSION and type(v[0]) is int and type(v[1]) is int:
+        version = PROTOCOL_VERSION
+    else:
+        version = check_version(v)
     get = obj.get
     if not (type(get("type")) is str and type(get("job")) is str
             and type(get("rank")) is int and type(get("seq")) is int):
@@ -206,8 +215,15 @@ def decode(frame: bytes) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError(f"'body' is {type(body).__name__}, expected a map")
     mtype = obj["type"]
+    if not 0 <= obj["seq"] < MAX_SEQ:
+        raise ProtocolError(f"header field 'seq' is {obj['seq']}, expected 0 <= seq < 2^53")
+    if obj["rank"] >= MAX_WORLD_SIZE:
+        raise ProtocolError(f"rank {obj['rank']} is beyond the largest world size "
+                            f"{MAX_WORLD_SIZE}")
     _check_sender(mtype, obj["rank"])
     _check_body(mtype, body, version)
+    if mtype == "hello":
+        _check_hello(body, obj["rank"])
     if mtype == "rank_state" and body["state"] not in RANK_STATES:
         raise ProtocolError(f"rank_state.state {body['state']!r} is not one of {RANK_STATES}")
     return Message(mtype, obj["job"], obj["rank"], obj["seq"], float(t), body, version)
@@ -216,6 +232,17 @@ def decode(frame: bytes) -> Message:
 def check_body(mtype: str, body: dict[str, Any]) -> None:
     """Validate a body before sending it (what `decode` would refuse); raises ProtocolError."""
     _check_body(mtype, body, PROTOCOL_VERSION)
+
+
+def _check_hello(body: dict[str, Any], rank: int) -> None:
+    world = body["world_size"]
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise ProtocolError(f"hello.world_size is {world}, expected 1 .. {MAX_WORLD_SIZE}")
+    if rank >= world:
+        raise ProtocolError(f"hello from rank {rank} of a world of {world} ranks")
+    if body["local_rank"] < 0 or body["pid"] <= 0:
+        raise ProtocolError(f"hello.local_rank {body['local_rank']} / hello.pid {body['pid']}: "
+                            "expected local_rank >= 0 and pid > 0")
 
 
 def _check_sender(mtype: str, rank: int) -> None:

@@ -131,7 +131,17 @@ def garbage_frames(rng: random.Random) -> list[bytes]:
         protocol.encode("rank_state", "jobD", -1, 0, {"target": 0, "state": "lost"}),
         msgpack.packb({"v": [1, 0], "type": "rank_state", "job": "jobD", "rank": 0, "seq": 0,
                        "t": 1.0, "body": {"target": 0, "state": "lost"}}),
+        # out of bounds (issue #13): each was once accepted
+        hello_frame(world_size=-5), hello_frame(world_size=10**12), hello_frame(rank=99),
+        protocol.encode("step", "jobD", 0, 2**63, {"step": 1}),
+        msgpack.packb({**msgpack.unpackb(valid), "v": [1.0, protocol.PROTOCOL_VERSION[1]]}),
+        msgpack.packb({**msgpack.unpackb(valid), "v": [True, protocol.PROTOCOL_VERSION[1]]}),
     ]
+
+
+def hello_frame(world_size: int = 2, rank: int = 0) -> bytes:
+    return protocol.encode("hello", "jobD", rank, 0, {"host": "h", "pid": 1, "local_rank": 0,
+                                                      "world_size": world_size})
 
 
 def test_garbage_is_counted_and_logged_and_loses_no_valid_message(start_hub, zctx):
