@@ -70,6 +70,7 @@ class Hub:
         self.linger_s = linger_s
         self._lock_file = self._take_lock()
         self.history = History(self.run_dir / HISTORY_FILE, memory_limit)
+        self._topic = protocol.feed_topic(self.history.identity)
         self.state = JobState(job=job, world_size=world_size, hang_after_s=hang_after_s)
         self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
         self._dump: FrDump | None = None
@@ -215,7 +216,8 @@ class Hub:
             if msg.type == "hello":
                 self._note_pid(msg.rank)
         if accepted:
-            feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(first_seq), *accepted])
+            self.history.flush()  # published only once written: a hub crash cannot unsay it
+            feed.send_multipart([self._topic, protocol.pack_seq(first_seq), *accepted])
 
     def _accept(self, frame: bytes) -> protocol.Message:
         """Decode a rank's frame and check it belongs here; raises ProtocolError."""
@@ -263,7 +265,8 @@ class Hub:
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
         seq = self.history.append(frame)
         self._apply(protocol.decode(frame))
-        feed.send_multipart([protocol.FEED_TOPIC, protocol.pack_seq(seq), frame])
+        self.history.flush()
+        feed.send_multipart([self._topic, protocol.pack_seq(seq), frame])
 
     # --- rank liveness and lifetime --------------------------------------------------------
     def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
@@ -336,7 +339,8 @@ class Hub:
             envelope, payload = frames[:-1], frames[-1]
             try:
                 op, args = protocol.decode_request(payload)
-                reply = protocol.encode_reply(**self._answer(op, args))
+                reply = protocol.encode_reply(**self._answer(op, args),
+                                              history=self.history.identity)
             except ProtocolError as exc:
                 self._reject(exc, len(payload))
                 reply = protocol.encode_reply(ok=False, error=str(exc))

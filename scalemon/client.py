@@ -24,8 +24,9 @@ class HubUnreachable(ConnectionError):
 
 
 class HistoryReset(ProtocolError):
-    """The hub's history is shorter than what this stream already delivered: a new hub with
-    another history under the same name. Start over from record 0."""
+    """The records this stream delivered are no longer the hub's: another history under the
+    same name (another id), a shorter one, or a hub restarted on the same file that lost
+    records this stream had delivered. Start over from record 0; the text says which."""
 
 
 class HubClient:
@@ -38,6 +39,7 @@ class HubClient:
         self.timeout_s = timeout_s
         self.ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self.history: dict[str, Any] | None = None  # the identity in the last reply
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -56,7 +58,10 @@ class HubClient:
                 f"no answer from the hub at {self.address.rpc} within {self.timeout_s:g} s: "
                 "is the job's hub running? (`scalemon jobs` lists live hubs)"
             )
-        return protocol.decode_reply(sock.recv_multipart()[-1])
+        reply = protocol.decode_reply(sock.recv_multipart()[-1])
+        if isinstance(reply.get("history"), dict):
+            self.history = reply["history"]
+        return reply
 
     def state(self) -> dict[str, Any]:
         """The hub's `state` reply: {"state": job state JSON, "hub": counters, "head": n}."""
@@ -77,8 +82,10 @@ class HubClient:
 class HubStream:
     """Every history record of a hub, exactly once, then live ones as they come."""
 
-    def __init__(self, address: HubAddress, since: int = 0, timeout_s: float = 5.0) -> None:
+    def __init__(self, address: HubAddress, since: int = 0, timeout_s: float = 5.0,
+                 identity: dict[str, Any] | None = None) -> None:
         self.client = HubClient(address, timeout_s)
+        self.identity = identity  # of the history the delivered records came from
         self.sub = self.client.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)
@@ -118,6 +125,7 @@ class HubStream:
         while stop is None or self.next_seq < stop:
             limit = PAGE if stop is None else min(PAGE, stop - self.next_seq)
             records, head = self.client.fetch(self.next_seq, limit)
+            self.check_identity(self.client.history)
             if head < self.next_seq:
                 raise HistoryReset(
                     f"the hub holds {head} records but {self.next_seq} were already delivered"
@@ -126,12 +134,31 @@ class HubStream:
             if not records or (stop is None and self.next_seq >= head):
                 return
 
+    def check_identity(self, identity: dict[str, Any] | None) -> None:
+        """Raise HistoryReset when `identity` (from a reply or the feed) says the records
+        delivered so far are not this history's; else remember it."""
+        if identity is None:
+            return
+        known = self.identity
+        if known is not None and self.next_seq > 0:
+            if identity["id"] != known["id"]:
+                raise HistoryReset(
+                    f"the hub now serves another history (id {identity['id']}, was "
+                    f"{known['id']}): its run directory was recreated; starting over")
+            if identity["base"] != known["base"] and identity["base"] < self.next_seq:
+                raise HistoryReset(
+                    f"the hub restarted and kept {identity['base']} records of this history, "
+                    f"but {self.next_seq} were delivered: records from {identity['base']} on "
+                    "were lost with the old hub and may be numbered anew; starting over")
+        self.identity = identity
+
     def _take_batch(self, frames: list[bytes], out: list[tuple[int, Message]]) -> None:
         try:
             first = protocol.unpack_seq(frames[1])
         except (IndexError, ProtocolError):
             self.rejected += 1
             return
+        self.check_identity(protocol.parse_feed_topic(frames[0]))
         records = frames[2:]
         if first > self.next_seq:
             self._fetch(first, out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from array import array
 from collections import deque
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ log = logging.getLogger("scalemon.hub")
 
 HISTORY_FILE = "history.smlog"
 """The history's file name inside a job's run directory."""
+ID_SUFFIX = ".id"
+"""`history.smlog.id`: the random id made when the history file was created."""
 _LEN = 4
 
 
@@ -41,9 +44,20 @@ class History:
         self._offsets = array("Q")  # file offset of record i
         self._memory: deque[bytes] = deque()
         self._memory_base = 0  # sequence number of self._memory[0]
+        created = not path.exists()
         self._end = self._recover()
+        self.id = _history_id(path, created)
+        self.base = len(self._offsets)
         self._writer = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - lives with self
         self._reader = open(path, "rb")  # noqa: SIM115
+
+    @property
+    def identity(self) -> dict[str, object]:
+        """What tells this history apart from another under the same name: the file's random
+        id, and how many records it held when this hub opened it (`base`). Records below
+        `base` are the same for every hub of this file; above it, a hub that died before
+        writing them may have lost them, and its successor numbers new records from `base`."""
+        return {"id": self.id, "base": self.base}
 
     def _recover(self) -> int:
         """Index an existing file, truncating a torn tail; returns the end offset."""
@@ -109,6 +123,24 @@ class History:
         """Flush and close the files."""
         self._writer.close()
         self._reader.close()
+
+
+def _history_id(path: Path, created: bool) -> str:
+    """The id of the history file at `path`, made (and written next to it) when the file is
+    new or has none yet."""
+    id_path = path.with_name(path.name + ID_SUFFIX)
+    if not created:
+        try:
+            text = id_path.read_text().strip()
+            if text:
+                return text
+        except OSError:
+            pass
+    new = secrets.token_hex(8)
+    tmp = id_path.with_name(id_path.name + ".tmp")
+    tmp.write_text(new + "\n")
+    os.replace(tmp, id_path)
+    return new
 
 
 def read_records(path: Path) -> Iterator[bytes]:

@@ -361,6 +361,23 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
 # history sequence number first_seq + i. Records are message frames exactly as `encode` makes.
 
 FEED_TOPIC = b"rec"
+"""Prefix of the first frame of every feed message; the full frame is `feed_topic(identity)`."""
+
+
+def feed_topic(identity: dict[str, Any]) -> bytes:
+    """The feed's first frame: `rec <history id> <base>` (a subscriber of `rec` gets it)."""
+    return b"rec %s %d" % (str(identity["id"]).encode(), int(identity["base"]))
+
+
+def parse_feed_topic(frame: bytes) -> dict[str, Any] | None:
+    """The history identity in a feed message's first frame (None for a bare `rec`)."""
+    parts = frame.split(b" ")
+    if len(parts) != 3 or parts[0] != FEED_TOPIC:
+        return None
+    try:
+        return {"id": parts[1].decode(), "base": int(parts[2])}
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def pack_seq(seq: int) -> bytes:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import wait_for
+from conftest import FakeRank, wait_for
 
 
 def test_home_and_run_directories_are_created_for_this_user_only(tmp_path, monkeypatch):
@@ -48,3 +48,68 @@ def test_a_run_directory_of_another_user_is_refused_with_whose_it_is(home):
         env={**os.environ, "SCALEMON_HOME": str(home), "SCALEMON_JOB_ID": "jobQ"})
     assert agent.stdout.strip() == "True"  # the monitor is off, training goes on
     assert "monitor not started" in agent.stderr and "belongs to" in agent.stderr
+
+
+def key(msg) -> tuple:
+    return (msg.rank, msg.seq, msg.type, msg.t)
+
+
+def test_a_hub_killed_and_restarted_under_a_paused_reader_loses_and_renumbers_nothing(
+        start_hub, zctx, home):
+    """Scenarios 1 and 2: what a reader saw (live, right before the kill) is on disk, and the
+    next hub numbers on from it, so the reader's records stay the hub's, number for number."""
+    from scalemon.client import HubClient, HubStream
+    from scalemon.protocol import decode
+
+    hub = start_hub("jobK", "--lost-after", "60")
+    rank = FakeRank(zctx, hub.address, "jobK", 0)
+    stream = HubStream(hub.address)
+    got: list = []
+    rank.hello(world_size=1)
+    for step in range(1, 401):
+        rank.step(step)
+    wait_for(lambda: got.extend(stream.poll(0.05)) or len(got) >= 401, timeout=20)
+    for step in range(401, 421):  # a burst, and the kill as soon as the reader saw it
+        rank.step(step)
+    wait_for(lambda: got.extend(stream.poll(0.002)) or len(got) >= 421, timeout=20,
+             interval=0.0)
+    hub.kill()  # -9 within milliseconds: the hub's periodic flush did not run in between
+    hub = start_hub("jobK", "--lost-after", "60")
+    for step in range(421, 431):
+        rank.step(step)
+    wait_for(lambda: got.extend(stream.poll(0.05)) or len(got) >= 431, timeout=20)
+    client = HubClient(hub.address)
+    records, head = client.fetch(0, 10_000)
+    client.close()
+    stream.close()
+    assert head == 431 and [seq for seq, _ in got] == list(range(431))
+    assert [key(m) for _, m in got] == [key(decode(r)) for r in records]
+
+
+def test_a_recreated_history_under_the_same_name_makes_readers_start_over(start_hub, zctx,
+                                                                        home):
+    """Another history under the same job name (its run directory removed and made anew):
+    the reader is told and starts over, instead of mixing two histories."""
+    import shutil
+
+    from scalemon.client import HistoryReset, HubStream
+    from scalemon.jobs import run_dir
+
+    hub = start_hub("jobR")
+    rank = FakeRank(zctx, hub.address, "jobR", 0)
+    rank.hello(world_size=1)
+    for step in range(1, 51):
+        rank.step(step)
+    stream = HubStream(hub.address)
+    got: list = []
+    wait_for(lambda: got.extend(stream.poll(0.05)) or len(got) >= 51)
+    hub.kill()
+    shutil.rmtree(run_dir("jobR", home))
+    hub = start_hub("jobR")
+    rank = FakeRank(zctx, hub.address, "jobR", 0)
+    rank.hello(world_size=1)
+    for step in range(1, 81):  # more than the reader has: `head < next` cannot see it
+        rank.step(step)
+    with pytest.raises(HistoryReset, match="another history"):
+        wait_for(lambda: stream.poll(0.05) and False, timeout=10)
+    stream.close()

@@ -162,6 +162,8 @@ class DashboardApp(App[None]):
         elif event.status == "disconnected":
             self.notify(f"hub disconnected ({event.detail}); retrying", severity="warning",
                         timeout=4, markup=False)
+        elif event.status == "restarted":
+            self.notify(event.detail, severity="warning", timeout=15, markup=False)
         elif event.status == "connected" and getattr(self.feed, "attaches", 0) > 1:
             self.notify("hub reconnected", timeout=3)
         self.redraw_now()

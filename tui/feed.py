@@ -17,7 +17,7 @@ from pathlib import Path
 import zmq
 
 from scalemon import protocol
-from scalemon.client import HubStream, HubUnreachable
+from scalemon.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.history import history_path, read_messages
 from scalemon.jobs import HubAddress, live_jobs
 from scalemon.protocol import ProtocolError, VersionMismatch, version_text
@@ -74,7 +74,8 @@ class HubFeed(Feed):
                     status("waiting", f"no hub for job {self.job} yet")
                 _sleep(self.retry_s, stop)
                 continue
-            stream = HubStream(address, since=data.next_seq, timeout_s=self.timeout_s)
+            stream = HubStream(address, since=data.next_seq, timeout_s=self.timeout_s,
+                               identity=data.history_identity)
             try:
                 if not self._same_history(stream, data):
                     data.reset()  # a new (or shortened) history under the same name
@@ -85,10 +86,16 @@ class HubFeed(Feed):
                     batch = stream.poll(0.1)
                     if batch:
                         data.apply_batch(batch)
+                    data.history_identity = stream.identity
                     if stream.rejected:
                         with data.lock:
                             data.rejected += stream.rejected
                         stream.rejected = 0
+            except HistoryReset as exc:  # the records shown are not the hub's: start over
+                data.reset()
+                status("restarted", f"history started over: {exc}")
+                stream.close()
+                continue
             except VersionMismatch as exc:
                 status("incompatible", f"the hub speaks scalemon protocol "
                        f"{version_text(exc.theirs)}, this dashboard {version_text(exc.ours)}: "

@@ -173,6 +173,7 @@ class DashboardData:
     def _reset(self) -> None:
         self.state = JobState(job=self._job, hang_after_s=self._hang_after_s)
         self.next_seq = 0  # record number of the next record expected from the hub
+        self.history_identity: dict | None = None  # of the history the records came from
         self.last_key: tuple | None = None  # identity of the last record folded
         self.records = 0
         self.by_type: dict[str, int] = {}
