@@ -75,6 +75,8 @@ class Hub:
         self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
         self._dump: FrDump | None = None
         self._pending_dump_record = False
+        self.replay_skipped: Counter[str] = Counter()
+        self._notes: list[tuple[str, str]] = []  # written into the history once serving
         self.received = 0
         self.rejected = 0
         self.reject_reasons: Counter[str] = Counter()
@@ -111,15 +113,32 @@ class Hub:
         return f
 
     def _replay_history(self) -> None:
-        """Rebuild the state from a history left by an earlier hub of this job."""
+        """Rebuild the state from a history left by an earlier hub of this job, validating
+        every record as live ingest does (schema, job id, bounds) and counting what it skips."""
         n = len(self.history)
         for record in self.history.get(0, n):
             try:
-                self._apply(protocol.decode(record))
-            except ProtocolError:
+                msg = self._accept(record, hub_records=True)
+            except ProtocolError as exc:
+                self.replay_skipped[str(exc).split(":")[0][:60]] += 1
                 continue
+            self._apply(msg)
         if n:
             log.info("resumed history of job %s: %d records", self.job, n)
+        recovery = self.history.recovery
+        if recovery:
+            self._notes.append(("history", (
+                f"history reopened damaged: {recovery['records']} intact records kept "
+                f"({recovery['salvaged_after_damage']} of them after the damage), "
+                f"{recovery['set_aside_bytes']} damaged bytes set aside in "
+                f"{recovery['set_aside_in']}")))
+        if self.replay_skipped:
+            skipped = sum(self.replay_skipped.values())
+            reasons = "; ".join(f"{k} ({v})" for k, v in self.replay_skipped.most_common(3))
+            log.warning("history of job %s: skipped %d invalid records on replay: %s",
+                        self.job, skipped, reasons)
+            self._notes.append(("history", f"{skipped} records of the history were not "
+                                           f"folded in (invalid: {reasons})"))
         now = time.monotonic()
         for rank in self.state.ranks:
             self._last_recv[rank] = now
@@ -219,8 +238,9 @@ class Hub:
             self.history.flush()  # published only once written: a hub crash cannot unsay it
             feed.send_multipart([self._topic, protocol.pack_seq(first_seq), *accepted])
 
-    def _accept(self, frame: bytes) -> protocol.Message:
-        """Decode a rank's frame and check it belongs here; raises ProtocolError."""
+    def _accept(self, frame: bytes, hub_records: bool = False) -> protocol.Message:
+        """Decode a rank's frame (or, replaying the history, any record) and check it
+        belongs here; raises ProtocolError."""
         try:
             msg = protocol.decode(frame)
         except ProtocolError:
@@ -230,6 +250,8 @@ class Hub:
         if msg.job != self.job:
             raise ProtocolError(f"message for job {msg.job!r} sent to hub of {self.job!r}")
         if msg.rank == HUB_RANK:
+            if hub_records:
+                return msg
             raise ProtocolError(f"rank {HUB_RANK} is reserved for the hub's own records")
         world = self.state.world_size
         if world is not None and msg.rank >= world and msg.type != "hello":
@@ -271,6 +293,9 @@ class Hub:
     # --- rank liveness and lifetime --------------------------------------------------------
     def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
         self.history.flush()
+        while self._notes:
+            kind, text = self._notes.pop(0)
+            self._record(feed, "hub_note", {"kind": kind, "text": text})
         self._advance_dump(feed)
         self._detect_lost(feed, now)
         if self._job_file and self._job_file.world_size != self.state.world_size:
@@ -409,6 +434,9 @@ class Hub:
             "reject_reasons": dict(self.reject_reasons),
             "history": len(self.history),
             "run_dir": str(self.run_dir),
+            "history_identity": self.history.identity,
+            "history_recovery": self.history.recovery,
+            "replay_skipped": dict(self.replay_skipped),
         }
 
 

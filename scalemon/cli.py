@@ -36,9 +36,10 @@ def _offline_state(job: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     state = JobState(job=job)
-    for _, msg in read_messages(path)[0]:
+    messages, rejected = read_messages(path, job)
+    for _, msg in messages:
         state.apply(msg)
-    return {"state": state.to_json(), "hub": None, "source": str(path)}
+    return {"state": state.to_json(), "hub": None, "source": str(path), "rejected": rejected}
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -66,8 +67,10 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         if reply is None:
             print(f"scalemon snapshot: {problem}", file=sys.stderr)
             return 2
+        skipped = (f"; {reply['rejected']} damaged stretch(es) or invalid records skipped"
+                   if reply["rejected"] else "")
         print(f"scalemon snapshot: hub not reachable ({problem.split(':')[0]}), "
-              f"replaying {reply['source']}", file=sys.stderr)
+              f"replaying {reply['source']}{skipped}", file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
     if args.json:
         print(json.dumps(_json_safe(out), indent=1))
@@ -123,6 +126,8 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
             continue  # shown with the hang
         for text, ranks in _group_equal(by_rank).items():
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
+    for note in state.get("hub_notes") or []:
+        lines.append(f"hub: {note['text']}")
     lines.extend(_collectives_lines(state.get("collectives") or []))
     lines.extend(_hang_lines(state.get("hang")))
     return "\n".join(lines)

@@ -26,6 +26,8 @@ log = logging.getLogger("scalemon.hub")
 HISTORY_FILE = "history.smlog"
 """The history's file name inside a job's run directory."""
 ID_SUFFIX = ".id"
+DAMAGED_SUFFIX = ".damaged"
+"""`history.smlog.damaged`: bytes a reopening hub found damaged, kept aside."""
 """`history.smlog.id`: the random id made when the history file was created."""
 _LEN = 4
 
@@ -46,7 +48,7 @@ class History:
         self._memory_base = 0  # sequence number of self._memory[0]
         created = not path.exists()
         self._end = self._recover()
-        self.id = _history_id(path, created)
+        self.id = _history_id(path, created or self._renumbered)
         self.base = len(self._offsets)
         self._writer = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - lives with self
         self._reader = open(path, "rb")  # noqa: SIM115
@@ -60,23 +62,47 @@ class History:
         return {"id": self.id, "base": self.base}
 
     def _recover(self) -> int:
-        """Index an existing file, truncating a torn tail; returns the end offset."""
+        """Index an existing file and return its end offset. Nothing intact is destroyed:
+        damaged bytes (a torn tail, a corrupt length or record) are moved to the `.damaged`
+        file next to the history, and the intact records after a damaged stretch are kept
+        (the file is rewritten without the damaged bytes, which renumbers those records, so
+        the history gets a new id). What happened is in `self.recovery`."""
+        self.recovery: dict[str, object] | None = None
+        self._renumbered = False
         if not self.path.exists():
             self.path.touch(mode=0o600)
             return 0
-        size = self.path.stat().st_size
-        offset = 0
         with open(self.path, "rb") as f:
-            while offset + _LEN <= size:
-                n = int.from_bytes(f.read(_LEN), "big")
-                if offset + _LEN + n > size:
-                    break
-                self._offsets.append(offset)
-                self._remember(f.read(n))
-                offset += _LEN + n
-        if offset != size:
-            log.warning("history %s: dropping a torn record of %d bytes", self.path, size - offset)
-            os.truncate(self.path, offset)
+            data = f.read()
+        good, damaged = scan(data)
+        if damaged:
+            aside = self.path.with_name(self.path.name + DAMAGED_SUFFIX)
+            with open(aside, "ab") as out:
+                for start, stop in damaged:
+                    out.write(data[start:stop])
+            lost = sum(stop - start for start, stop in damaged)
+            salvaged = sum(1 for offset, _ in good if offset > damaged[0][0])
+            torn_tail_only = len(damaged) == 1 and damaged[0][1] == len(data)
+            if torn_tail_only:
+                os.truncate(self.path, damaged[0][0])
+            else:  # keep every intact record, in order, without the damaged bytes
+                tmp = self.path.with_name(self.path.name + ".repair")
+                with open(tmp, "wb") as out:
+                    for offset, n in good:
+                        out.write(data[offset:offset + _LEN + n])
+                os.replace(tmp, self.path)
+                self._renumbered = salvaged > 0
+            self.recovery = {"records": len(good), "salvaged_after_damage": salvaged,
+                             "set_aside_bytes": lost, "damaged_stretches": len(damaged),
+                             "set_aside_in": str(aside), "torn_tail_only": torn_tail_only}
+            log.warning("history %s: %d intact records kept (%d of them after damage), %d "
+                        "damaged bytes in %d stretch(es) moved to %s", self.path, len(good),
+                        salvaged, lost, len(damaged), aside)
+        offset = 0
+        for record_offset, n in good:
+            self._offsets.append(offset)
+            self._remember(data[record_offset + _LEN:record_offset + _LEN + n])
+            offset += _LEN + n
         return offset
 
     def _remember(self, record: bytes) -> None:
@@ -125,6 +151,62 @@ class History:
         self._reader.close()
 
 
+def _valid_at(data: bytes | memoryview, offset: int) -> int | None:
+    """The length of the record at `offset` when a whole, decodable message is there."""
+    size = len(data)
+    if offset + _LEN > size:
+        return None
+    n = int.from_bytes(data[offset:offset + _LEN], "big")
+    if not 0 < n <= protocol.MAX_REPLY_BYTES or offset + _LEN + n > size:
+        return None
+    if data[offset + _LEN] not in _MAP_MARKERS:
+        return None
+    try:
+        protocol.decode(bytes(data[offset + _LEN:offset + _LEN + n]))
+    except ProtocolError:
+        return None
+    return n
+
+
+_MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # msgpack maps: every message
+
+
+def scan(data: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The intact records of a history file's bytes as (offset, length), and the damaged
+    stretches as (start, stop). After damage, the next intact record is found by trying every
+    offset: one that holds a decodable message followed by another one (or the end of the
+    file) starts the next intact stretch."""
+    good: list[tuple[int, int]] = []
+    damaged: list[tuple[int, int]] = []
+    offset, size = 0, len(data)
+    view = memoryview(data)
+    while offset < size:
+        n = _valid_at(view, offset)
+        if n is not None:
+            good.append((offset, n))
+            offset += _LEN + n
+            continue
+        start = offset
+        offset = _resync(view, offset + 1)
+        damaged.append((start, offset))
+    return good, damaged
+
+
+def _resync(view: memoryview, start: int) -> int:
+    """The first offset from `start` where intact records start again (the end if none)."""
+    size = len(view)
+    for offset in range(start, size):
+        if view[offset] != 0 or offset + _LEN >= size or view[offset + _LEN] not in _MAP_MARKERS:
+            continue  # lengths are < 2^24: the first byte of a length prefix is 0
+        n = _valid_at(view, offset)
+        if n is None:
+            continue
+        after = offset + _LEN + n
+        if after == size or _valid_at(view, after) is not None:
+            return offset
+    return size
+
+
 def _history_id(path: Path, created: bool) -> str:
     """The id of the history file at `path`, made (and written next to it) when the file is
     new or has none yet."""
@@ -156,13 +238,22 @@ def read_records(path: Path) -> Iterator[bytes]:
             yield record
 
 
-def read_messages(path: Path) -> tuple[list[tuple[int, Message]], int]:
-    """Decode a history file without a hub: ([(record number, message)], rejected count)."""
+def read_messages(path: Path, job: str | None = None) -> tuple[list[tuple[int, Message]], int]:
+    """Decode a history file without a hub: ([(record number, message)], rejected count).
+
+    Validates like a hub replaying it: damaged stretches are skipped (the intact records after
+    them are still read, numbered as a reopening hub would number them), and with `job`,
+    records of another job are left out. Each damaged stretch and each record left out counts
+    as one rejected."""
+    with open(path, "rb") as f:
+        data = f.read()
+    good, damaged = scan(data)
     messages: list[tuple[int, Message]] = []
-    rejected = 0
-    for seq, record in enumerate(read_records(path)):
-        try:
-            messages.append((seq, protocol.decode(record)))
-        except ProtocolError:
+    rejected = len(damaged)
+    for seq, (offset, n) in enumerate(good):
+        msg = protocol.decode(data[offset + _LEN:offset + _LEN + n])  # scan() decoded it
+        if job is not None and msg.job != job:
             rejected += 1
+            continue
+        messages.append((seq, msg))
     return messages, rejected

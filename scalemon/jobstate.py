@@ -118,6 +118,8 @@ class JobState:
     """Each host's ranks' latest `clock_offset_s` (one clock per host)."""
     fr_dumps: list[dict[str, Any]] = field(default_factory=list)
     """Flight Recorder dumps the hub asked for, newest last, with torch's analysis."""
+    hub_notes: list[dict[str, Any]] = field(default_factory=list)
+    """What the hub said about itself (history repaired, records skipped), newest last."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -225,6 +227,9 @@ class JobState:
         view.error = b.get("error")
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
+
+    def _on_hub_note(self, msg: Message) -> None:
+        self.hub_notes = [*self.hub_notes[-19:], {"t": msg.t, **msg.body}]
 
     def _on_fr_dump(self, msg: Message) -> None:
         b = dict(msg.body)
@@ -435,6 +440,7 @@ class JobState:
             "hang": self.hang(now),
             "hang_after_s": self.hang_after_s,
             "fr_dumps": list(self.fr_dumps),
+            "hub_notes": list(self.hub_notes),
         }
 
 

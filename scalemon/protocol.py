@@ -98,6 +98,12 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "analysis": (_OPT_STR, False),
         "exit_code": (_OPT_INT, False),
     },
+    # Written by the hub: something readers of the job should know about the hub itself
+    # (`kind` "history": what reopening the history found and kept).
+    "hub_note": {
+        "kind": ((str,), True),
+        "text": ((str,), True),
+    },
     # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
     "rank_state": {
         "target": ((int,), True),
@@ -108,7 +114,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 RANK_STATES = ("running", "lost", "exited", "finished")
-HUB_TYPES = ("rank_state", "fr_dump")
+HUB_TYPES = ("rank_state", "fr_dump", "hub_note")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
 
 

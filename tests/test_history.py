@@ -9,8 +9,8 @@ from scalemon import protocol
 from scalemon.history import HISTORY_FILE, History, history_path, read_messages, read_records
 
 
-def frames(n: int, start: int = 0) -> list[bytes]:
-    return [protocol.encode("step", "j", 0, i, {"step": i}, t=1.0) for i in range(start, n)]
+def frames(n: int, start: int = 0, job: str = "j") -> list[bytes]:
+    return [protocol.encode("step", job, 0, i, {"step": i}, t=1.0) for i in range(start, n)]
 
 
 def test_records_beyond_the_memory_bound_are_read_back_from_the_file(tmp_path):
@@ -39,10 +39,13 @@ def test_a_torn_last_record_is_dropped_and_numbering_goes_on(tmp_path, caplog):
         f.write(len(torn).to_bytes(4, "big") + torn[: len(torn) // 2])
     assert [protocol.decode(r).body["step"] for r in read_records(path)] == [0, 1, 2]
     messages, rejected = read_messages(path)
-    assert [seq for seq, _ in messages] == [0, 1, 2] and rejected == 0
+    assert [seq for seq, _ in messages] == [0, 1, 2] and rejected == 1  # the torn tail
     with caplog.at_level(logging.WARNING, logger="scalemon.hub"):
         reopened = History(path)
-    assert "dropping a torn record" in caplog.text
+    torn_bytes = 4 + len(torn) // 2  # kept aside, not thrown away
+    assert f"{torn_bytes} damaged bytes in 1 stretch(es) moved to" in caplog.text
+    assert (tmp_path / (HISTORY_FILE + ".damaged")).stat().st_size == torn_bytes
+    assert reopened.recovery["torn_tail_only"] and reopened.recovery["records"] == 3
     assert path.stat().st_size == whole and len(reopened) == 3
     assert reopened.append(frames(4, 3)[0]) == 3
     assert [protocol.decode(r).body["step"] for r in reopened.get(0, 10)] == [0, 1, 2, 3]
@@ -82,7 +85,7 @@ def test_the_history_file_is_named_in_one_module_and_read_without_the_hub(tmp_pa
     path = history_path("jobR", tmp_path)
     path.parent.mkdir(parents=True)
     history = History(path)
-    history.append(frames(2, 1)[0])  # one step, step 1
+    history.append(frames(2, 1, job="jobR")[0])  # one step, step 1
     history.close()
     code = (
         "import sys\n"

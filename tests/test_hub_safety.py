@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import FakeRank, wait_for
+from scalemon import protocol
+from scalemon.client import HubClient
 
 
 def test_home_and_run_directories_are_created_for_this_user_only(tmp_path, monkeypatch):
@@ -113,3 +117,98 @@ def test_a_recreated_history_under_the_same_name_makes_readers_start_over(start_
     with pytest.raises(HistoryReset, match="another history"):
         wait_for(lambda: stream.poll(0.05) and False, timeout=10)
     stream.close()
+
+
+def snapshot_text(home: Path, job: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "scalemon.cli", "snapshot", job],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "SCALEMON_HOME": str(home)})
+    return out.stdout + out.stderr
+
+
+def fill(start_hub, zctx, job: str, steps: int):
+    """A hub holding a hello and `steps` steps of rank 0, stopped cleanly (history flushed)."""
+    hub = start_hub(job, "--lost-after", "600")
+    rank = FakeRank(zctx, hub.address, job, 0)
+    rank.hello(world_size=1)
+    for step in range(1, steps + 1):
+        rank.step(step)
+    client = HubClient(hub.address)
+    wait_for(lambda: client.state()["head"] == steps + 1, timeout=20)
+    client.close()
+    hub.kill(signal.SIGTERM)
+    return rank
+
+
+def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start_hub, zctx,
+                                                                         home):
+    """Scenario 3: one length prefix in the middle changed by 7. The records before and after
+    it are kept (the damaged one is set aside), and hub.log, the snapshot and the history's
+    readers are told."""
+    from scalemon.history import HISTORY_FILE, read_records
+    from scalemon.jobs import run_dir
+
+    fill(start_hub, zctx, "jobC", 1211)  # 1212 records
+    path = run_dir("jobC", home) / HISTORY_FILE
+    data = bytearray(path.read_bytes())
+    offset = 0
+    for _ in range(606):  # to record 606
+        offset += 4 + int.from_bytes(data[offset:offset + 4], "big")
+    n = int.from_bytes(data[offset:offset + 4], "big")
+    data[offset:offset + 4] = (n + 7).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+
+    hub = start_hub("jobC", "--lost-after", "600")
+    client = HubClient(hub.address)
+    state = wait_for(lambda: (s := client.state()) and s["state"]["hub_notes"] and s)
+    client.close()
+    recovery = state["hub"]["history_recovery"]
+    assert recovery["records"] == 1211 and recovery["salvaged_after_damage"] == 605
+    assert recovery["set_aside_bytes"] == 4 + n
+    assert (path.parent / (HISTORY_FILE + ".damaged")).stat().st_size == 4 + n
+    assert len(list(read_records(path))) == 1211 + 1  # + the hub's note
+    steps = state["state"]["ranks"][0]
+    assert steps["step"] == 1211 and steps["steps_received"] == 1210  # only step 606 is gone
+    text = snapshot_text(home, "jobC")
+    assert "hub: history reopened damaged: 1211 intact records kept (605 of them after the " \
+           "damage)" in text
+    assert "damaged bytes in 1 stretch(es) moved to" in hub.log.read_text()  # its hub.log
+    from scalemon.history import read_messages
+    from scalemon.tui import views
+    from scalemon.tui.model import DashboardData
+
+    data = DashboardData()  # the dashboard's header, folding what the hub serves
+    data.apply_batch(read_messages(path, "jobC")[0])
+    summary = views.overview(data, plots=False).summary
+    assert "hub: history reopened damaged: 1211 intact records kept" in summary.state_text
+
+
+def test_replay_validates_every_record_and_counts_what_it_skips(start_hub, zctx, home):
+    """Scenario 4: a record of another job and one of a wrong schema in the history are not
+    folded in when a hub (or `snapshot` without a hub) replays it; both say how many."""
+    from scalemon.history import HISTORY_FILE
+    from scalemon.jobs import run_dir
+
+    fill(start_hub, zctx, "jobV", 10)
+    path = run_dir("jobV", home) / HISTORY_FILE
+    intruders = [
+        protocol.encode("step", "otherjob", 0, 99, {"step": 5000, "loss": 9.0}),
+        protocol.encode("hello", "jobV", 0, 0, {"host": "h", "pid": 1, "world_size": 1,
+                                                "local_rank": 0})[:-1] + b"\xc0",  # bad schema
+    ]
+    with open(path, "ab") as f:
+        for frame in intruders:
+            f.write(len(frame).to_bytes(4, "big") + frame)
+    text = snapshot_text(home, "jobV")  # no hub: replays the file
+    assert "step" in text and "5000" not in text
+    assert "2 damaged stretch(es) or invalid records skipped" in text
+
+    hub = start_hub("jobV", "--lost-after", "600")
+    client = HubClient(hub.address)
+    state = wait_for(lambda: (s := client.state()) and s["state"]["hub_notes"] and s)
+    client.close()
+    assert state["state"]["ranks"][0]["step"] == 10  # not 5000: the other job's is out
+    notes = " ".join(n["text"] for n in state["state"]["hub_notes"])
+    assert "were not folded in" in notes or "damaged" in notes
+    assert sum(state["hub"]["replay_skipped"].values()) + (
+        state["hub"]["history_recovery"] or {}).get("damaged_stretches", 0) == 2

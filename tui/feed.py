@@ -127,7 +127,7 @@ class HubFeed(Feed):
         path = history_path(self.job, self.home) if self.job else None
         if path is None or not path.exists():
             return False
-        batch, rejected = read_messages(path)
+        batch, rejected = read_messages(path, self.job)
         with data.lock:
             data.rejected += rejected
         data.apply_batch(batch)

@@ -137,6 +137,8 @@ def _summary(data: DashboardData, now: float) -> Summary:
         state_text += f", lost ranks: {_rank_list(lost)}"
     if exited:
         state_text += f", exited: {_rank_list(exited)}"
+    if st.hub_notes:  # the hub repaired the history or skipped records: say so
+        state_text += f"; hub: {st.hub_notes[-1]['text']}"
     rates = [t.rates(now) for r, t in data.tracks.items()
              if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
     step_rates = [s for s, _ in rates if s is not None]
