@@ -212,3 +212,26 @@ def test_replay_validates_every_record_and_counts_what_it_skips(start_hub, zctx,
     assert "were not folded in" in notes or "damaged" in notes
     assert sum(state["hub"]["replay_skipped"].values()) + (
         state["hub"]["history_recovery"] or {}).get("damaged_stretches", 0) == 2
+
+
+def test_the_dashboard_benchmarks_senders_reach_a_hub_from_more_than_1023_ranks(start_hub):
+    """Scenario 9: bench/dashboard_load.py's simulated ranks, one socket each, hit ZeroMQ's
+    1023-socket limit at 1024 ranks; sharing sockets, 1,100 ranks deliver everything."""
+    import importlib.util
+    import multiprocessing as mp
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "dashboard_load", REPO / "bench" / "dashboard_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hub = start_hub("load1100", "--lost-after", "60")
+    go, sent = mp.Event(), mp.Value("q", 0)
+    go.set()
+    bench.send_ranks(hub.address.base, "load1100", 1100, 1.0, 2.0, go, sent)
+    assert sent.value >= 1100 * 3  # hellos, 2 steps and a heartbeat each
+    client = HubClient(hub.address)
+    state = wait_for(lambda: (s := client.state())["head"] == sent.value and s, timeout=30)
+    client.close()
+    assert len(state["state"]["ranks"]) == 1100 and state["hub"]["rejected"] == 0
