@@ -51,6 +51,7 @@ class Sender:
         rpc_endpoint: str | None = None,
         warnings: Warnings | None = None,
         sync_every_s: float = 1.0,
+        silent_warn_s: float = 15.0,
     ) -> None:
         self.endpoint = endpoint
         self.rpc_endpoint = rpc_endpoint
@@ -63,6 +64,9 @@ class Sender:
         self.close_timeout_s = close_timeout_s
         self.flush_interval_s = flush_interval_s
         self.sync_every_s = sync_every_s
+        self.silent_warn_s = silent_warn_s
+        self._answered: float | None = None  # monotonic time of the hub's last answer
+        self._started = time.monotonic()
         self.on_command: Callable[[dict[str, Any]], None] | None = None
         self._round_trips: deque[tuple[float, float]] = deque(maxlen=8)  # (rtt, offset)
         self._sync_sent: float | None = None  # monotonic time of the request in flight
@@ -172,6 +176,7 @@ class Sender:
         """Read the answer to the request in flight; send the next one when due."""
         while probe.poll(0, zmq.POLLIN):
             self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
+        self._check_silence()
         now = time.monotonic()
         if self._sync_refused or self._failed and self.hub_version is not None:
             return
@@ -188,11 +193,29 @@ class Sender:
             if self._sync_sent is not None and probe.poll(20, zmq.POLLIN):
                 self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
 
+    def _check_silence(self) -> None:
+        """Say once, in the training output, when the hub never answered or stopped
+        answering: the job is then not monitored, and nothing else would tell."""
+        now = time.monotonic()
+        if self._answered is None and now - self._started >= self.silent_warn_s:
+            self.warnings.once(
+                "hub-never", "scalemon: the job's hub at %s has not answered for %.0f s: it "
+                "did not start or cannot be reached (see hub.log in the job's run directory, "
+                "or `scalemon jobs`); this rank's metrics are dropped until it answers",
+                self.rpc_endpoint, now - self._started)
+        elif self._answered is not None and now - self._answered >= self.silent_warn_s:
+            self.warnings.once(
+                "hub-gone", "scalemon: the job's hub at %s stopped answering %.0f s ago: it "
+                "died or hangs (see hub.log in the job's run directory); this rank's "
+                "metrics are dropped until a hub answers again", self.rpc_endpoint,
+                now - self._answered)
+
     def _read_sync(self, frame: bytes) -> None:
         """The hub's answer: its version (another major switches sending off), its clock, and
         the commands for this rank."""
         t1 = time.time()
         self._sync_sent = None
+        self._answered = time.monotonic()
         try:
             reply = protocol.decode_reply(frame)
             self.hub_version = tuple(reply["v"])  # type: ignore[assignment]

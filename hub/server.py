@@ -25,7 +25,7 @@ import zmq
 
 import scalemon
 from scalemon import protocol
-from scalemon.history import HISTORY_FILE, History
+from scalemon.history import HISTORY_FILE, RETRY_S, History
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
 from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
@@ -77,6 +77,7 @@ class Hub:
         self._pending_dump_record = False
         self.replay_skipped: Counter[str] = Counter()
         self._notes: list[tuple[str, str]] = []  # written into the history once serving
+        self._error_said: str | None = None
         self.received = 0
         self.rejected = 0
         self.reject_reasons: Counter[str] = Counter()
@@ -108,8 +109,11 @@ class Hub:
                 f"attach to it with `scalemon snapshot {self.job}`"
             ) from None
         f.truncate(0)
-        f.write(str(os.getpid()))
-        f.flush()
+        try:  # the pid is for people; a full disk must not stop the hub
+            f.write(str(os.getpid()))
+            f.flush()
+        except OSError as exc:
+            log.error("could not write the hub's pid into %s: %s", path, exc)
         return f
 
     def _replay_history(self) -> None:
@@ -169,7 +173,11 @@ class Hub:
             run_dir=str(self.run_dir),
             protocol=list(protocol.PROTOCOL_VERSION),
         )
-        self._job_file.write(self.home)
+        try:
+            self._job_file.write(self.home)
+        except OSError as exc:  # the hub serves on; retried when the world size changes
+            log.error("could not write the job file of %s: %s (`scalemon jobs` will not list "
+                      "this hub; attach by address: %s)", self.job, exc, self.address.base)
 
     # --- main loop -----------------------------------------------------------------------
     def stop(self) -> None:
@@ -290,9 +298,27 @@ class Hub:
         self.history.flush()
         feed.send_multipart([self._topic, protocol.pack_seq(seq), frame])
 
+    def _note_write_error(self) -> None:
+        """Say in the history (and so in snapshot and dashboards) when records stop and start
+        being written."""
+        error = self.history.write_error
+        if error == self._error_said:
+            return
+        if error is not None:
+            since = time.strftime("%H:%M:%S", time.localtime(self.history.write_error_since))
+            self._notes.append(("history", (
+                f"history not being written: {error} since {since}; records are kept in "
+                f"memory and served, and written when the disk has room (retrying every "
+                f"{RETRY_S:.0f} s)")))
+        else:
+            self._notes.append(("history", f"history written again after "
+                                           f"{self._error_said}: nothing was lost"))
+        self._error_said = error
+
     # --- rank liveness and lifetime --------------------------------------------------------
     def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
         self.history.flush()
+        self._note_write_error()
         while self._notes:
             kind, text = self._notes.pop(0)
             self._record(feed, "hub_note", {"kind": kind, "text": text})
@@ -435,6 +461,8 @@ class Hub:
             "history": len(self.history),
             "run_dir": str(self.run_dir),
             "history_identity": self.history.identity,
+            "history_error": self.history.write_error,
+            "history_unwritten": len(self.history) - self.history.durable,
             "history_recovery": self.history.recovery,
             "replay_skipped": dict(self.replay_skipped),
         }

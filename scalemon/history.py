@@ -9,9 +9,11 @@ read it when the hub is gone (`read_messages`, `history_path`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import time
 from array import array
 from collections import deque
 from collections.abc import Iterator
@@ -26,6 +28,8 @@ log = logging.getLogger("scalemon.hub")
 HISTORY_FILE = "history.smlog"
 """The history's file name inside a job's run directory."""
 ID_SUFFIX = ".id"
+RETRY_S = 2.0
+"""How often a hub that cannot write its history tries again."""
 DAMAGED_SUFFIX = ".damaged"
 """`history.smlog.damaged`: bytes a reopening hub found damaged, kept aside."""
 """`history.smlog.id`: the random id made when the history file was created."""
@@ -52,6 +56,11 @@ class History:
         self.base = len(self._offsets)
         self._writer = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - lives with self
         self._reader = open(path, "rb")  # noqa: SIM115
+        self._on_disk = self._end  # file offset up to which records are written to the OS
+        self._unwritten: list[bytes] = []  # appended since, in order
+        self.write_error: str | None = None  # why records are not being written, if so
+        self.write_error_since: float | None = None
+        self._next_retry = 0.0
 
     @property
     def identity(self) -> dict[str, object]:
@@ -115,18 +124,78 @@ class History:
         return len(self._offsets)
 
     def append(self, record: bytes) -> int:
-        """Store one record; returns its sequence number."""
+        """Store one record; returns its sequence number. Never raises for a write error:
+        while the file cannot be written (a full disk) records are kept in memory, and
+        `flush` retries (see `write_error`)."""
         seq = len(self._offsets)
         self._offsets.append(self._end)
-        self._writer.write(len(record).to_bytes(_LEN, "big"))
-        self._writer.write(record)
         self._end += _LEN + len(record)
         self._remember(record)
+        self._unwritten.append(record)
+        if self.write_error is None:
+            try:
+                self._writer.write(len(record).to_bytes(_LEN, "big"))
+                self._writer.write(record)
+            except OSError as exc:
+                self._failed(exc)
         return seq
 
     def flush(self) -> None:
-        """Push buffered records to the OS (they survive a hub crash from then on)."""
-        self._writer.flush()
+        """Push buffered records to the OS (they survive a hub crash from then on). After a
+        write error, retries at most every `RETRY_S` seconds: the file is cut back to what
+        was written and the records since are written again."""
+        if self.write_error is not None:
+            if time.monotonic() < self._next_retry:
+                return
+            self._retry()
+            return
+        try:
+            self._writer.flush()
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self._on_disk = self._end
+        self._unwritten.clear()
+
+    @property
+    def durable(self) -> int:
+        """How many records are written to the OS."""
+        return len(self._offsets) - len(self._unwritten)
+
+    def _failed(self, exc: OSError) -> None:
+        if self.write_error is None:
+            self.write_error_since = time.time()
+            log.error("history %s: cannot write (%s): keeping records in memory and retrying "
+                      "every %.0f s", self.path, exc, RETRY_S)
+        self.write_error = _write_error_text(exc)
+        self._next_retry = time.monotonic() + RETRY_S
+        self._reopen_writer()
+
+    def _reopen_writer(self) -> None:
+        """Drop what the writer holds and cut the file back to what is known written."""
+        with contextlib.suppress(OSError):  # its buffer is in self._unwritten
+            self._writer.close()
+        try:
+            os.truncate(self.path, self._on_disk)
+        except OSError as exc:
+            log.error("history %s: cannot cut back to %d bytes: %s", self.path, self._on_disk,
+                      exc)
+        self._writer = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
+
+    def _retry(self) -> None:
+        try:
+            for record in self._unwritten:
+                self._writer.write(len(record).to_bytes(_LEN, "big"))
+                self._writer.write(record)
+            self._writer.flush()
+        except OSError as exc:
+            self._failed(exc)
+            return
+        log.warning("history %s: writing again after %s (%d records caught up)", self.path,
+                    self.write_error, len(self._unwritten))
+        self.write_error = self.write_error_since = None
+        self._on_disk = self._end
+        self._unwritten.clear()
 
     def get(self, since: int, limit: int) -> list[bytes]:
         """Records `since` .. `since+limit-1` (fewer at the end of history)."""
@@ -137,7 +206,8 @@ class History:
             start = since - self._memory_base
             return [self._memory[i] for i in range(start, start + stop - since)]
         self.flush()
-        return list(self._read_file(since, stop))
+        stop = min(stop, self.durable)  # older than memory and not on disk: cannot be read
+        return list(self._read_file(since, stop)) if since < stop else []
 
     def _read_file(self, since: int, stop: int) -> Iterator[bytes]:
         self._reader.seek(self._offsets[since])
@@ -146,9 +216,26 @@ class History:
             yield self._reader.read(n)
 
     def close(self) -> None:
-        """Flush and close the files."""
-        self._writer.close()
+        """Flush (one last try) and close the files."""
+        if self.write_error is not None:
+            self._retry()
+        try:
+            self._writer.close()
+        except OSError as exc:
+            log.error("history %s: %d records could not be written: %s", self.path,
+                      len(self._unwritten), exc)
         self._reader.close()
+
+
+def _write_error_text(exc: OSError) -> str:
+    """A write error as people say it."""
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return "disk full (ENOSPC)"
+    if exc.errno == errno.EDQUOT:
+        return "disk quota exceeded (EDQUOT)"
+    return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
 def _valid_at(data: bytes | memoryview, offset: int) -> int | None:
@@ -220,8 +307,12 @@ def _history_id(path: Path, created: bool) -> str:
             pass
     new = secrets.token_hex(8)
     tmp = id_path.with_name(id_path.name + ".tmp")
-    tmp.write_text(new + "\n")
-    os.replace(tmp, id_path)
+    try:
+        tmp.write_text(new + "\n")
+        os.replace(tmp, id_path)
+    except OSError as exc:  # a full disk: this hub's readers still get an identity
+        log.error("history %s: could not write its id (%s); a later hub will make another",
+                  path, exc)
     return new
 
 

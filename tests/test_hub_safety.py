@@ -235,3 +235,115 @@ def test_the_dashboard_benchmarks_senders_reach_a_hub_from_more_than_1023_ranks(
     state = wait_for(lambda: (s := client.state())["head"] == sent.value and s, timeout=30)
     client.close()
     assert len(state["state"]["ranks"]) == 1100 and state["hub"]["rejected"] == 0
+
+
+def test_the_agent_says_once_when_its_hub_never_answers_or_goes_away(start_hub, caplog):
+    """Scenarios 5 and 6, the rank's side: without this, training printed nothing at all."""
+    import logging
+
+    from scalemon.agent.transport import Sender
+    from scalemon.jobs import HubAddress
+
+    nowhere = HubAddress.parse(f"ipc:///tmp/smt-nohub-{os.getpid()}")
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        sender = Sender(nowhere.ingest, "jobN", 0, rpc_endpoint=nowhere.rpc, silent_warn_s=0.5)
+        wait_for(lambda: "has not answered for" in caplog.text, timeout=10)
+        sender.close()
+        hub = start_hub("jobG")
+        sender = Sender(hub.address.ingest, "jobG", 0, rpc_endpoint=hub.address.rpc,
+                        silent_warn_s=1.0)
+        wait_for(lambda: sender.hub_version is not None)
+        assert "stopped answering" not in caplog.text
+        hub.kill()
+        wait_for(lambda: "stopped answering" in caplog.text, timeout=10)
+        sender.close()
+    assert caplog.text.count("stopped answering") == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB file system of its own (tmpfs; root only)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_disk(mount: Path, leave: int) -> Path:
+    """Fill `mount` until `leave` bytes are free; returns the filler file."""
+    filler = mount / "filler"
+    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return filler
+
+
+def test_a_full_disk_keeps_the_hub_up_says_so_and_loses_nothing_once_there_is_room(
+        small_disk, zctx, monkeypatch):
+    """Scenario 5: the history cannot be written; the hub stays up, serves from memory, says
+    "history not being written: disk full" (snapshot and dashboards), retries, and writes
+    every record once there is room."""
+    from conftest import HubProcess
+    from scalemon.history import HISTORY_FILE, read_records
+    from scalemon.jobs import run_dir
+
+    home = small_disk / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("SCALEMON_HOME", str(home))
+    hub = HubProcess(home, "jobF", "--lost-after", "600")
+    try:
+        filler = fill_disk(small_disk, leave=16 << 10)
+        rank = FakeRank(zctx, hub.address, "jobF", 0)
+        rank.hello(world_size=1)
+        client = HubClient(hub.address)
+        for step in range(1, 1001):
+            rank.send("step", {"step": step, "loss": 1.0, "extra": {"note": "x" * 200}})
+        state = wait_for(lambda: (s := client.state())["head"] >= 1001 and
+                         s["hub"]["history_error"] and s["state"]["hub_notes"] and s,
+                         timeout=30)
+        assert hub.proc.poll() is None and state["hub"]["history_error"] == "disk full (ENOSPC)"
+        assert state["state"]["ranks"][0]["step"] == 1000  # served from memory
+        text = snapshot_text(home, "jobF")
+        assert "hub: history not being written: disk full (ENOSPC) since" in text
+        filler.unlink()  # room again
+        state = wait_for(lambda: (s := client.state())["hub"]["history_error"] is None and
+                         len(s["state"]["hub_notes"]) == 2 and s, timeout=15)
+        client.close()
+        records = list(read_records(run_dir("jobF", home) / HISTORY_FILE))
+        assert len(records) == state["head"]  # every record, notes included, on disk
+        assert "history written again after disk full (ENOSPC): nothing was lost" in \
+            snapshot_text(home, "jobF")
+    finally:
+        hub.kill()
+
+
+def test_a_hub_started_on_a_full_disk_comes_up_and_says_so(small_disk, zctx):
+    from scalemon.jobs import HubAddress, run_dir
+
+    home = small_disk / "home"
+    (home / "run").mkdir(parents=True)
+    fill_disk(small_disk, leave=0)
+    proc = subprocess.Popen([sys.executable, "-m", "scalemon.hub", "--job", "jobE", "--home",
+                             str(home), "--lost-after", "600"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        address = HubAddress.for_directory(run_dir("jobE", home))
+        wait_for(lambda: (address.rpc[len("ipc://"):] and
+                          Path(address.rpc[len("ipc://"):]).exists()), timeout=15)
+        rank = FakeRank(zctx, address, "jobE", 0)
+        rank.hello(world_size=1)
+        rank.step(1)
+        client = HubClient(address)
+        state = wait_for(lambda: (s := client.state())["hub"]["history_error"] and
+                         s["state"]["hub_notes"] and s, timeout=15)
+        client.close()
+        assert proc.poll() is None and state["state"]["ranks"][0]["step"] == 1
+        notes = [n["text"] for n in state["state"]["hub_notes"]]
+        assert any(n.startswith("history not being written: disk full") for n in notes)
+    finally:
+        proc.kill()
+        proc.wait()
