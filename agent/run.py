@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 import torch
 
 import scalemon
+from scalemon.jobs import run_dir
 
-from .autostart import hub_address
+from .autostart import hub_address, start_hub_if_needed
 from .env import RankEnv, read_rank_env
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
@@ -101,6 +102,7 @@ class Run:
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings)
         self.sender.on_command = self._on_command
+        self._watch_hub(hub)
         self._nccl = uses_nccl()
         self.host_timer: HostTimer | None = None
         if time_collectives and not self._nccl:  # gloo: the recorder has no durations
@@ -312,6 +314,23 @@ class Run:
         return {"dropped": self.sender.dropped, "queued": self.sender.queued,
                 "clock_offset_s": self.sender.clock_offset_s,
                 **self.recorder.heartbeat_fields()}
+
+    def _watch_hub(self, configured: str | None) -> None:
+        """On the hub's node, with the job's own (auto-started) hub: when it stops answering,
+        start a new one on the same history. Local rank k tries after 3 + k seconds, so the
+        lowest live one does; the hub's lock makes a second start a no-op."""
+        if configured or os.environ.get("SCALEMON_HUB") or os.environ.get("GROUP_RANK", "0") != "0":
+            return
+        directory = run_dir(self.env.job)
+
+        def replace() -> None:
+            pid = start_hub_if_needed(self.env, directory)
+            if pid is not None:
+                log.warning("scalemon: the job's hub stopped answering; rank %d started a new "
+                            "one (pid %d) on the same history", self.env.rank, pid)
+
+        self.sender.on_hub_silent = replace
+        self.sender.replace_after_s = 3.0 + self.env.local_rank
 
     def _on_command(self, command: dict[str, Any]) -> None:
         """A command the hub relayed (on the sender thread)."""

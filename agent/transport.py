@@ -66,6 +66,9 @@ class Sender:
         self.sync_every_s = sync_every_s
         self.silent_warn_s = silent_warn_s
         self._answered: float | None = None  # monotonic time of the hub's last answer
+        self.on_hub_silent: Callable[[], None] | None = None  # e.g. start a new hub
+        self.replace_after_s = 3.0
+        self._replaced_for: float | None = None  # the silence already acted on
         self._started = time.monotonic()
         self.on_command: Callable[[dict[str, Any]], None] | None = None
         self._round_trips: deque[tuple[float, float]] = deque(maxlen=8)  # (rtt, offset)
@@ -194,21 +197,33 @@ class Sender:
                 self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
 
     def _check_silence(self) -> None:
-        """Say once, in the training output, when the hub never answered or stopped
-        answering: the job is then not monitored, and nothing else would tell."""
+        """When the hub never answered or stopped answering: say so once in the training
+        output (the job is then not monitored, and nothing else would tell), and after
+        `replace_after_s` of silence call `on_hub_silent` once per silence (a new hub)."""
         now = time.monotonic()
-        if self._answered is None and now - self._started >= self.silent_warn_s:
-            self.warnings.once(
-                "hub-never", "scalemon: the job's hub at %s has not answered for %.0f s: it "
-                "did not start or cannot be reached (see hub.log in the job's run directory, "
-                "or `scalemon jobs`); this rank's metrics are dropped until it answers",
-                self.rpc_endpoint, now - self._started)
-        elif self._answered is not None and now - self._answered >= self.silent_warn_s:
+        answered = self._answered
+        if answered is None:
+            if now - self._started >= self.silent_warn_s:
+                self.warnings.once(
+                    "hub-never", "scalemon: the job's hub at %s has not answered for %.0f s: "
+                    "it did not start or cannot be reached (see hub.log in the job's run "
+                    "directory, or `scalemon jobs`); this rank's metrics are dropped until it "
+                    "answers", self.rpc_endpoint, now - self._started)
+            return
+        silent = now - answered
+        if (self.on_hub_silent is not None and silent >= self.replace_after_s
+                and self._replaced_for != answered):
+            self._replaced_for = answered
+            try:
+                self.on_hub_silent()
+            except Exception as exc:
+                self.warnings.once("hub-replace", "scalemon: starting a new hub failed: %s",
+                                   exc)
+        if silent >= self.silent_warn_s:
             self.warnings.once(
                 "hub-gone", "scalemon: the job's hub at %s stopped answering %.0f s ago: it "
                 "died or hangs (see hub.log in the job's run directory); this rank's "
-                "metrics are dropped until a hub answers again", self.rpc_endpoint,
-                now - self._answered)
+                "metrics are dropped until a hub answers again", self.rpc_endpoint, silent)
 
     def _read_sync(self, frame: bytes) -> None:
         """The hub's answer: its version (another major switches sending off), its clock, and

@@ -10,6 +10,7 @@ Sockets (see `scalemon.jobs.HubAddress`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -179,6 +180,26 @@ class Hub:
             log.error("could not write the job file of %s: %s (`scalemon jobs` will not list "
                       "this hub; attach by address: %s)", self.job, exc, self.address.base)
 
+    def _mark_job_file(self) -> None:
+        """On the way out: an ended job's file says so (readers tell it from a dead hub); a
+        hub stopped while its job runs removes its file (a successor writes its own)."""
+        path = jobs_dir(self.home) / f"{self.job}.json"
+        if self._ending_state not in ("finished", "ended", "abandoned"):
+            path.unlink(missing_ok=True)
+            return
+        try:
+            current = JobFile.read(path)
+        except ValueError:
+            return
+        if current.pid != os.getpid():
+            return  # another hub took over
+        try:
+            dataclasses.replace(self._job_file, state=self._ending_state,
+                                ended=time.time()).write(self.home)
+        except OSError as exc:
+            log.error("could not mark the job file of %s %s: %s", self.job,
+                      self._ending_state, exc)
+
     # --- main loop -----------------------------------------------------------------------
     def stop(self) -> None:
         """Ask `serve_forever` to return (thread-safe)."""
@@ -214,7 +235,7 @@ class Hub:
             sock.close(linger=0)
         ctx.term()
         if self._job_file is not None:
-            (jobs_dir(self.home) / f"{self.job}.json").unlink(missing_ok=True)
+            self._mark_job_file()
         self._lock_file.close()
         log.info(
             "hub for job %s stopped: %d received, %d rejected", self.job, self.received,

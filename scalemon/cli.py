@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import __version__, display, protocol
-from scalemon.jobs import JobLookupError, live_jobs, resolve_hub
+from scalemon.jobs import JobLookupError, hub_gone_text, live_jobs, resolve_hub
 from scalemon.jobstate import JobState
 
 
@@ -69,8 +69,9 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             return 2
         skipped = (f"; {reply['rejected']} damaged stretch(es) or invalid records skipped"
                    if reply["rejected"] else "")
-        print(f"scalemon snapshot: hub not reachable ({problem.split(':')[0]}), "
-              f"replaying {reply['source']}{skipped}", file=sys.stderr)
+        why = hub_gone_text(job) or problem.split(":")[0]
+        print(f"scalemon snapshot: no live hub ({why}); replaying {reply['source']}{skipped}",
+              file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
     if args.json:
         print(json.dumps(_json_safe(out), indent=1))

@@ -149,6 +149,11 @@ class JobFile:
     world_size: int | None
     run_dir: str
     protocol: list[int]
+    state: str = "running"
+    """"running" while the hub serves; the job's final state ("finished", "ended",
+    "abandoned") once the hub exited after it, so readers can tell an ended job from a hub
+    that died (its file still says "running" and its pid is gone)."""
+    ended: float | None = None
 
     def write(self, home: Path | None = None) -> Path:
         """Atomically (re)write the job file."""
@@ -164,12 +169,16 @@ class JobFile:
         """Parse a job file; raises ValueError naming the file when it is unreadable."""
         try:
             data = json.loads(path.read_text())
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            optional = {"state", "ended"}  # not in job files of older hubs
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__
+                          if k not in optional or k in data})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable job file {path}: {exc}") from None
 
     def is_alive(self) -> bool:
         """True when the hub process still runs (always assumed for another host)."""
+        if self.state != "running":
+            return False
         return self.host != socket.gethostname() or pid_alive(self.pid)
 
 
@@ -198,9 +207,31 @@ def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
             continue
         if jf.is_alive():
             found.append(jf)
-        elif clean:
-            path.unlink(missing_ok=True)
+        elif clean:  # an ended job, or a hub that died: kept a week, so readers can tell
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > STALE_JOB_FILE_S:
+                    path.unlink(missing_ok=True)
     return sorted(found, key=lambda j: j.started, reverse=True)
+
+
+STALE_JOB_FILE_S = 7 * 24 * 3600.0
+
+
+def hub_gone_text(job: str, home: Path | None = None) -> str | None:
+    """Why a job has no live hub, from its job file: the job ended (and when), or its hub
+    died while the job ran; None without a job file."""
+    path = jobs_dir(home) / f"{job}.json"
+    try:
+        jf = JobFile.read(path)
+    except ValueError:
+        return None
+    if jf.state != "running":
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(jf.ended or jf.started))
+        return f"the job {jf.state} (its hub exited at {when})"
+    if jf.host == socket.gethostname() and not pid_alive(jf.pid):
+        return (f"its hub (pid {jf.pid}) died while the job was running: the job may still be "
+                "running unmonitored, or have ended since")
+    return None
 
 
 def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubAddress]:

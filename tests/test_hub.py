@@ -233,7 +233,8 @@ def test_exit_messages_set_finished_and_exited_and_the_hub_lingers_then_leaves(s
     assert state["ranks"][1]["exit_code"] == 1 and state["ranks"][1]["error"] == "boom"
     hub.proc.wait(timeout=10)
     assert hub.proc.returncode == 0
-    assert not (jobs_dir(hub.home) / "jobG.json").exists()
+    ended = JobFile.read(jobs_dir(hub.home) / "jobG.json")  # kept, saying the job ended
+    assert ended.state == "ended" and ended.ended is not None and not ended.is_alive()
 
 
 def test_restarted_hub_keeps_history_and_numbering(start_hub, zctx):
@@ -275,7 +276,9 @@ def test_cli_picks_the_only_job_lists_several_and_cleans_stale_files(start_hub, 
     snap = run_cli("snapshot", "--json")
     assert snap.returncode == 0, snap.stderr
     assert json.loads(snap.stdout)["job"] == "jobJ"
-    assert not stale_path.exists()
+    # a dead hub's file is not a live job, and is kept (a week) so readers can tell a hub
+    # that died from a job that ended
+    assert stale_path.exists() and "deadjob" not in run_cli("jobs").stdout
     start_hub("jobK")
     several = run_cli("snapshot")
     assert several.returncode == 2

@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,41 @@ def test_a_hub_started_on_a_full_disk_comes_up_and_says_so(small_disk, zctx):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(home, tmp_path):
+    """Scenario 6: the hub is killed mid-job; a local rank starts a new one within seconds on
+    the same history, which then holds the whole run; once the job ended and the hub left,
+    its job file says "finished", and snapshot tells that from a hub that died."""
+    from conftest import kill_tree, torchrun_cmd
+    from scalemon.jobs import JobFile, jobs_dir
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SCALEMON_HOME": str(home),
+           "SCALEMON_JOB_ID": "jobH", "SCALEMON_HUB_ARGS": "--linger 2"}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    job_file = jobs_dir(home) / "jobH.json"
+    out = tmp_path / "job.out"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(torchrun_cmd("--preset", "tiny", "--batch-size", "2",
+                                             "--max-steps", "120", "--step-delay", "0.05",
+                                             "--monitor"),
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        first = wait_for(lambda: job_file.exists() and "step 10 " in out.read_text()
+                         and JobFile.read(job_file), timeout=90)
+        os.kill(first.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        second = wait_for(lambda: (j := JobFile.read(job_file)).pid != first.pid and j,
+                          timeout=20, interval=0.2)
+        assert time.monotonic() - killed < 10.0
+        assert proc.wait(timeout=120) == 0, out.read_text()[-2000:]
+    finally:
+        kill_tree(proc)
+    assert "started a new one" in out.read_text()
+    final = wait_for(lambda: (j := JobFile.read(job_file)).state != "running" and j,
+                     timeout=30, interval=0.5)
+    assert final.pid == second.pid and final.state == "finished"
+    text = snapshot_text(home, "jobH")
+    assert "the job finished (its hub exited at" in text
+    assert "state finished" in text and " 120 " in text  # every step, after the kill too
