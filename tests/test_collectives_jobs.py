@@ -144,10 +144,14 @@ def check_dashboard(home: Path, culprit_words: str) -> None:
     async def scenario() -> None:
         app = DashboardApp(HubFeed(address=HubAddress.parse(job_file.address)))
         async with app.run_test(size=(140, 60)) as pilot:
-            await until(pilot, lambda: isinstance(app.screen, HangScreen)
-                        and culprit_words in screen_text(app), timeout=20)
-            text = screen_text(app)
-            assert "culprit" in text and "time.sleep(3600)" in text
+            def shown() -> bool:  # all of it in one drawn screen (it redraws as data comes)
+                if not isinstance(app.screen, HangScreen):
+                    return False
+                text = screen_text(app)
+                return all(words in text for words in
+                           (culprit_words, "culprit", "time.sleep(3600)"))
+
+            await until(pilot, shown, timeout=20)
 
     asyncio.run(scenario())
 
