@@ -22,9 +22,14 @@ HUB_ARGS_ENV = "SCALEMON_HUB_ARGS"
 def hub_address(env: RankEnv, configured: str | None = None) -> HubAddress:
     """The hub this rank sends to: `configured`, else $SCALEMON_HUB, else the job's own hub
     (started here when this is rank 0 and none runs yet)."""
-    configured = configured or os.environ.get("SCALEMON_HUB")
     if configured:
         return HubAddress.parse(configured)
+    from_env = os.environ.get("SCALEMON_HUB")
+    if from_env:
+        try:
+            return HubAddress.parse(from_env)
+        except ValueError as exc:  # say which setting is wrong, not only that one is
+            raise ValueError(f"SCALEMON_HUB={from_env!r} is not a hub address: {exc}") from None
     directory = private_dir(run_dir(env.job))
     address = HubAddress.for_directory(directory)
     group_rank = os.environ.get("GROUP_RANK", "0")

@@ -57,6 +57,17 @@ from scalemon.demo_train.parallel import (
 from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a job that trains nothing is a mistake to say)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags, grouped by what they control."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -69,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradients synced on the last only)")
     # optimisation
-    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--max-steps", type=positive_int, default=200,
+                   help="train until this step (default 200)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--optimizer", default="auto", choices=("auto", *OPTIMIZERS),

@@ -69,8 +69,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             return 2
         skipped = (f"; {reply['rejected']} damaged stretch(es) or invalid records skipped"
                    if reply["rejected"] else "")
-        why = hub_gone_text(job) or problem.split(":")[0]
-        print(f"scalemon snapshot: no live hub ({why}); replaying {reply['source']}{skipped}",
+        why = hub_gone_text(job) or problem  # whole: a cut at ':' lost addresses and names
+        print(f"scalemon snapshot: {why}; replaying {reply['source']}{skipped}",
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
     if args.json:
@@ -88,7 +88,8 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     if key == "state":
-        return rank["state"] + (f" ({rank['state_reason']})" if rank.get("state_reason") else "")
+        reason = rank.get("state_reason")
+        return rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
     return _fmt(rank.get(key))
 
 
@@ -97,7 +98,8 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
     dashboard (but those only a dashboard computes), then each rank's `extra` values and the
     run's `info` facts, one line each, cut at `width` characters of value."""
     lines = [
-        f"job {state['job']}  world size {_fmt(state['world_size'])}  state {state['state']}"
+        f"job {state['job']}  world size {_fmt(state['world_size'])}  state "
+        f"{'HUNG' if state.get('hang') else state['state']}"
         f"  messages {state['messages']}",
     ]
     columns = display.rank_columns(dashboard=False)

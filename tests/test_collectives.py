@@ -176,6 +176,7 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     assert set(hang["stacks"]) == {"0", "1", "2"} and "rank1" in hang["stacks"]["1"]
     text = format_snapshot(st.to_json(now=1037.5))  # `scalemon snapshot` for people
     assert "HUNG: rank 1 never issued all_reduce #10 of group default_pg" in text
+    assert "  state HUNG  " in text.splitlines()[0]  # not "running"
     assert 'rank 1 stack:\n    File "train.py", line 1, in rank1' in text
     st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
                                                       "reason": "process 101 is gone"}))

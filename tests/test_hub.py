@@ -301,7 +301,9 @@ def test_snapshot_replays_history_after_the_hub_is_gone(start_hub, zctx):
     hub.kill(signal.SIGTERM)
     out = run_cli("snapshot", "jobL", "--json")
     assert out.returncode == 0, out.stderr
-    assert "replaying" in out.stderr
+    # the reason whole (it was cut at its first ':' into "(live jobs)")
+    assert "scalemon snapshot: no live hub for job 'jobL' (live jobs: none); replaying " \
+        in out.stderr
     assert json.loads(out.stdout)["ranks"][0]["loss"] == 3.5
 
 

@@ -386,3 +386,35 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
     text = snapshot_text(home, "jobH")
     assert "the job finished (its hub exited at" in text
     assert "state finished" in text and " 120 " in text  # every step, after the kill too
+
+
+def test_words_are_whole_and_settings_named(monkeypatch):
+    """Issue #14 items 5-7 (a first part): reasons are not cut at their first ':', a finished
+    rank is not 'finished (finished)', a bad SCALEMON_HUB names the variable, and a job that
+    would train nothing is refused."""
+    from scalemon.agent.autostart import hub_address
+    from scalemon.agent.env import read_rank_env
+    from scalemon.cli import format_snapshot
+    from scalemon.client import HubUnreachable
+    from scalemon.demo_train.train import parse_args
+    from scalemon.jobstate import JobState
+    from scalemon.tui.feed import _short
+
+    exc = HubUnreachable("no answer from the hub at tcp://node7:5555 within 2 s: is the job's "
+                         "hub running?")
+    assert _short(exc) == "no answer from the hub at tcp://node7:5555"
+
+    st = JobState()
+    for mtype, body in (("hello", {"host": "h", "pid": 1, "world_size": 1, "local_rank": 0}),
+                        ("exit", {"reason": "finished", "exit_code": 0})):
+        st.apply(protocol.decode(protocol.encode(mtype, "j", 0, 0, body, 1.0)))
+    row = format_snapshot(st.to_json(now=2.0)).splitlines()[2]
+    assert row.endswith("finished") and "(finished)" not in row
+
+    monkeypatch.setenv("SCALEMON_HUB", "garbage")
+    with pytest.raises(ValueError, match="SCALEMON_HUB='garbage' is not a hub address"):
+        hub_address(read_rank_env({}))
+
+    for bad in ("-5", "0", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--max-steps", bad])

@@ -135,8 +135,10 @@ class HubFeed(Feed):
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc).split(":")[0] if isinstance(exc, HubUnreachable) else str(exc)
-    return text[:80]
+    text = str(exc)
+    if isinstance(exc, HubUnreachable):  # the address whole, without the advice after it
+        text = text.split(" within ")[0]
+    return text if len(text) <= 160 else text[:159] + "…"
 
 
 def _sleep(seconds: float, stop: StopCheck) -> None:
