@@ -47,8 +47,9 @@ MAX_ISSUES = 20_000
 READ_DUTY = 0.005
 """Share of wall time the full reads may take (their own measured cost sets the interval)."""
 HELD_BACK_S = 30.0
-HOST_CALLS_KEPT = 50_000
 """An NCCL entry is taken without a duration once it waited this long to complete."""
+HOST_CALLS_KEPT = 50_000
+"""Host-timed calls, taken entries and untimed entries remembered for matching, at most."""
 
 
 def _c10d() -> Any:
@@ -133,8 +134,6 @@ class Recorder:
         self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
         self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
         self._timed_groups: set[int] = set()
-        self._step_times: deque[float] = deque(maxlen=20)
-        self._stuck_since: float | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.dump_requests: deque[tuple[str, int]] = deque()
@@ -208,26 +207,16 @@ class Recorder:
 
     # --- reading ---------------------------------------------------------------------------
     def _stuck(self) -> bool:
-        """True while the training thread has not called `log()` for long (a hang candidate):
-        `stuck_after_s`, or 1.5 typical steps when steps are long (at most 8 s)."""
+        """True while the training thread has not called `log()` for `stuck_after_s` (a hang
+        candidate); when it is not, forgets the last stuck spell's stack and in-flight list."""
         last = self.last_log()
         if last is None:
             return False
-        typical = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else 0
-        after = min(8.0, max(self.stuck_after_s, 1.5 * typical))
-        stuck = time.perf_counter() - last >= after
+        stuck = time.perf_counter() - last >= self.stuck_after_s
         if not stuck:
-            self._stuck_since = None
             self._ras_asked = False
             self.fields["stack"] = self.fields["inflight"] = None
-        elif self._stuck_since is None:
-            self._stuck_since = time.monotonic()
         return stuck
-
-    def note_step_time(self, seconds: float | None) -> None:
-        """Learn the typical step time (sender thread, per step)."""
-        if seconds is not None:
-            self._step_times.append(seconds)
 
     def read_status(self, stuck: bool) -> None:
         """The cheap read: each group's last issued and completed collective."""

@@ -167,9 +167,9 @@ class Run:
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
         if (time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel)
                 and not group_uses_nccl(model.process_group)):
-            samples = self.host_timer.calls if self.host_timer else None
+            calls = self.host_timer.calls if self.host_timer else None
             self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase, self.warnings,
-                                                 samples), model)
+                                                 calls), model)
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts

@@ -136,9 +136,9 @@ class AllReduceTimer:
     """A DDP communication hook: the default averaging all-reduce, timed per bucket."""
 
     def __init__(self, timer: SpanTimer, phase: Phase, warnings: Warnings | None = None,
-                 samples: deque | None = None) -> None:
+                 calls: deque | None = None) -> None:
         self.timer = timer
-        self.calls = samples  # HostCall lists for the recorder (durations on gloo)
+        self.calls = calls  # HostCall lists for the recorder (durations on gloo)
         self.phase = phase
         self.warnings = warnings or Warnings()
         self._group: Any = None

@@ -125,7 +125,7 @@ class Hub:
             try:
                 msg = self._accept(record, hub_records=True)
             except ProtocolError as exc:
-                self.replay_skipped[str(exc).split(":")[0][:60]] += 1
+                self.replay_skipped[_reason(exc)] += 1
                 continue
             self._apply(msg)
         if n:
@@ -296,8 +296,7 @@ class Hub:
 
     def _reject(self, exc: ProtocolError, size: int) -> None:
         self.rejected += 1
-        reason = str(exc).split(":")[0][:60]
-        self.reject_reasons[reason] += 1
+        self.reject_reasons[_reason(exc)] += 1
         if isinstance(exc, VersionMismatch):  # said once per version, not once per frame
             if exc.theirs not in self._versions_refused:
                 self._versions_refused.add(exc.theirs)
@@ -487,6 +486,11 @@ class Hub:
             "history_recovery": self.history.recovery,
             "replay_skipped": dict(self.replay_skipped),
         }
+
+
+def _reason(exc: ProtocolError) -> str:
+    """A refusal's kind, to count refusals by (its text up to the first ':')."""
+    return str(exc).split(":")[0][:60]
 
 
 def install_signal_handlers(hub: Hub) -> None:

@@ -186,15 +186,6 @@ class CollectiveStats:
             self.row(g, op, b).merge(other)
 
 
-def busbw_gbps(op: str, n: int, nbytes: int, count: int, seconds: float | None) -> float | None:
-    """Bus bandwidth in GB/s of `count` collectives moving `nbytes` in all (S summed) in
-    `seconds` of summed duration; None without a factor or a duration."""
-    factor = bus_factor(op, n)
-    if factor is None or not seconds or seconds <= 0 or not count:
-        return None
-    return nbytes / seconds * factor / 1e9
-
-
 # --- arrival skew ---------------------------------------------------------------------------
 
 ARRIVAL_WINDOW = 100

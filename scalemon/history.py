@@ -238,40 +238,44 @@ def _write_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
-def _valid_at(data: bytes | memoryview, offset: int) -> int | None:
-    """The length of the record at `offset` when a whole, decodable message is there."""
+def _valid_at(data: bytes | memoryview, offset: int) -> tuple[int, Message] | None:
+    """The length and message of the record at `offset` when a whole, decodable message is
+    there (at most `MAX_MESSAGE_BYTES`: nothing larger is ever stored)."""
     size = len(data)
     if offset + _LEN > size:
         return None
     n = int.from_bytes(data[offset:offset + _LEN], "big")
-    if not 0 < n <= protocol.MAX_REPLY_BYTES or offset + _LEN + n > size:
+    if not 0 < n <= protocol.MAX_MESSAGE_BYTES or offset + _LEN + n > size:
         return None
     if data[offset + _LEN] not in _MAP_MARKERS:
         return None
     try:
-        protocol.decode(bytes(data[offset + _LEN:offset + _LEN + n]))
+        return n, protocol.decode(bytes(data[offset + _LEN:offset + _LEN + n]))
     except ProtocolError:
         return None
-    return n
 
 
 _MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # msgpack maps: every message
 
 
-def scan(data: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def scan(data: bytes, messages: list[Message] | None = None,
+         ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The intact records of a history file's bytes as (offset, length), and the damaged
-    stretches as (start, stop). After damage, the next intact record is found by trying every
-    offset: one that holds a decodable message followed by another one (or the end of the
-    file) starts the next intact stretch."""
+    stretches as (start, stop); with `messages`, the intact records decoded are appended
+    there. After damage, the next intact record is found by trying every offset: one that
+    holds a decodable message followed by another one (or the end of the file) starts the
+    next intact stretch."""
     good: list[tuple[int, int]] = []
     damaged: list[tuple[int, int]] = []
     offset, size = 0, len(data)
     view = memoryview(data)
     while offset < size:
-        n = _valid_at(view, offset)
-        if n is not None:
-            good.append((offset, n))
-            offset += _LEN + n
+        found = _valid_at(view, offset)
+        if found is not None:
+            good.append((offset, found[0]))
+            if messages is not None:
+                messages.append(found[1])
+            offset += _LEN + found[0]
             continue
         start = offset
         offset = _resync(view, offset + 1)
@@ -284,11 +288,11 @@ def _resync(view: memoryview, start: int) -> int:
     size = len(view)
     for offset in range(start, size):
         if view[offset] != 0 or offset + _LEN >= size or view[offset + _LEN] not in _MAP_MARKERS:
-            continue  # lengths are < 2^24: the first byte of a length prefix is 0
-        n = _valid_at(view, offset)
-        if n is None:
+            continue  # lengths are at most 1 MiB: the first byte of a length prefix is 0
+        found = _valid_at(view, offset)
+        if found is None:
             continue
-        after = offset + _LEN + n
+        after = offset + _LEN + found[0]
         if after == size or _valid_at(view, after) is not None:
             return offset
     return size
@@ -338,11 +342,11 @@ def read_messages(path: Path, job: str | None = None) -> tuple[list[tuple[int, M
     as one rejected."""
     with open(path, "rb") as f:
         data = f.read()
-    good, damaged = scan(data)
+    decoded: list[Message] = []
+    _, damaged = scan(data, decoded)
     messages: list[tuple[int, Message]] = []
     rejected = len(damaged)
-    for seq, (offset, n) in enumerate(good):
-        msg = protocol.decode(data[offset + _LEN:offset + _LEN + n])  # scan() decoded it
+    for seq, msg in enumerate(decoded):
         if job is not None and msg.job != job:
             rejected += 1
             continue

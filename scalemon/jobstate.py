@@ -19,7 +19,6 @@ from scalemon.collectives import (
     StatRow,
     bucket_text,
     bus_factor,
-    busbw_gbps,
     find_culprits,
     hist_quantile,
 )
@@ -291,7 +290,7 @@ class JobState:
         for view in self.ranks.values():
             for key, row in view.collectives.rows.items():
                 per_key.setdefault(key, []).append(row)
-        by_op: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        by_op: dict[tuple[str, str], list[tuple[dict[str, Any], StatRow]]] = {}
         for (group, op, bucket), rows in per_key.items():
             n = len(self.groups.get(group, {}).get("ranks", ())) or len(rows)
             timing = StatRow()
@@ -300,17 +299,15 @@ class JobState:
             size = self._row(group, op, n, max(r.count for r in rows),
                              max(r.bytes for r in rows), timing)
             size["size_bucket"], size["size_text"] = bucket, bucket_text(bucket)
-            by_op.setdefault((group, op), []).append(size)
+            by_op.setdefault((group, op), []).append((size, timing))
         table = []
         for (group, op), sizes in by_op.items():
-            n = sizes[0]["ranks"]
             timing = StatRow()
-            for size in sizes:
-                timing.merge(size.pop("_timing"))
-            row = self._row(group, op, n, sum(s["count"] for s in sizes),
-                            sum(s["bytes"] for s in sizes), timing)
-            del row["_timing"]
-            row["sizes"] = sorted(sizes, key=lambda s: s["size_bucket"])
+            for _, size_timing in sizes:
+                timing.merge(size_timing)
+            row = self._row(group, op, sizes[0][0]["ranks"], sum(s["count"] for s, _ in sizes),
+                            sum(s["bytes"] for s, _ in sizes), timing)
+            row["sizes"] = sorted((s for s, _ in sizes), key=lambda s: s["size_bucket"])
             table.append(row)
         table.sort(key=lambda r: (-(r["time_total_s"] or 0.0), r["group"], r["op"]))
         return table
@@ -319,6 +316,8 @@ class JobState:
              timing: StatRow) -> dict[str, Any]:
         mean = timing.time_sum_s / timing.timed if timing.timed else None
         per_op = nbytes / count if count else 0
+        algbw = per_op / mean / 1e9 if mean else None
+        factor = bus_factor(op, n)
         return {
             "group": self.group_label(group), "group_name": group, "op": op, "ranks": n,
             "count": count, "bytes": nbytes, "timed": timing.timed,
@@ -327,10 +326,9 @@ class JobState:
             "time_max_s": timing.time_max_s if timing.timed else None,
             "time_mean_s": mean,
             "time_total_s": mean * count if mean is not None else None,
-            "algbw_gbps": per_op / mean / 1e9 if mean else None,
-            "busbw_gbps": busbw_gbps(op, n, per_op, 1, mean),
-            "bus_factor": bus_factor(op, n),
-            "_timing": timing,
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * factor if algbw is not None and factor is not None else None,
+            "bus_factor": factor,
         }
 
     # --- hangs -----------------------------------------------------------------------------
