@@ -179,10 +179,10 @@ class Sender:
         """Read the answer to the request in flight; send the next one when due."""
         while probe.poll(0, zmq.POLLIN):
             self._read_sync(probe.recv_multipart(zmq.NOBLOCK)[-1])
+        if self._sync_refused or self._failed and self.hub_version is not None:
+            return  # no more round trips: their silence means nothing
         self._check_silence()
         now = time.monotonic()
-        if self._sync_refused or self._failed and self.hub_version is not None:
-            return
         overdue = self._sync_sent is not None and now - self._sync_sent > 5.0
         if (self._sync_sent is None or overdue) and now >= self._next_sync:
             try:

@@ -418,3 +418,23 @@ def test_words_are_whole_and_settings_named(monkeypatch):
     for bad in ("-5", "0", "x"):
         with pytest.raises(SystemExit):
             parse_args(["--max-steps", bad])
+
+
+def test_a_hub_that_refused_this_agent_is_not_then_called_silent(start_hub, caplog):
+    """After a hub of another major version answered (and sending stopped), no more round
+    trips go out: their absence must not read as a dead hub (no warning, no new hub)."""
+    import logging
+
+    from scalemon.agent.transport import Sender
+
+    hub = start_hub("jobW", version="2.0")
+    replaced = []
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        sender = Sender(hub.address.ingest, "jobW", 0, rpc_endpoint=hub.address.rpc,
+                        silent_warn_s=0.5)
+        sender.on_hub_silent, sender.replace_after_s = (lambda: replaced.append(1)), 0.3
+        wait_for(lambda: sender.hub_version is not None)
+        time.sleep(1.5)
+        sender.close()
+    assert "speaks protocol 2.0" in caplog.text
+    assert "stopped answering" not in caplog.text and not replaced
