@@ -13,8 +13,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from . import overrides
+
 if TYPE_CHECKING:
     from .run import Run
+
+overrides.apply_at_import()  # before the script imports torch, where it imports us first
 
 _logger = logging.getLogger("scalemon.agent")
 _run: Run | None = None
@@ -25,7 +29,10 @@ def init(
 ) -> Run | None:
     """Start monitoring this rank; returns the `Run` (None if the monitor could not start).
 
-    Options: job, hub (address), config (dict), time_collectives, heartbeat_s.
+    Options: job, hub (address), config (dict), time_collectives, heartbeat_s,
+    checkpoint (`fn(step)` saving the state after `step`: lets a restart-tier flag toggle
+    restart the job without losing a step), on_new_communicator (`fn(flag_names)` moving the
+    script's work to new process groups at a step boundary, returning what it did in words).
     """
     global _run
     if _run is not None:
@@ -58,6 +65,12 @@ def finish(exit_code: int = 0) -> None:
     if _run is not None:
         _run.finish(exit_code)
         _run = None
+
+
+def restart_step() -> int | None:
+    """The step a flag toggle's restart checkpointed at, when this worker is the restart after
+    it (the script resumes from that checkpoint); None otherwise."""
+    return overrides.restart_step
 
 
 def current() -> Run | None:

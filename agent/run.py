@@ -10,6 +10,7 @@ monitor is logged once and switches the monitor off instead of reaching the trai
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -18,6 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +29,7 @@ from scalemon.jobs import run_dir
 
 from .autostart import hub_address, start_hub_if_needed
 from .env import RankEnv, read_rank_env
+from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
@@ -71,6 +74,8 @@ class Run:
         time_collectives: bool = True,
         heartbeat_s: float = 1.0,
         env: RankEnv | None = None,
+        checkpoint: Callable[[int], Any] | None = None,
+        on_new_communicator: Callable[[list[str]], Any] | None = None,
     ) -> None:
         self.disabled = False
         self._disabled_reason: str | None = None
@@ -117,6 +122,13 @@ class Run:
             host_calls=self.host_timer.calls if self.host_timer else None,
             warnings=self.warnings)
         self._hello(model, config)
+        self._logs: Any = None  # a LogFollower, once a log is followed
+        self._stderr: Any = None
+        self.flag_control = FlagControl(
+            self.env, self.sender.submit, self.warnings, nccl=self._nccl, checkpoint=checkpoint,
+            on_new_communicator=on_new_communicator, log_dir=_log_dir(self.env.job),
+            on_log_file=self._follow_log)
+        self._start_flags()
         if optimizer is not None:
             self.watch_optimizer(optimizer)
         if model is not None:
@@ -149,6 +161,50 @@ class Run:
             "backend": backend,
             "config": config,
         })
+
+    def _start_flags(self) -> None:
+        """Report the flags; apply a process-group timeout toggled earlier in this run; follow
+        the logs a toggle turned on before a restart."""
+        from . import overrides
+        from .flags import set_pg_timeout
+
+        control = self.flag_control
+        if dist_initialized() and (timeout := overrides.pg_timeout_override(self.env.job)):
+            with contextlib.suppress(Exception):
+                set_pg_timeout(float(timeout))
+        nccl_file = os.environ.get("NCCL_DEBUG_FILE")
+        if os.environ.get("NCCL_DEBUG") and nccl_file and control.log_dir is not None \
+                and Path(nccl_file).parent == control.log_dir:
+            self._follow_log(Path(nccl_file), "nccl")
+        if {"TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG"} & set(overrides.applied):
+            self._capture_stderr()
+        control.report()
+
+    def _follow_log(self, path: Path, source: str) -> None:
+        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE)."""
+        try:
+            from .logtail import LogFollower
+
+            if self._logs is None:
+                self._logs = LogFollower(self.sender.submit, self.warnings)
+            self._logs.follow(path, source)
+        except Exception as exc:  # the log stays in its file; training goes on
+            self.warnings.once("follow-log", "scalemon: not streaming %s: %s", path, exc)
+
+    def _capture_stderr(self) -> None:
+        """Stream this process's stderr (torch's C++ and debug output) to the hub as well."""
+        log_dir = self.flag_control.log_dir
+        if self._stderr is not None or log_dir is None:
+            return
+        try:
+            from .logtail import LogFollower, StderrCapture
+
+            if self._logs is None:
+                self._logs = LogFollower(self.sender.submit, self.warnings)
+            self._stderr = StderrCapture()
+            self._stderr.start(log_dir / f"stderr.{self.env.host}.{self.pid}.log", self._logs)
+        except Exception as exc:
+            self.warnings.once("capture-stderr", "scalemon: not streaming stderr: %s", exc)
 
     @guarded
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -243,10 +299,23 @@ class Run:
             step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
             extra, loss, scale, memory, opt_spans, comm_spans, staged,
         ))
+        if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
+            self._apply_flags(step)
         phase.name, phase.since = "data", time.perf_counter()
         self._previous_log_s = log_s = phase.since - t0  # reported with the next step
         self.agent_time_total_s += hooks_s + log_s
         self.steps_logged += 1
+
+    def _apply_flags(self, step: int) -> None:
+        """Apply the toggles due at this step boundary (on the training thread)."""
+        self.flag_control.apply_due(step, self._stop_for_restart)
+        if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper() != "OFF":
+            self._capture_stderr()  # torch's debug output goes to stderr: stream it too
+
+    def _stop_for_restart(self, code: int) -> None:
+        """End this worker for a restart-tier toggle: torchrun starts it again."""
+        self.finish(exit_code=code, reason="restart")
+        raise SystemExit(code)
 
     @guarded
     def info(self, key: str, value: Any) -> None:
@@ -271,6 +340,13 @@ class Run:
             except Exception as exc:
                 self.warnings.once("last-read", "scalemon: the last Flight Recorder read "
                                    "failed: %s: %s", type(exc).__name__, exc)
+            try:
+                if self._stderr is not None:
+                    self._stderr.stop()
+                if self._logs is not None:
+                    self._logs.stop()  # a last read of the logs
+            except Exception as exc:
+                self.warnings.once("last-logs", "scalemon: the last log read failed: %s", exc)
             try:
                 self.heartbeat.stop()  # sends a last reading
             except Exception as exc:
@@ -336,6 +412,8 @@ class Run:
         """A command the hub relayed (on the sender thread)."""
         if command.get("name") == "dump_fr" and isinstance(command.get("directory"), str):
             self.recorder.request_dump(command["directory"], self.env.rank)
+        elif command.get("name") == "set_flag":
+            self.flag_control.queue(command)  # applied on the training thread, when due
         else:
             self.warnings.once(f"command:{command.get('name')}", "scalemon: the hub sent an "
                                "unknown command %r; a newer hub? ignored", command.get("name"))
@@ -362,6 +440,16 @@ def _cuda_device(model: torch.nn.Module | None) -> torch.device | None:
     if torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def _log_dir(job: str) -> Path | None:
+    """The job's run directory on this node, where NCCL's and torch's logs are written."""
+    try:
+        from scalemon.jobs import private_dir
+
+        return private_dir(run_dir(job))
+    except Exception:
+        return None
 
 
 def ras_port() -> int:

@@ -9,6 +9,11 @@
     --slow-rank RANK:SECONDS   that rank sleeps SECONDS before every backward (after its
                                forward): it computes slowly, reaches each gradient all-reduce
                                last, and the others wait for it there (a straggler)
+    --inject-desync RANK:STEP  at step STEP that rank all-reduces a tensor of another shape
+                               than the others on the trainer's CPU group: where
+                               TORCH_DISTRIBUTED_DEBUG=DETAIL wraps that group, torch's
+                               fingerprint check names the mismatch on every rank and the
+                               trainer goes on; otherwise it is skipped (it would hang)
     --inject-overflow STEP     rank 0's backward of step STEP yields inf gradients (all ranks
                                see them after the all-reduce): with --amp fp16 the loss scaler
                                skips that step and halves the scale
@@ -93,8 +98,10 @@ class Faults:
         crash: RankStep | None = None,
         overflow_step: int | None = None,
         slow: RankDelay | None = None,
+        desync: RankStep | None = None,
     ) -> None:
         self.rank = rank
+        self.desync_at = desync
         self.slow_s = slow.seconds if slow and slow.rank == rank else None
         self.hang_step = hang.step if hang and hang.rank == rank else None
         first_attempt = restart_count() == 0
@@ -114,6 +121,30 @@ class Faults:
                 monitor.set_phase(HANG_PHASE)
             while True:
                 time.sleep(3600)
+
+    def desync(self, step: int, group: Any, rank: int) -> None:
+        """At the planted step every rank all-reduces on `group`, the planted rank a tensor of
+        another shape; only where torch's DETAIL wrapper checks the group (else it would hang
+        or corrupt memory), which then raises on every rank: printed, and training goes on."""
+        if self.desync_at is None or step != self.desync_at.step:
+            return
+        import torch.distributed as dist
+
+        pg = group or dist.group.WORLD
+        kind = type(pg._get_backend(torch.device("cpu"))).__name__
+        if kind != "_ProcessGroupWrapper":
+            if rank == 0:
+                print(f"inject-desync at step {step} skipped: the group is not checked "
+                      f"({kind}; toggle TORCH_DISTRIBUTED_DEBUG=DETAIL first)", flush=True)
+            return
+        size = 2 if rank == self.desync_at.rank else 1
+        try:
+            dist.all_reduce(torch.ones(size), group=pg)
+            print(f"rank {rank}: inject-desync at step {step}: no mismatch reported",
+                  flush=True)
+        except RuntimeError as exc:
+            print(f"rank {rank}: desync caught at step {step}: {str(exc)[:300]}",
+                  file=sys.stderr, flush=True)
 
     def before_backward(self) -> None:
         """Sleep here when this rank is the planted straggler."""

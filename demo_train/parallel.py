@@ -116,6 +116,13 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(t.item())
 
 
+def rewrap_ddp(model: nn.Module, env: DistEnv, group: dist.ProcessGroup) -> DDP:
+    """DDP over `model` again, on `group` (a group created after a flag changed, so its
+    communicator reads the new value); DDP broadcasts rank 0's parameters first."""
+    return DDP(model, process_group=group,
+               device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+
+
 def wrap_model(
     model: GPT, env: DistEnv, zero: int, compile: bool = False, python_comm_hook: bool = False
 ) -> nn.Module:

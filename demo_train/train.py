@@ -24,6 +24,11 @@ checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*).
 
 from __future__ import annotations
 
+# first, before torch: in a worker torchrun restarted for a flag toggle, this applies the new
+# value to the environment while torch can still read it at import (TORCH_CPP_LOG_LEVEL)
+import scalemon.agent  # noqa: F401
+
+# isort: split
 import argparse
 import gc
 import json
@@ -51,6 +56,7 @@ from scalemon.demo_train.parallel import (
     build_optimizer,
     control_group,
     gradient_sync,
+    rewrap_ddp,
     setup_distributed,
     wrap_model,
 )
@@ -113,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inf gradients at that step (skipped under --amp fp16)")
     p.add_argument("--slow-rank", type=rank_delay, metavar="RANK:SECONDS",
                    help="that rank sleeps before every backward: a planted straggler")
+    p.add_argument("--inject-desync", type=rank_step, metavar="RANK:STEP",
+                   help="that rank calls a mismatched all-reduce at that step; with "
+                        "TORCH_DISTRIBUTED_DEBUG=DETAIL torch's check catches it (else skipped)")
     # system
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: a GPU per rank where the node has GPUs, else the CPU; with fewer "
@@ -210,7 +219,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
         args=args, env=env, amp=amp, model=model, module=module, optimizer=optimizer,
         scaler=scaler, data=data, state=TrainState(model, optimizer, data, scaler, settings),
         faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow,
-                      args.slow_rank),
+                      args.slow_rank, args.inject_desync),
         memory=memory, tokens_per_step=args.batch_size * args.grad_accum * config.block_size,
         flops_per_token=flops_per_token, peak_flops=peak_flops(device_name),
         log_every=args.log_every or (10 if env.device.type == "cuda" else 1),
@@ -223,18 +232,58 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
                 f"{'on' if args.compile else 'off'}; "
                 f"{t.tokens_per_step * env.world_size} tokens/step")
     print0(env, memory.describe())
+    import scalemon.agent as sm
+
     if args.ckpt_dir:
         t.ckpt = Checkpointer(args.ckpt_dir, args.keep, t.group, log=lambda m: print0(env, m))
         t.term = TermSignal()
-        if args.resume:
+        restarted_at = sm.restart_step() if args.monitor else None
+        if restarted_at is not None:
+            print0(env, f"restarted by torchrun for a flag toggle after step {restarted_at}")
+        if args.resume or restarted_at is not None:
             t.start_step = t.ckpt.load_latest(t.state) or 0
     if args.monitor:  # after resuming, so the loss scaler's restored scale is the baseline
-        import scalemon.agent as sm
+        checkpoint = None
+        if t.ckpt is not None:
+            def checkpoint(step: int) -> None:
+                if t.ckpt.last_saved != step:
+                    t.ckpt.save(step, t.state, "flag toggle restart")
 
-        t.monitor = sm.init(model=module, optimizer=optimizer, scaler=scaler, config=settings)
+        t.monitor = sm.init(model=module, optimizer=optimizer, scaler=scaler, config=settings,
+                            checkpoint=checkpoint,
+                            on_new_communicator=lambda names: new_groups(t, names))
         if t.monitor is not None:
             t.monitor.info("memory_estimate", memory.as_dict())
     return t
+
+
+def new_groups(t: Trainer, names: list[str]) -> str:
+    """Move the trainer's work to new process groups, which read the flags `names` changed
+    (a collective, called by the monitor on every rank at the same step boundary); returns
+    what moved, in words."""
+    env = t.env
+    if not env.distributed:
+        return "one process: no process group to rebuild"
+    t.group = dist.new_group(backend="gloo")  # the CPU group of the per-step agreements
+    if t.ckpt is not None:
+        t.ckpt.group = t.group
+    kind = type(t.group._get_backend(torch.device("cpu"))).__name__
+    moved = [f"agreements and checkpoints on a new gloo group ({kind})"]
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+    if t.args.zero != 0:
+        moved.append(f"ZeRO-{t.args.zero} keeps its groups")
+    elif detail:
+        # torch 2.13 segfaults building DDP on a group wrapped for DETAIL (checked on CPU/gloo)
+        moved.append("DDP kept on its group: building DDP on a DETAIL-wrapped group crashes "
+                     "torch")
+    else:
+        t.module = rewrap_ddp(t.model, env, dist.new_group())
+        if t.monitor is not None:
+            t.monitor.watch_model(t.module)
+        moved.append("DDP rebuilt on a new group")
+    text = "; ".join(moved)
+    print0(env, f"flags {','.join(names)}: {text}")
+    return text
 
 
 def forward_backward(t: Trainer, step: int) -> torch.Tensor:
@@ -313,6 +362,7 @@ def train(t: Trainer) -> int:
     for step in range(t.start_step + 1, args.max_steps + 1):
         t0 = time.perf_counter()
         t.faults.before_step(step, t.monitor)
+        t.faults.desync(step, t.group, env.rank)
         loss = forward_backward(t, step)
         optimizer_step(t)
         logged = step % t.log_every == 0 or step == args.max_steps

@@ -4,7 +4,9 @@ dashboards and notices ranks that stop.
 Sockets (see `scalemon.jobs.HubAddress`):
 - `ingest` PULL (bind): ranks PUSH protocol messages; invalid frames are counted and logged.
 - `feed` PUB (bind): every accepted record, numbered, for live dashboards.
-- `rpc` ROUTER (bind): ping / state / fetch requests (snapshot, history pages).
+- `rpc` ROUTER (bind): ping / state / fetch requests (snapshot, history pages), agents' sync.
+- `control` ROUTER (bind, always ipc in the private run directory): requests that steer the
+  job (flag toggles, Flight Recorder dumps); the `rpc` socket refuses them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
 
 from .frdump import FrDump
+from .toggles import ToggleRefused, Toggles
 
 log = logging.getLogger("scalemon.hub")
 
@@ -67,6 +70,7 @@ class Hub:
         self.address = HubAddress.parse(address) if address else HubAddress.for_directory(
             self.run_dir
         )
+        self.control_endpoint = HubAddress.for_directory(self.run_dir).control
         self.lost_after_s = lost_after_s
         self.linger_s = linger_s
         self._lock_file = self._take_lock()
@@ -94,6 +98,7 @@ class Hub:
         self._stop = threading.Event()
         self._job_file: JobFile | None = None
         self._replay_history()
+        self.toggles = Toggles(self.run_dir, self.state)
 
     # --- setup ---------------------------------------------------------------------------
     def _take_lock(self):  # noqa: ANN202 - file object
@@ -148,20 +153,23 @@ class Hub:
         for rank in self.state.ranks:
             self._last_recv[rank] = now
 
-    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, ...]:
         ingest = ctx.socket(zmq.PULL)
         ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         ingest.setsockopt(zmq.RCVHWM, 100_000)
         feed = ctx.socket(zmq.PUB)
         feed.setsockopt(zmq.SNDHWM, 100_000)
         rpc = ctx.socket(zmq.ROUTER)
-        rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        for sock in (ingest, feed, rpc):
+        control = ctx.socket(zmq.ROUTER)
+        for sock in (rpc, control):
+            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        for sock in (ingest, feed, rpc, control):
             sock.setsockopt(zmq.LINGER, 0)
         ingest.bind(self.address.ingest)
         feed.bind(self.address.feed)
         rpc.bind(self.address.rpc)
-        return ingest, feed, rpc
+        control.bind(self.control_endpoint)  # in the 0700 run directory: the owner only
+        return ingest, feed, rpc, control
 
     def _write_job_file(self) -> None:
         self._job_file = JobFile(
@@ -208,12 +216,12 @@ class Hub:
     def serve_forever(self) -> None:
         """Bind, write the job file, and serve until stopped or the job ended and lingered."""
         ctx = zmq.Context()
-        ingest, feed, rpc = self._bind(ctx)
+        ingest, feed, rpc, control = self._bind(ctx)
         self._write_job_file()
         log.info("hub for job %s listening on %s", self.job, self.address.base)
         poller = zmq.Poller()
-        poller.register(ingest, zmq.POLLIN)
-        poller.register(rpc, zmq.POLLIN)
+        for sock in (ingest, rpc, control):
+            poller.register(sock, zmq.POLLIN)
         next_housekeeping = 0.0
         try:
             while not self._stop.is_set():
@@ -222,12 +230,14 @@ class Hub:
                     self._ingest(ingest, feed)
                 if rpc in events:
                     self._serve_rpc(rpc)
+                if control in events:
+                    self._serve_rpc(control, control=True)
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(feed, now)
         finally:
-            self._shutdown(ctx, (ingest, feed, rpc))
+            self._shutdown(ctx, (ingest, feed, rpc, control))
 
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         self.history.close()
@@ -343,6 +353,8 @@ class Hub:
             kind, text = self._notes.pop(0)
             self._record(feed, "hub_note", {"kind": kind, "text": text})
         self._advance_dump(feed)
+        self.toggles.advance(now)
+        self._write_toggle_records(feed)
         self._detect_lost(feed, now)
         if self._job_file and self._job_file.world_size != self.state.world_size:
             self._write_job_file()
@@ -401,7 +413,7 @@ class Hub:
         return pid in self._seen_alive
 
     # --- requests from dashboards and the CLI -------------------------------------------
-    def _serve_rpc(self, rpc: zmq.Socket) -> None:
+    def _serve_rpc(self, rpc: zmq.Socket, control: bool = False) -> None:
         for _ in range(100):
             try:
                 frames = rpc.recv_multipart(zmq.NOBLOCK)
@@ -410,8 +422,16 @@ class Hub:
             envelope, payload = frames[:-1], frames[-1]
             try:
                 op, args = protocol.decode_request(payload)
+                if op in protocol.CONTROL_OPS and not control:
+                    raise ProtocolError(
+                        f"{op!r} is accepted only on the hub's control socket "
+                        f"({self.control_endpoint}), which only the job's owner can open on "
+                        f"the hub's host ({self._host})")
                 reply = protocol.encode_reply(**self._answer(op, args),
                                               history=self.history.identity)
+            except ToggleRefused as exc:  # a reasoned refusal, not a bad frame
+                log.warning("toggle %s", exc)
+                reply = protocol.encode_reply(ok=False, error=str(exc))
             except ProtocolError as exc:
                 self._reject(exc, len(payload))
                 reply = protocol.encode_reply(ok=False, error=str(exc))
@@ -425,10 +445,18 @@ class Hub:
         if op == "ping":
             return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
         if op == "sync":
+            rank = args["rank"]
             return {"t0": args["t"], "t": time.time(),
-                    "commands": self._commands.pop(args["rank"], [])}
+                    "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "command":
             return self._command(args["name"])
+        if op == "toggle":
+            reply = self.toggles.request(args["name"], args["value"], args["restart"],
+                                         args["user"], args["host"])
+            log.info("toggle #%d %s=%r (%s) by %s@%s: step %d", reply["id"], args["name"],
+                     args["value"], reply["tier"], args["user"], args["host"],
+                     reply["at_step"])
+            return reply
         if op == "state":
             return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
         since = max(0, args["since"])
@@ -455,6 +483,11 @@ class Hub:
                 {"name": "dump_fr", "directory": self._dump.directory})
         self._pending_dump_record = True
         return {"directory": self._dump.directory, "ranks": ranks}
+
+    def _write_toggle_records(self, feed: zmq.Socket) -> None:
+        """Write the toggles' new states (and refusals) into the history and the feed."""
+        while self.toggles.records:
+            self._record(feed, "toggle", self.toggles.records.pop(0))
 
     def _advance_dump(self, feed: zmq.Socket) -> None:
         """Record a dump's progress in the history: requested, then analysed."""

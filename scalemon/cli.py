@@ -131,6 +131,14 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
     for note in state.get("hub_notes") or []:
         lines.append(f"hub: {note['text']}")
+    for row in state.get("flags") or []:
+        if row["mismatch"]:
+            values = " ".join(f"{r}:{v}" for r, v in row["values"].items())
+            lines.append(f"flag MISMATCH {row['name']}: {values}")
+    if state.get("toggles"):
+        from scalemon.cli_flags import toggle_line
+
+        lines.extend("toggle " + toggle_line(t) for t in state["toggles"][-5:])
     lines.extend(_collectives_lines(state.get("collectives") or []))
     lines.extend(_hang_lines(state.get("hang")))
     return "\n".join(lines)
@@ -246,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from scalemon.cli_flags import add_parsers as add_flag_parsers
+
+    add_flag_parsers(sub)
 
     hub = sub.add_parser("hub", help="run a job's hub (ranks start one by themselves)")
     add_hub_arguments(hub)

@@ -84,12 +84,14 @@ def _user_name(uid: int) -> str:
 
 @dataclass(frozen=True)
 class HubAddress:
-    """The three endpoints of one hub: ranks PUSH to `ingest`, dashboards SUB to `feed` and
-    send requests to `rpc`."""
+    """The endpoints of one hub: ranks PUSH to `ingest`, dashboards SUB to `feed` and send
+    requests to `rpc`; commands that steer the job go to `control`, an ipc socket in the hub's
+    private run directory (None where that directory is not known, e.g. a bare tcp address)."""
 
     ingest: str
     feed: str
     rpc: str
+    control: str | None = None
 
     @classmethod
     def parse(cls, address: str) -> HubAddress:
@@ -110,7 +112,8 @@ class HubAddress:
     @classmethod
     def for_directory(cls, run_dir: Path) -> HubAddress:
         """ipc endpoints inside `run_dir`."""
-        paths = [run_dir / name for name in ("ingest.sock", "feed.sock", "rpc.sock")]
+        paths = [run_dir / name
+                 for name in ("ingest.sock", "feed.sock", "rpc.sock", "control.sock")]
         longest = max(len(str(p)) for p in paths)
         if longest > _IPC_PATH_MAX:
             raise ValueError(
@@ -174,6 +177,14 @@ class JobFile:
                           if k not in optional or k in data})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable job file {path}: {exc}") from None
+
+    def hub_address(self) -> HubAddress:
+        """The hub's endpoints; its control socket where the hub runs on this host."""
+        address = HubAddress.parse(self.address)
+        if address.control is None and self.host == socket.gethostname():
+            control = f"ipc://{Path(self.run_dir) / 'control.sock'}"
+            address = HubAddress(address.ingest, address.feed, address.rpc, control)
+        return address
 
     def is_alive(self) -> bool:
         """True when the hub process still runs (always assumed for another host)."""
@@ -242,7 +253,7 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
     if target:
         for jf in jobs:
             if jf.job == target:
-                return jf.job, HubAddress.parse(jf.address)
+                return jf.job, jf.hub_address()
         names = ", ".join(j.job for j in jobs) or "none"
         raise JobLookupError(f"no live hub for job {target!r} (live jobs: {names})")
     if not jobs:
@@ -254,4 +265,4 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
     if len(jobs) > 1:
         lines = "\n".join(f"  {j.job}  (pid {j.pid}, world size {j.world_size})" for j in jobs)
         raise JobLookupError(f"several live jobs; name one:\n{lines}")
-    return jobs[0].job, HubAddress.parse(jobs[0].address)
+    return jobs[0].job, jobs[0].hub_address()

@@ -22,6 +22,7 @@ from scalemon.collectives import (
     find_culprits,
     hist_quantile,
 )
+from scalemon.flagstate import FlagState
 from scalemon.protocol import HUB_RANK, Message
 
 STEP_FIELDS = metrics.latest_of("step")
@@ -119,6 +120,8 @@ class JobState:
     """Flight Recorder dumps the hub asked for, newest last, with torch's analysis."""
     hub_notes: list[dict[str, Any]] = field(default_factory=list)
     """What the hub said about itself (history repaired, records skipped), newest last."""
+    flags: FlagState = field(default_factory=FlagState, repr=False)
+    """Flags in effect per rank, the toggles asked for, NCCL's and torch's log lines."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -220,12 +223,24 @@ class JobState:
 
     def _on_exit(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        view.state = "finished" if b["reason"] == "finished" else "exited"
+        view.state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
         view.state_reason = b["reason"]
         view.exit_code = b.get("exit_code")
         view.error = b.get("error")
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
+
+    def _on_flags(self, msg: Message, view: RankView) -> None:
+        self.flags.on_flags(msg)
+
+    def _on_toggle_result(self, msg: Message, view: RankView) -> None:
+        self.flags.on_toggle_result(msg)
+
+    def _on_log_lines(self, msg: Message, view: RankView) -> None:
+        self.flags.on_log_lines(msg)
+
+    def _on_toggle(self, msg: Message) -> None:
+        self.flags.on_toggle(msg)
 
     def _on_hub_note(self, msg: Message) -> None:
         self.hub_notes = [*self.hub_notes[-19:], {"t": msg.t, **msg.body}]
@@ -258,6 +273,8 @@ class JobState:
             return "finished"
         if len(views) >= expected and all(s in (*TERMINAL_STATES, "lost") for s in states):
             return "ended"
+        if "restarting" in states:
+            return "restarting"
         if any(s in ("lost", "exited") for s in states):
             return "degraded"
         return "running"
@@ -337,7 +354,8 @@ class JobState:
         runs. Names the culprit ranks (which did not issue the collective the others wait in,
         or whose process is gone), the collective, each rank's whereabouts and stack."""
         now = time.time() if now is None else now
-        if self.last_step_t is None or self.state in ("finished", "ended", "waiting"):
+        if self.last_step_t is None or self.state in ("finished", "ended", "waiting",
+                                                      "restarting"):
             return None
         since = now - self.last_step_t
         if since < self.hang_after_s:
@@ -432,7 +450,12 @@ class JobState:
             "started_t": self.started_t,
             "last_t": self.last_t,
             "info": {k: {str(r): v for r, v in d.items()} for k, d in self.info.items()},
-            "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
+            "ranks": [{**self.ranks[r].to_json(now), "flags": self.flags.values_of(r)}
+                      for r in sorted(self.ranks)],
+            "flags": self.flags.table(sorted(self.ranks)),
+            "toggles": self.flags.toggles_json(),
+            "log": {"lines": self.flags.log_total,
+                    "last": [line.to_json() for line in list(self.flags.log)[-50:]]},
             "groups": {self.group_label(n): {"name": n, **g} for n, g in self.groups.items()},
             "collectives": self.collectives_table(),
             "hang": self.hang(now),

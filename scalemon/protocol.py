@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -104,6 +104,50 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "kind": ((str,), True),
         "text": ((str,), True),
     },
+    # The flags of the panel (`scalemon.flags.FLAGS`) in effect on this rank (None: unset),
+    # where this rank's tier differs from the table's and why (`notes`: name -> [tier, why]),
+    # whether it can checkpoint and be restarted by torchrun (`restart`: {ok, reason}), and
+    # whether its script moves its work to a new group at a step boundary (`rebuild`).
+    "flags": {
+        "values": ((dict,), True),
+        "notes": (_OPT_DICT, False),
+        "restart": (_OPT_DICT, False),
+        "rebuild": ((bool,), False),
+    },
+    # What a rank did with a flag change the hub relayed (`outcome`: applied, failed,
+    # restarting), at which step boundary (the change is in effect from `step` on).
+    "toggle_result": {
+        "id": ((int,), True),
+        "name": ((str,), True),
+        "value": ((str,), True),
+        "outcome": ((str,), True),
+        "step": (_OPT_INT, False),
+        "text": (_OPT_STR, False),
+    },
+    # New lines of a log the agent follows (`source`: "nccl" for NCCL_DEBUG_FILE, "stderr"
+    # for torch's own output), at most a bounded number per second; `dropped` counts lines
+    # left out since the previous message.
+    "log_lines": {
+        "source": ((str,), True),
+        "lines": ((list,), True),
+        "dropped": (_OPT_INT, False),
+    },
+    # Written by the hub: a flag change someone asked for, and what became of it (`state`:
+    # requested, applied, partial, failed, refused, restarting, restarted); one record per
+    # state change, all with the same `id`.
+    "toggle": {
+        "id": ((int,), True),
+        "name": ((str,), True),
+        "value": ((str,), True),
+        "state": ((str,), True),
+        "tier": (_OPT_STR, False),
+        "user": (_OPT_STR, False),
+        "client_host": (_OPT_STR, False),
+        "at_step": (_OPT_INT, False),
+        "step": (_OPT_INT, False),
+        "ranks": (_OPT_DICT, False),
+        "text": (_OPT_STR, False),
+    },
     # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
     "rank_state": {
         "target": ((int,), True),
@@ -114,7 +158,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 RANK_STATES = ("running", "lost", "exited", "finished")
-HUB_TYPES = ("rank_state", "fr_dump", "hub_note")
+HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
 
 
@@ -316,9 +360,18 @@ RPC_OPS = {
     "sync": {"rank": int, "t": float},
     # a dashboard asks the hub to have every rank do something (see hub.COMMANDS)
     "command": {"name": str},
+    # change a flag on every rank (`scalemon.flags`); only on the hub's private control
+    # socket. `value` "" unsets; `restart` asks for the restart tier whatever the flag's
+    # tier; `user` and `host` name who asked, for the audit
+    "toggle": {"name": str, "value": str, "restart": bool, "user": str, "host": str},
     "state": {},
     "fetch": {"since": int, "limit": int},
 }
+
+
+CONTROL_OPS = ("command", "toggle")
+"""Requests that steer the job: accepted only on the hub's control socket, an ipc socket in its
+run directory (mode 0700), so only the job's owner on the hub's host reaches it."""
 
 
 def encode_request(op: str, **args: Any) -> bytes:

@@ -7,7 +7,8 @@ the message rate. Plots are re-rasterised less often when they are expensive. Th
 to the app only through `post_message` (status changes).
 
 When the job hangs (`JobState.hang`) the app shows the hang screen by itself, once per hang;
-its `d` asks the hub for a Flight Recorder dump from a thread worker.
+its `d` asks the hub for a Flight Recorder dump from a thread worker. The flags screen's changes
+go to the hub the same way, through `send_toggle` (the hub's control socket by default).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from scalemon.client import HubClient, HubUnreachable
+from scalemon.client import HubUnreachable
+from scalemon.control import ControlError, Controller
 from scalemon.jobs import HubAddress, JobFile
 from scalemon.protocol import ProtocolError
 from scalemon.tui import views
@@ -40,8 +42,10 @@ from scalemon.tui.messages import DumpRequested, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.screens.collectives import CollectivesScreen
+from scalemon.tui.screens.flags import FlagsScreen, ToggleRequested
 from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.help import HelpScreen
+from scalemon.tui.screens.log import LogScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
@@ -49,8 +53,13 @@ from scalemon.tui.screens.rank_detail import RankDetailScreen
 TICK_S = 0.1
 AGES_EVERY_S = 1.0
 NO_HUB = "no hub: dumps need a live job"
-SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen)
-"""Screens that `c` and `h` replace instead of stacking another one on."""
+NO_HUB_FLAGS = ("no live hub behind this dashboard (simulated or replayed data): flags can be "
+                "changed only in a live job, from the hub's host")
+SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen, FlagsScreen, LogScreen)
+"""Screens that `c`, `h`, `f` and `L` replace instead of stacking another one on."""
+ToggleSender = Callable[[str, str, bool], dict[str, Any]]
+"""(name, value, restart) -> the hub's reply; raises ProtocolError (refused), HubUnreachable,
+ControlError (the job cannot be steered from here)."""
 
 
 def run_app(app: DashboardApp) -> None:
@@ -83,6 +92,15 @@ class DumpAnswer(Message):
         self.ok = ok
 
 
+class ToggleAnswer(Message):
+    """What became of a flag change request (posted from the worker's thread)."""
+
+    def __init__(self, text: str, ok: bool) -> None:
+        super().__init__()
+        self.text = text
+        self.ok = ok
+
+
 class DashboardApp(App[None]):
     """The scalemon dashboard."""
 
@@ -93,6 +111,8 @@ class DashboardApp(App[None]):
         Binding("l", "toggle_lines", "Lines/band"),
         Binding("c", "collectives", "Collectives"),
         Binding("h", "hang", "Hang view"),
+        Binding("f", "flags", "Flags"),
+        Binding("L", "log", "Log"),
     ]
 
     def __init__(self, feed: Feed | None = None, *, data: DashboardData | None = None,
@@ -121,6 +141,8 @@ class DashboardApp(App[None]):
         self._job_exit_reported = False
         self._hang_shown = False  # the hang screen was shown for the hang going on
         self.dump_status: str | None = None  # what became of the last dump request
+        self.toggle_status: tuple[str, bool] | None = None  # of the last flag change request
+        self.send_toggle: ToggleSender = self._send_toggle_to_hub
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -270,6 +292,16 @@ class DashboardApp(App[None]):
         if isinstance(self.screen, DataScreen) and not isinstance(self.screen, HangScreen):
             self._show_side(HangScreen(self.dump_status))
 
+    def action_flags(self) -> None:
+        """Flags: tiers, values on the ranks, mismatches, the toggle audit; changes them."""
+        if isinstance(self.screen, DataScreen) and not isinstance(self.screen, FlagsScreen):
+            self._show_side(FlagsScreen(self.toggle_status))
+
+    def action_log(self) -> None:
+        """NCCL's and torch's log lines streamed by the agents, filtered."""
+        if isinstance(self.screen, DataScreen) and not isinstance(self.screen, LogScreen):
+            self._show_side(LogScreen())
+
     def hub_address(self) -> HubAddress | None:
         """The live hub's address; None without one (a replayed history file, a test)."""
         if not isinstance(self.feed, HubFeed) or self.data.conn.status == "offline":
@@ -286,14 +318,18 @@ class DashboardApp(App[None]):
 
     @work(thread=True, exclusive=True, group="dump", name="dump request")
     def _request_dump(self, address: HubAddress) -> None:
-        client = HubClient(address, timeout_s=5.0)
         try:
-            reply = client.request("command", name="dump_fr")
+            controller = Controller(address, timeout_s=5.0)
+        except ControlError as exc:
+            self.post_message(DumpAnswer(f"dump failed: {exc}", ok=False))
+            return
+        try:
+            reply = controller.command("dump_fr")
         except (HubUnreachable, ProtocolError, zmq.ZMQError) as exc:
             self.post_message(DumpAnswer(f"dump failed: {exc}", ok=False))
             return
         finally:
-            client.close()
+            controller.close()
         where = reply.get("directory", "?")
         if "ranks" in reply:
             text = f"dump requested: {len(reply['ranks'])} ranks -> {where}"
@@ -314,6 +350,48 @@ class DashboardApp(App[None]):
                 screen.show_status(text)
         self.redraw_now(plots=False)
 
+    def on_toggle_requested(self, message: ToggleRequested) -> None:
+        """The flags screen's change (already checked against the catalogue): send it off
+        the UI thread."""
+        self._request_toggle(message.name, message.value, message.restart)
+
+    @work(thread=True, group="toggle", name="toggle request")
+    def _request_toggle(self, name: str, value: str, restart: bool) -> None:
+        change = f"{name}={value}" if value else f"{name}= (unset)"
+        try:
+            reply = self.send_toggle(name, value, restart)
+        except ControlError as exc:
+            self.post_message(ToggleAnswer(f"cannot change flags from here: {exc}", ok=False))
+        except ProtocolError as exc:
+            self.post_message(ToggleAnswer(f"the hub refused {change}: {exc}", ok=False))
+        except (HubUnreachable, zmq.ZMQError, OSError) as exc:
+            self.post_message(ToggleAnswer(f"{change} not sent: {exc}", ok=False))
+        else:
+            text = reply.get("text") or (f"{change} ({reply.get('tier', '?')}) planned for "
+                                         f"step {reply.get('at_step', '?')}")
+            self.post_message(ToggleAnswer(f"toggle #{reply.get('id', '?')}: {text}", ok=True))
+
+    def _send_toggle_to_hub(self, name: str, value: str, restart: bool) -> dict[str, Any]:
+        """The default `send_toggle`: the live hub's control socket."""
+        address = self.hub_address()
+        if address is None:
+            raise ControlError(NO_HUB_FLAGS)
+        controller = Controller(address, timeout_s=5.0)
+        try:
+            return controller.toggle(name, value, restart=restart)
+        finally:
+            controller.close()
+
+    def on_toggle_answer(self, message: ToggleAnswer) -> None:
+        """Say what became of a flag change request."""
+        self.toggle_status = (message.text, message.ok)
+        self.notify(message.text, severity="information" if message.ok else "error",
+                    timeout=10, markup=False)
+        for screen in self.screen_stack:
+            if isinstance(screen, FlagsScreen):
+                screen.show_status(message.text, message.ok)
+        self.redraw_now(plots=False)
+
     def action_toggle_lines(self) -> None:
         """Loss and memory plots: one line per rank <-> mean with a min..max band."""
         with self.data.lock:
@@ -332,6 +410,10 @@ class DashboardApp(App[None]):
                             "skew heat map, Flight Recorder health (c)", self.action_collectives)
         yield SystemCommand("Hang view", "Who holds up the job, every rank's stack, Flight "
                             "Recorder dumps (h)", self.action_hang)
+        yield SystemCommand("Flags", "NCCL and torch flags: tiers, values on every rank, "
+                            "mismatches, toggle audit; change them (f)", self.action_flags)
+        yield SystemCommand("Log", "NCCL's and torch's log lines of every rank, filtered by "
+                            "rank, source, level and text (L)", self.action_log)
         with self.data.lock:
             hosts = {r: v.host for r, v in self.data.state.ranks.items()}
         for rank in sorted(hosts):

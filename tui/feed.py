@@ -56,7 +56,7 @@ class HubFeed(Feed):
         if self.job is not None:
             for jf in live_jobs(self.home, clean=False):
                 if jf.job == self.job:
-                    self.address = HubAddress.parse(jf.address)
+                    self.address = jf.hub_address()  # with its control socket on this host
                     break
         return self.address
 

@@ -19,6 +19,7 @@ from scalemon import display, metrics
 from scalemon.display import NA, Column
 from scalemon.jobstate import RankView
 from scalemon.metrics import Metric
+from scalemon.tui.flagview import header_note
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
 from scalemon.tui.plotdata import Line, PlotSpec
@@ -59,6 +60,8 @@ class Summary:
     stragglers: list[tuple[int, float]]  # (rank, seconds late or slower), largest first
     straggler_basis: str  # ARRIVAL_BASIS, COMPUTE_BASIS or ""
     conn: ConnState
+    flag_note: str = ""  # a flag change under way, or flags that differ across ranks
+    flag_style: str = ""
 
 
 @dataclass
@@ -148,6 +151,7 @@ def _summary(data: DashboardData, now: float) -> Summary:
     if st.started_t is not None:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
     stragglers, basis = _stragglers(data, median_step)
+    flag_note, flag_style = header_note(st.flags)
     return Summary(
         job=st.job, world_size=st.world_size, ranks_seen=len(ranks), state=job_state,
         state_text=state_text, step_min=min(steps) if steps else None,
@@ -157,6 +161,7 @@ def _summary(data: DashboardData, now: float) -> Summary:
         elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
+        flag_note=flag_note, flag_style=flag_style,
     )
 
 

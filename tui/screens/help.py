@@ -22,6 +22,12 @@ HELP_TEMPLATE = """\
 - `h`: hang view (shown by itself when the job hangs): who holds up whom, each rank's state,
   collectives in flight and Python stack; there `d` asks every rank for a Flight Recorder dump
   and shows torch's analysis of it
+- `f`: flags (NCCL_DEBUG, NCCL_ALGO, TORCH_DISTRIBUTED_DEBUG, ...): each flag's tier, its
+  value on the ranks (a value that differs across ranks is a MISMATCH, in red) and the toggle
+  audit; there `Enter` or `t` changes the flag under the cursor on every rank and `R` changes
+  it by restarting the job
+- `L`: log: NCCL's debug lines and torch's stderr of every rank; `/` edits the filter
+  (`rank:0,2 src:nccl sub:WARN` and words the line must hold)
 - `Ctrl+P`: command palette (type `rank 3` to open rank 3; theme; screenshot)
 - `?`: this help, `q`: quit (the job keeps running; only `scalemon demo` stops its own job)
 
@@ -43,6 +49,13 @@ mean duration, n the ranks of the group, 1 GB = 1e9 B. A duration includes the w
 last rank, so a straggler lowers everyone's busbw. *n/a* says why: gloo records no durations
 (the agent times only DDP's all-reduce there), a barrier moves no data. A recorder whose ring
 wrapped between two reads lost entries: raise TORCH_FR_BUFFER_SIZE.
+
+**Flags.** A change takes effect by its tier: *live* (the ranks switch at the planned step
+boundary), *new comm* (read when a communicator is created: the demo trainer moves to a new
+group, other scripts get it in groups created later) or *restart* (the job checkpoints and
+torchrun restarts its workers with the new value). The dashboard checks the value first; the
+hub checks it again, plans the step and records who asked. Flags can be changed only on the
+hub's host, by the job's owner (its control socket).
 
 **Hangs.** The job is *hung* when no rank completed a step for the hang threshold (10 s,
 `scalemon attach --hang-after S`). The culprit is the rank that never issued the collective the

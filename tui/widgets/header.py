@@ -12,6 +12,7 @@ STATE_STYLES = {
     "running": "bold green",
     "finished": "bold green",
     "waiting": "bold yellow",
+    "restarting": "bold yellow",
     "stalled": "bold magenta",
     "hung": "bold white on red",
     "degraded": "bold red",
@@ -28,7 +29,8 @@ CONN_STYLES = {
 
 
 def header_text(s: Summary) -> Text:
-    """Three lines: identity and state; progress, rates and drops; hub link and stragglers."""
+    """Three lines: identity and state; progress, rates, drops and a flag note; hub link and
+    stragglers."""
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("job ", style="dim").append(s.job or "?", style="bold")
     world = display.NA if s.world_size is None else str(s.world_size)
@@ -52,6 +54,8 @@ def header_text(s: Summary) -> Text:
     t.append("  seq gaps ", style="dim").append(str(s.gaps), style="bold red" if s.gaps else "")
     if s.rejected:
         t.append("  undecodable ", style="dim").append(str(s.rejected), style="bold red")
+    if s.flag_note:
+        t.append("  ").append(s.flag_note, style=s.flag_style)
     t.append("\n")
     conn = s.conn
     t.append("hub ", style="dim")

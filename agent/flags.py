@@ -1,0 +1,333 @@
+"""Applying flag toggles inside a rank, on the training thread, at the planned step boundary.
+
+The hub relays a `set_flag` command on the agent's sync (sender thread); it is only queued
+there. `Run.log()` checks the queue (one attribute read) and, once the step before the planned
+one is done, applies the change here, on the training thread: `os.environ` is never changed
+from a background thread (setenv is not thread-safe in glibc), and every rank changes at the same
+step boundary. What each tier does:
+
+- live: set the variable and make the running process take it (NCCL: `ncclResetDebugInit()`
+  through ctypes on the loaded libnccl; torch: `set_debug_level_from_env()`,
+  `_set_pg_timeout()`, `_enable_collectives_timing()`).
+- new communicator: set the variable; where the script registered `on_new_communicator`, call it
+  so it moves its work to new groups now; otherwise it holds for groups created later.
+- restart: write the override file, have the script checkpoint (`checkpoint`), report, and end
+  the worker with `RESTART_EXIT_CODE` so torchrun starts it again with the value.
+
+After each change the rank reports its values (`flags` message) and the outcome
+(`toggle_result`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from scalemon import flags as catalogue
+from scalemon.flags import (
+    FLAGS,
+    NCCL_NO_CACHE_FLAGS,
+    NEW_COMMUNICATOR,
+    PG_TIMEOUT,
+    RESTART,
+    RESTART_EXIT_CODE,
+    FlagError,
+)
+
+from . import overrides
+from .env import RankEnv
+from .warn import Warnings
+
+log = logging.getLogger("scalemon.agent")
+Submit = Callable[[str, dict[str, Any]], bool]
+
+
+class FlagControl:
+    """The flags of one rank: report them, apply toggles when due."""
+
+    def __init__(self, env: RankEnv, submit: Submit, warnings: Warnings, *, nccl: bool,
+                 checkpoint: Callable[[int], Any] | None = None,
+                 on_new_communicator: Callable[[list[str]], Any] | None = None,
+                 log_dir: Path | None = None,
+                 on_log_file: Callable[[Path, str], None] | None = None) -> None:
+        self.env = env
+        self.submit = submit
+        self.warnings = warnings
+        self.nccl = nccl
+        self.checkpoint = checkpoint
+        self.on_new_communicator = on_new_communicator
+        self.log_dir = log_dir
+        self.on_log_file = on_log_file
+        self.pending: list[dict[str, Any]] = []  # appended by the sender thread
+        self.applied_ids: set[int] = set()
+
+    # --- reporting ---------------------------------------------------------------------------
+    def values(self) -> dict[str, str | None]:
+        """Every flag of the panel as in effect in this process (None: unset)."""
+        out: dict[str, str | None] = {}
+        for name, flag in FLAGS.items():
+            if flag.tier == RESTART:
+                out[name] = overrides.start_env.get(name, os.environ.get(name))
+            else:
+                out[name] = os.environ.get(name) or None
+        out["TORCH_DISTRIBUTED_DEBUG"] = torch_debug_level() or out["TORCH_DISTRIBUTED_DEBUG"]
+        out[PG_TIMEOUT] = pg_timeout_text()
+        return out
+
+    def notes(self) -> dict[str, list[str]]:
+        """Where a flag's tier on this rank differs from the table's, and why."""
+        notes: dict[str, list[str]] = {}
+        nccl_lib = nccl_library()
+        for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
+            if nccl_lib is not None and reset_debug_symbol(nccl_lib) is None:
+                notes[name] = [RESTART, f"{nccl_lib} has no ncclResetDebugInit(): NCCL keeps "
+                                        "the debug settings it read at its first use"]
+        no_cache = os.environ.get("NCCL_NO_CACHE", "")
+        for name in NCCL_NO_CACHE_FLAGS:
+            if no_cache.upper() != "ALL" and name not in no_cache.split(","):
+                notes[name] = [RESTART, f"launched without NCCL_NO_CACHE={name} (or ALL): NCCL "
+                                        "cached it at its first read"]
+        if overrides.torch_imported_first and "TORCH_CPP_LOG_LEVEL" in overrides.applied:
+            notes["TORCH_CPP_LOG_LEVEL"] = [RESTART, "torch was imported before scalemon.agent,"
+                                                     " so the override came too late for it"]
+        if self.on_new_communicator is None:
+            for name, flag in FLAGS.items():
+                if flag.tier == NEW_COMMUNICATOR and name not in notes:
+                    notes[name] = [NEW_COMMUNICATOR, "the script moves no work to new groups: "
+                                   "only groups created after the change get it (--restart "
+                                   "changes every group)"]
+        return notes
+
+    def restart_status(self) -> dict[str, Any]:
+        """Whether a restart-tier change can restart this worker, and if not why."""
+        if self.env.launcher != "torchrun":
+            return {"ok": False, "reason": "not started by torchrun, so nothing would start it "
+                                           "again"}
+        if self.checkpoint is None:
+            return {"ok": False, "reason": "the script registered no checkpoint callback "
+                                           "(demo trainer: start it with --ckpt-dir)"}
+        max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        if self.env.restart_count >= max_restarts:
+            return {"ok": False, "reason": f"torchrun restarts used up ({self.env.restart_count}"
+                                           f" of --max-restarts {max_restarts})"}
+        return {"ok": True, "reason": f"{max_restarts - self.env.restart_count} torchrun "
+                                      "restart(s) left; checkpoints before stopping"}
+
+    def report(self) -> None:
+        """Send this rank's flags to the hub."""
+        self.submit("flags", {"values": self.values(), "notes": self.notes(),
+                              "restart": self.restart_status(),
+                              "rebuild": self.on_new_communicator is not None})
+
+    # --- commands (sender thread) ------------------------------------------------------------
+    def queue(self, command: dict[str, Any]) -> None:
+        """A `set_flag` command from the hub; applied later by `apply_due` (training thread)."""
+        if isinstance(command.get("id"), int) and command["id"] not in self.applied_ids:
+            self.pending.append(command)
+
+    # --- applying (training thread) ----------------------------------------------------------
+    def apply_due(self, step: int, stop_worker: Callable[[int], None]) -> None:
+        """Apply every queued change planned for the boundary after `step` (or overdue)."""
+        for command in [c for c in self.pending if _planned(c) <= step + 1]:
+            self.pending.remove(command)
+            self.applied_ids.add(command["id"])
+            self._apply(command, step, stop_worker)
+
+    def _apply(self, command: dict[str, Any], step: int,
+               stop_worker: Callable[[int], None]) -> None:
+        name, value = str(command.get("flag")), str(command.get("value", ""))
+        tier = command.get("tier") if command.get("tier") in catalogue.TIERS else RESTART
+        effective = step + 1
+        late = effective - _planned(command)
+        try:
+            catalogue.check(name, value)  # never trust a relayed command
+            if tier == RESTART:
+                self._restart(command, name, value, step, stop_worker)
+                return
+            text = self._change(name, value, tier)
+            if late > 0:
+                text += f" (the command arrived {late} step(s) after the planned one)"
+            outcome = "applied"
+        except FlagError as exc:
+            outcome, text = "failed", str(exc)
+        except Exception as exc:  # a failed toggle never stops training
+            outcome, text = "failed", f"{type(exc).__name__}: {exc}"
+        self._result(command, name, value, outcome, effective, text)
+        if outcome == "applied":
+            self._persist({name: value or None})
+        self.report()
+
+    def _change(self, name: str, value: str, tier: str) -> str:
+        """Make a live or new-communicator change; returns what was done, in words."""
+        if name == PG_TIMEOUT:
+            return set_pg_timeout(float(value))
+        _setenv(name, value)
+        if name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
+            return self._nccl_debug(value)
+        if name == "TORCH_DISTRIBUTED_DEBUG":
+            import torch.distributed as dist
+
+            dist.set_debug_level_from_env()
+            return "torch debug level now " + (torch_debug_level() or "?") + \
+                self._new_groups([name])
+        if name == "TORCH_NCCL_ENABLE_TIMING":
+            return enable_collectives_timing()
+        if tier == NEW_COMMUNICATOR:
+            return self._new_groups([name])
+        return "set"
+
+    def _new_groups(self, names: list[str]) -> str:
+        if self.on_new_communicator is None:
+            return ("; in effect for process groups created from now on (existing groups "
+                    "keep their value: `scalemon toggle --restart` changes them too)")
+        said = self.on_new_communicator(names)
+        return "; " + (said if isinstance(said, str) and said else
+                       "the script moved its work to new process groups")
+
+    def _nccl_debug(self, value: str) -> str:
+        if os.environ.get("NCCL_DEBUG") and self.log_dir is not None \
+                and "NCCL_DEBUG_FILE" not in os.environ:
+            path = self.log_dir / f"nccl.{self.env.host}.{os.getpid()}.log"
+            os.environ["NCCL_DEBUG_FILE"] = str(path)
+            if self.on_log_file is not None:
+                self.on_log_file(path, "nccl")
+        lib = nccl_library()
+        if lib is None:
+            return ("NCCL is not loaded in this process (gloo job or CPU build): set for any "
+                    "NCCL communicator it creates")
+        reset = reset_debug_symbol(lib)
+        if reset is None:
+            raise FlagError(f"{lib} has no ncclResetDebugInit(): restart the job for this flag")
+        reset()
+        return f"NCCL re-read its debug settings (ncclResetDebugInit in {Path(lib).name})"
+
+    def _restart(self, command: dict[str, Any], name: str, value: str, step: int,
+                 stop_worker: Callable[[int], None]) -> None:
+        status = self.restart_status()
+        if not status["ok"]:
+            self._result(command, name, value, "failed", step + 1,
+                         f"cannot restart: {status['reason']}")
+            return
+        self._persist({name: value or None}, restart_at=step)
+        self.checkpoint(step)  # every rank at the same boundary: the save's collectives pair
+        self._result(command, name, value, "restarting", step,
+                     f"checkpointed after step {step}; restarting for {name}={value}")
+        stop_worker(RESTART_EXIT_CODE)
+
+    def _persist(self, values: dict[str, str | None], restart_at: int | None = None) -> None:
+        try:
+            overrides.write(self.env.job, values, restart_at)
+        except OSError as exc:
+            self.warnings.once("override-file", "scalemon: could not write the flag override "
+                               "file (a restarted worker will not keep the toggled flags): %s",
+                               exc)
+
+    def _result(self, command: dict[str, Any], name: str, value: str, outcome: str,
+                step: int, text: str) -> None:
+        self.submit("toggle_result", {"id": command["id"], "name": name, "value": value,
+                                      "outcome": outcome, "step": step, "text": text[:500]})
+
+
+def _planned(command: dict[str, Any]) -> int:
+    at = command.get("at_step")
+    return at if isinstance(at, int) else 0
+
+
+def _setenv(name: str, value: str) -> None:
+    if value:
+        os.environ[name] = value
+    else:
+        os.environ.pop(name, None)
+
+
+def nccl_library() -> str | None:
+    """Path of the libnccl loaded in this process (from /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libnccl" in line and ".so" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    return None
+
+
+def reset_debug_symbol(path: str) -> Callable[[], Any] | None:
+    """NCCL's `ncclResetDebugInit` in the library at `path`, or None."""
+    try:
+        return ctypes.CDLL(path).ncclResetDebugInit
+    except (OSError, AttributeError):
+        return None
+
+
+def torch_debug_level() -> str | None:
+    """torch.distributed's debug level (OFF, INFO, DETAIL), or None without torch.distributed."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_debug_level()).rsplit(".", 1)[-1] if dist.is_available() else None
+    except Exception:
+        return None
+
+
+def _groups() -> list[Any]:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    return list(c10d._world.pg_map)
+
+
+def pg_timeout_text() -> str | None:
+    """The default process group's timeout in seconds, as text (None outside a job)."""
+    try:
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        groups = _groups()
+        if not groups:
+            return None
+        pg = c10d._get_default_group()
+        for device in ("cuda", "cpu"):
+            try:
+                backend = pg._get_backend(torch.device(device))
+                return f"{backend.options._timeout.total_seconds():g}"
+            except Exception:
+                continue
+    except Exception:
+        pass
+    return None
+
+
+def set_pg_timeout(seconds: float) -> str:
+    """Set the timeout of every process group (later operations); returns what was done."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = _groups()
+    for pg in groups:
+        c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+    return f"timeout {seconds:g} s on {len(groups)} process group(s), for their next operations"
+
+
+def enable_collectives_timing() -> str:
+    """Turn collective timing on in every NCCL group; returns what was done."""
+    import torch
+
+    timed = 0
+    for pg in _groups():
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except Exception:
+            continue
+        if hasattr(backend, "_enable_collectives_timing"):
+            backend._enable_collectives_timing()
+            timed += 1
+    if timed:
+        return f"timing on in {timed} NCCL group(s)"
+    return "no NCCL group here (gloo: the agent times collectives on the host already)"

@@ -1,0 +1,145 @@
+"""`scalemon flags` and `scalemon toggle`: the flags of a running job, and changing one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from scalemon import display, protocol
+from scalemon.client import HubClient, HubUnreachable
+from scalemon.control import ControlError, Controller
+from scalemon.flags import FlagError, check, parse_assignment, tier_text
+from scalemon.jobs import JobLookupError, resolve_hub
+
+EXIT_REFUSED = 3
+EXIT_NOT_APPLIED = 4
+
+
+def add_parsers(sub: Any) -> None:
+    """Add the `flags` and `toggle` commands to the `scalemon` parser."""
+    flags = sub.add_parser("flags", help="the job's NCCL/torch flags: tier and value per rank")
+    flags.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
+    flags.add_argument("--json", action="store_true", help="machine-readable JSON")
+    flags.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the hub")
+    flags.set_defaults(func=cmd_flags)
+
+    toggle = sub.add_parser(
+        "toggle", help="change a flag on every rank at the same step, and wait until it is in "
+                       "effect",
+        description="Change NAME on every rank of the job at one step boundary (NAME= unsets). "
+                    "Exit status: 0 in effect on every rank, 3 refused, 4 not in effect on "
+                    "every rank in time, 2 no hub.")
+    toggle.add_argument("words", nargs="+", metavar="[JOB] NAME=VALUE")
+    toggle.add_argument("--restart", action="store_true",
+                        help="restart the job with the value (checkpoint, torchrun restart) "
+                             "whatever the flag's tier: every group gets it")
+    toggle.add_argument("--wait", type=float, default=180.0, metavar="S",
+                        help="seconds to wait for every rank to apply it (default 180)")
+    toggle.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the hub")
+    toggle.set_defaults(func=cmd_toggle)
+
+
+def cmd_flags(args: argparse.Namespace) -> int:
+    """Print the flags panel: tier, why, value per rank, mismatches; and the toggles."""
+    try:
+        job, address = resolve_hub(args.target)
+        state = HubClient(address, timeout_s=args.timeout).state()["state"]
+    except (JobLookupError, HubUnreachable, ValueError, protocol.ProtocolError) as exc:
+        print(f"scalemon flags: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"flags": state["flags"], "toggles": state["toggles"]}, indent=1))
+        return 0
+    print(format_flags(state))
+    return 0
+
+
+def format_flags(state: dict[str, Any]) -> str:
+    """The panel as text: a row per flag, then the last toggles."""
+    rows = state.get("flags") or []
+    width = max((len(r["name"]) for r in rows), default=10)
+    lines = [f"job {state['job']}: flags in effect (tier: when a change takes effect)"]
+    for row in rows:
+        values = row["values"]
+        distinct = set(values.values())
+        if len(distinct) <= 1:
+            shown = _value(next(iter(distinct), None)) + (" (all ranks)" if values else "")
+        else:
+            shown = " ".join(f"{r}:{_value(v)}" for r, v in values.items())
+        mark = "  MISMATCH" if row["mismatch"] else ""
+        lines.append(f"  {row['name']:<{width}}  {tier_text(row['tier']):<8}  {shown}{mark}")
+        lines.append(f"  {'':<{width}}  {'':<8}  why: {row['why']}")
+    toggles = state.get("toggles") or []
+    if toggles:
+        lines.append("toggles:")
+        for t in toggles[-10:]:
+            lines.append("  " + toggle_line(t))
+    return "\n".join(lines)
+
+
+def _value(value: str | None) -> str:
+    return "unset" if value is None else value
+
+
+def toggle_line(t: dict[str, Any]) -> str:
+    """One audit entry in words."""
+    when = time.strftime("%H:%M:%S", time.localtime(t.get("t") or 0))
+    who = f"{t.get('user') or '?'}@{t.get('client_host') or '?'}"
+    step = f" step {t['step']}" if t.get("step") is not None else (
+        f" planned step {t['at_step']}" if t.get("at_step") is not None else "")
+    tier = f" ({t['tier']})" if t.get("tier") else ""
+    return (f"#{t['id']} {when} {who} {t['name']}={t.get('value') or ''}{tier}{step}: "
+            f"{t['state']} {display.NA if not t.get('text') else '- ' + t['text']}")
+
+
+def _split_words(words: list[str]) -> tuple[str | None, str]:
+    if len(words) == 1:
+        return None, words[0]
+    if len(words) == 2:
+        return words[0], words[1]
+    raise FlagError("expected [JOB] NAME=VALUE (one flag per toggle)")
+
+
+def cmd_toggle(args: argparse.Namespace) -> int:
+    """Change a flag and wait until every rank reports it in effect (or say who did not)."""
+    try:
+        target, assignment = _split_words(args.words)
+        name, value = parse_assignment(assignment)
+        check(name, value)  # the hub checks again; this answers a typo at once
+    except FlagError as exc:
+        print(f"scalemon toggle: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        job, address = resolve_hub(target)
+        control = Controller(address, timeout_s=args.timeout)
+    except (JobLookupError, ValueError, ControlError) as exc:
+        print(f"scalemon toggle: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reply = control.toggle(name, value, restart=args.restart)
+    except HubUnreachable as exc:
+        print(f"scalemon toggle: {exc}", file=sys.stderr)
+        return 2
+    except protocol.ProtocolError as exc:
+        print(f"scalemon toggle: {str(exc).removeprefix('hub refused the request: ')}",
+              file=sys.stderr)
+        return EXIT_REFUSED
+    print(f"toggle #{reply['id']}: {reply['text']}", flush=True)
+    try:
+        final = control.wait_toggle(reply["id"], args.wait)
+    except (HubUnreachable, protocol.ProtocolError) as exc:
+        print(f"scalemon toggle: lost the hub while waiting: {exc}", file=sys.stderr)
+        return EXIT_NOT_APPLIED
+    finally:
+        control.close()
+    if final is None or final.get("state") not in ("applied", "restarted"):
+        state = final.get("state") if final else "not seen"
+        text = final.get("text") if final else ""
+        print(f"scalemon toggle: #{reply['id']} {state} after {args.wait:g} s: {text}",
+              file=sys.stderr)
+        return EXIT_NOT_APPLIED
+    print(f"toggle #{final['id']}: {final['state']}: {final.get('text') or ''}")
+    return 0

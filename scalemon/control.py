@@ -1,0 +1,98 @@
+"""Steering a job: requests to the hub's control socket (flag toggles, Flight Recorder dumps).
+
+The control socket is an ipc socket in the hub's run directory, which only the job's owner can
+open (mode 0700); a hub reached over tcp from another machine cannot be steered from there.
+`Controller` checks that before connecting, so the error names the reason instead of timing out.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from scalemon.client import HubClient, HubUnreachable
+from scalemon.jobs import HubAddress
+
+
+class ControlError(RuntimeError):
+    """The job cannot be steered from here; the text says why and what to do."""
+
+
+class Controller:
+    """Requests to one hub's control socket."""
+
+    def __init__(self, address: HubAddress, timeout_s: float = 5.0) -> None:
+        if address.control is None:
+            raise ControlError(
+                f"the hub at {address.rpc} is not on this machine (or its run directory is "
+                "unknown): flags can be changed only on the hub's host, by the job's owner "
+                "(ssh there and run `scalemon toggle JOB NAME=VALUE`)")
+        check_reachable(address.control)
+        self.address = address
+        self.client = HubClient(
+            HubAddress(address.control, address.control, address.control), timeout_s)
+
+    def toggle(self, name: str, value: str, restart: bool = False) -> dict[str, Any]:
+        """Ask the hub to change flag `name` on every rank; the reply names the toggle's id,
+        tier and the step it is planned for. Raises ProtocolError (refused) or
+        HubUnreachable."""
+        return self.client.request("toggle", name=name, value=value, restart=restart,
+                                   user=getpass.getuser(), host=socket.gethostname())
+
+    def command(self, name: str) -> dict[str, Any]:
+        """A command for every rank (`dump_fr`)."""
+        return self.client.request("command", name=name)
+
+    def wait_toggle(self, toggle_id: int, timeout_s: float,
+                    poll_s: float = 0.5) -> dict[str, Any] | None:
+        """The toggle's audit record once it reached a final state (applied, partial, failed,
+        refused, restarted), or its latest record when `timeout_s` ran out (None: never
+        seen)."""
+        deadline = time.monotonic() + timeout_s
+        latest = None
+        while True:
+            state = self.client.state()["state"]
+            for toggle in state.get("toggles") or ():
+                if toggle.get("id") == toggle_id:
+                    latest = toggle
+            if latest is not None and latest.get("state") in FINAL_STATES:
+                return latest
+            if time.monotonic() >= deadline:
+                return latest
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.client.close()
+
+
+FINAL_STATES = ("applied", "partial", "failed", "refused", "restarted")
+
+
+def check_reachable(endpoint: str) -> None:
+    """Raise ControlError when an ipc control socket cannot be opened by this user."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint[len("ipc://"):])
+    directory = path.parent
+    try:
+        info = directory.stat()
+    except PermissionError:
+        raise ControlError(f"permission denied on {directory}: the job belongs to another "
+                           "user; only its owner can change its flags") from None
+    except FileNotFoundError:
+        raise ControlError(f"{directory} does not exist: the job's hub is gone or runs "
+                           "elsewhere") from None
+    if info.st_uid != os.getuid() or not os.access(directory, os.X_OK | os.W_OK):
+        raise ControlError(f"{directory} belongs to uid {info.st_uid}, not to you (uid "
+                           f"{os.getuid()}): only the job's owner can change its flags")
+    if not path.exists():
+        raise ControlError(f"the hub has no control socket at {path}: it is an older hub, or "
+                           "it is not running")
+
+
+__all__ = ["ControlError", "Controller", "HubUnreachable", "check_reachable"]

@@ -1,0 +1,165 @@
+"""What the job's history says about flags: each rank's values in effect, the toggles people
+asked for and what became of them, and the lines of NCCL's and torch's logs the agents
+streamed. Part of the reducer (`JobState.flags`), so hub, snapshot and dashboards agree."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from scalemon.flags import FLAGS, RESTART
+from scalemon.protocol import Message
+
+LOG_LINES_KEPT = 5000
+"""Log lines the reducer keeps (the newest); older ones stay in the history."""
+TOGGLES_KEPT = 200
+
+
+@dataclass
+class RankFlags:
+    """One rank's flags as its agent last reported them."""
+
+    values: dict[str, str | None] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    """name -> [tier on this rank, why], where it differs from the table's."""
+    restart: dict[str, Any] | None = None
+    """{"ok": bool, "reason": str}: whether a restart-tier change can restart this rank."""
+    rebuild: bool = False
+    log_dropped: int = 0
+
+
+@dataclass
+class LogLine:
+    """One line of a rank's NCCL or torch log."""
+
+    t: float
+    rank: int
+    source: str
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        """As in `scalemon snapshot --json` (`log`)."""
+        return {"t": self.t, "rank": self.rank, "source": self.source, "text": self.text}
+
+
+@dataclass
+class FlagState:
+    """Flags, toggles and log lines of one job."""
+
+    ranks: dict[int, RankFlags] = field(default_factory=dict)
+    toggles: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """The audit, by toggle id: the latest record of each (see protocol `toggle`)."""
+    log: deque[LogLine] = field(default_factory=lambda: deque(maxlen=LOG_LINES_KEPT))
+    log_total: int = 0
+
+    def rank(self, rank: int) -> RankFlags:
+        """The flags of `rank`, created on first sight."""
+        found = self.ranks.get(rank)
+        if found is None:
+            found = self.ranks[rank] = RankFlags()
+        return found
+
+    # --- reducer ---------------------------------------------------------------------------
+    def on_flags(self, msg: Message) -> None:
+        """A rank's `flags` report."""
+        b = msg.body
+        view = self.rank(msg.rank)
+        view.values = {k: v if isinstance(v, str) else None
+                       for k, v in b["values"].items() if isinstance(k, str)}
+        view.notes = {k: v for k, v in (b.get("notes") or {}).items()
+                      if isinstance(v, list) and len(v) == 2}
+        view.restart = b.get("restart")
+        view.rebuild = bool(b.get("rebuild"))
+
+    def on_toggle(self, msg: Message) -> None:
+        """A hub `toggle` record: the latest state of toggle `id`."""
+        b = dict(msg.body)
+        old = self.toggles.get(b["id"], {})
+        self.toggles[b["id"]] = {**old, **{k: v for k, v in b.items() if v is not None},
+                                 "t": old.get("t", msg.t), "updated_t": msg.t}
+        while len(self.toggles) > TOGGLES_KEPT:
+            self.toggles.pop(min(self.toggles))
+
+    def on_toggle_result(self, msg: Message) -> None:
+        """A rank's answer to a toggle: kept under the toggle's `results`."""
+        b = msg.body
+        toggle = self.toggles.setdefault(b["id"], {"id": b["id"], "name": b["name"],
+                                                   "value": b["value"], "t": msg.t})
+        toggle.setdefault("results", {})[str(msg.rank)] = {
+            "outcome": b["outcome"], "step": b.get("step"), "text": b.get("text")}
+
+    def on_log_lines(self, msg: Message) -> None:
+        """New lines of a rank's log."""
+        b = msg.body
+        source = b["source"]
+        for line in b["lines"]:
+            if isinstance(line, str):
+                self.log.append(LogLine(msg.t, msg.rank, source, line))
+                self.log_total += 1
+        if isinstance(b.get("dropped"), int):
+            self.rank(msg.rank).log_dropped += b["dropped"]
+
+    # --- views -----------------------------------------------------------------------------
+    def values_of(self, rank: int) -> dict[str, str | None]:
+        """Every flag of the panel for `rank` (None where unset or not reported)."""
+        known = self.ranks.get(rank)
+        values = known.values if known else {}
+        return {name: values.get(name) for name in FLAGS}
+
+    def tier_on(self, name: str, rank: int) -> tuple[str, str]:
+        """(tier, why) of flag `name` on `rank`: the table's unless the rank said otherwise."""
+        flag = FLAGS[name]
+        known = self.ranks.get(rank)
+        note = known.notes.get(name) if known else None
+        if note:
+            return note[0], note[1]
+        return flag.tier, flag.why
+
+    def table(self, ranks: list[int]) -> list[dict[str, Any]]:
+        """A row per flag of the panel: tier (the strictest over `ranks`) and why, the value on
+        every rank, and whether the ranks disagree (a classic cause of hangs)."""
+        rows = []
+        for name, flag in FLAGS.items():
+            values = {str(r): self.values_of(r)[name] for r in ranks}
+            tier, why = flag.tier, flag.why
+            for r in ranks:
+                rank_tier, rank_why = self.tier_on(name, r)
+                if _TIER_ORDER[rank_tier] > _TIER_ORDER[tier]:
+                    tier, why = rank_tier, f"rank {r}: {rank_why}"
+            reported = [v for r, v in values.items() if r in
+                        {str(k) for k, f in self.ranks.items() if f.values}]
+            rows.append({
+                "name": name, "tier": tier, "why": why, "hint": flag.hint,
+                "values": values,
+                "mismatch": len(set(reported)) > 1,
+            })
+        return rows
+
+    def restart_blockers(self, ranks: list[int]) -> list[str]:
+        """Why a restart-tier change cannot be made now (empty: it can), rank by rank."""
+        out = []
+        for r in ranks:
+            known = self.ranks.get(r)
+            restart = known.restart if known else None
+            if not restart:
+                out.append(f"rank {r}: its agent did not report whether it can restart")
+            elif not restart.get("ok"):
+                out.append(f"rank {r}: {restart.get('reason')}")
+        return out
+
+    def effective_tier(self, name: str, ranks: list[int]) -> str:
+        """The tier a change of `name` gets on these ranks: the strictest of theirs."""
+        tier = FLAGS[name].tier
+        for r in ranks:
+            rank_tier = self.tier_on(name, r)[0]
+            if _TIER_ORDER[rank_tier] > _TIER_ORDER[tier]:
+                tier = rank_tier
+        return tier
+
+    def toggles_json(self) -> list[dict[str, Any]]:
+        """The audit, oldest first."""
+        return [self.toggles[i] for i in sorted(self.toggles)]
+
+
+_TIER_ORDER = {"live": 0, "new communicator": 1, RESTART: 2}
