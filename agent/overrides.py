@@ -6,7 +6,8 @@ it applies a toggle. `import scalemon.agent` applies it to `os.environ` in a res
 of the same torchrun run (same TORCHELASTIC_RUN_ID, a higher TORCHELASTIC_RESTART_COUNT than
 when it was written), before the script imports torch where it imports scalemon.agent first,
 so values torch reads at import (TORCH_CPP_LOG_LEVEL) and NCCL reads at its first communicator
-are in effect from the start. This module imports nothing heavy (no torch).
+are in effect from the start. With the static rendezvous (run id "none") the run is told by the
+pid of the torchrun agent, the workers' parent. This module imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ start_env: dict[str, str | None] = {}
 
 
 def _run_id(env: Any) -> str | None:
+    """This torchrun run: its run id, or with the default static rendezvous (run id "none")
+    the pid of the torchrun agent that starts (and restarts) the workers."""
+    if "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
     run_id = env.get("TORCHELASTIC_RUN_ID")
-    return run_id if run_id and run_id != "none" else None
+    return run_id if run_id and run_id != "none" else f"agent-{os.getppid()}"
 
 
 def override_path(job: str) -> Path:

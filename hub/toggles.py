@@ -186,9 +186,8 @@ class Toggles:
         return ANSWER_WAIT_S + max(0, behind) * step_s
 
     def _follow_restart(self, p: Pending, now: float) -> None:
-        back = [r for r in p.ranks
-                if (self.state.ranks[r].restart_count or 0) > p.restart_counts.get(r, 0)
-                and self.state.ranks[r].state == "running"]
+        back = [r for r in p.ranks  # said hello again (it may have finished since)
+                if (self.state.ranks[r].restart_count or 0) > p.restart_counts.get(r, 0)]
         in_effect = [r for r in back
                      if self.state.flags.values_of(r).get(p.name) == (p.value or None)]
         if len(in_effect) == len(p.ranks):

@@ -55,7 +55,12 @@ class Controller:
         deadline = time.monotonic() + timeout_s
         latest = None
         while True:
-            state = self.client.state()["state"]
+            try:
+                state = self.client.state()["state"]
+            except HubUnreachable:  # busy (a restart starves the CPU); its deadline decides
+                if time.monotonic() >= deadline:
+                    raise
+                continue
             for toggle in state.get("toggles") or ():
                 if toggle.get("id") == toggle_id:
                     latest = toggle

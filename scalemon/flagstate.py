@@ -120,6 +120,7 @@ class FlagState:
         """A row per flag of the panel: tier (the strictest over `ranks`) and why, the value on
         every rank, and whether the ranks disagree (a classic cause of hangs)."""
         rows = []
+        reporting = {str(k) for k, f in self.ranks.items() if f.values}
         for name, flag in FLAGS.items():
             values = {str(r): self.values_of(r)[name] for r in ranks}
             tier, why = flag.tier, flag.why
@@ -127,8 +128,7 @@ class FlagState:
                 rank_tier, rank_why = self.tier_on(name, r)
                 if _TIER_ORDER[rank_tier] > _TIER_ORDER[tier]:
                     tier, why = rank_tier, f"rank {r}: {rank_why}"
-            reported = [v for r, v in values.items() if r in
-                        {str(k) for k, f in self.ranks.items() if f.values}]
+            reported = [v for r, v in values.items() if r in reporting]
             rows.append({
                 "name": name, "tier": tier, "why": why, "hint": flag.hint,
                 "values": values,

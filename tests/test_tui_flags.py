@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from test_tui_app import header, until
+from test_tui_app import SimSender, cells, header, until
 from test_tui_collectives import line_with
 from test_tui_snapshots import screen_text
 
 from scalemon import protocol
 from scalemon.protocol import HUB_RANK, Message, ProtocolError
 from scalemon.tui.app import NO_HUB_FLAGS, DashboardApp
+from scalemon.tui.feed import HubFeed
 from scalemon.tui.logview import EMPTY_HELP, parse_filter
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.flags import FlagsScreen, ToggleDialog
@@ -190,6 +191,39 @@ def test_without_a_hub_the_default_sender_says_flags_need_a_live_job():
             await pilot.press("enter")
             await until(pilot, lambda: NO_HUB_FLAGS[:40] in screen_text(app))
             assert app.toggle_status is not None and not app.toggle_status[1]
+
+    asyncio.run(scenario())
+
+
+def test_a_change_goes_to_the_live_hubs_control_socket_and_its_audit_record_comes_back(
+        start_hub, zctx):
+    hub = start_hub("tuiF")
+    sim = SimJob(job="tuiF", ranks=2, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+
+    async def scenario() -> None:
+        app = DashboardApp(HubFeed(address=hub.address))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.pause(0.5)
+            ranks.hello()
+            for step in range(1, 4):
+                ranks.step(step)
+            for rank in range(2):
+                ranks.send(rank, "flags", flags_body(NCCL_DEBUG="WARN"))
+            await until(pilot, lambda: len(cells(app)) == 2)
+            await pilot.press("f")
+            await until(pilot, lambda: isinstance(app.screen, FlagsScreen)
+                        and "2 of 2 ranks reported" in screen_text(app))
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ToggleDialog))
+            await pilot.press(*["backspace"] * 4, *"INFO", "enter")
+            await until(pilot, lambda: "planned for step" in screen_text(app))
+            assert app.toggle_status is not None and app.toggle_status[1], app.toggle_status
+            assert app.toggle_status[0].startswith("toggle #1: NCCL_DEBUG=INFO (live)")
+            # the hub's `toggle` record reaches the audit through the feed
+            await until(pilot, lambda: any(
+                "NCCL_DEBUG=INFO" in line and "@" in line and "requested" in line
+                for line in screen_text(app).splitlines()))
 
     asyncio.run(scenario())
 

@@ -186,5 +186,7 @@ def mismatched(flags: FlagState) -> list[str]:
     if len(reported) < 2:
         return []
     first = reported[0]
+    if all(v == first for v in reported):  # the usual case, at C speed
+        return []
     return [name for name in FLAGS
             if any(v.get(name) != first.get(name) for v in reported[1:])]

@@ -38,7 +38,7 @@ class OverviewScreen(DataScreen):
         self.query_one(RankTable).tooltip = (
             "Enter: this rank's detail.  late ms = how much later the rank issues its "
             "collectives than the first rank (median of its last 100); allred ms (gloo) "
-            "overlaps backward under DDP.  c: collectives, h: hang view.")
+            "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log.")
         self.query_one("#plot-time", LinePlot).tooltip = (
             "compute = step - all-reduce - optimizer (at least 0). Under DDP the all-reduce "
             "overlaps backward, so compute is a lower bound and the three need not add up.")
