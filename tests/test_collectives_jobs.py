@@ -159,9 +159,11 @@ def check_dashboard(home: Path, culprit_words: str) -> None:
 def check_dump(home: Path, nproc: int) -> None:
     """The dashboard's dump key: every rank writes its recorder, the hub runs torch's
     analyzer over the directory and records the outcome."""
-    client = hub_client(home)
+    from scalemon.control import Controller
+
+    client = Controller(JobFile.read(jobs_dir(home) / f"{home.name}.json").hub_address())
     try:
-        reply = client.request("command", name="dump_fr")
+        reply = client.command("dump_fr")  # steering: the control socket only
         directory = Path(reply["directory"])
         assert reply["ranks"] == list(range(nproc))
         state = wait_for(lambda: (s := snapshot(home)) and s["fr_dumps"] and s["fr_dumps"][-1][
