@@ -183,13 +183,17 @@ class Run:
     def _follow_log(self, path: Path, source: str) -> None:
         """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE)."""
         try:
-            from .logtail import LogFollower
-
-            if self._logs is None:
-                self._logs = LogFollower(self.sender.submit, self.warnings)
-            self._logs.follow(path, source)
+            self._log_follower().follow(path, source)
         except Exception as exc:  # the log stays in its file; training goes on
             self.warnings.once("follow-log", "scalemon: not streaming %s: %s", path, exc)
+
+    def _log_follower(self) -> Any:
+        """The LogFollower streaming this rank's logs, made on first use."""
+        if self._logs is None:
+            from .logtail import LogFollower
+
+            self._logs = LogFollower(self.sender.submit, self.warnings)
+        return self._logs
 
     def _capture_stderr(self) -> None:
         """Stream this process's stderr (torch's C++ and debug output) to the hub as well."""
@@ -197,12 +201,11 @@ class Run:
         if self._stderr is not None or log_dir is None:
             return
         try:
-            from .logtail import LogFollower, StderrCapture
+            from .logtail import StderrCapture
 
-            if self._logs is None:
-                self._logs = LogFollower(self.sender.submit, self.warnings)
             self._stderr = StderrCapture()
-            self._stderr.start(log_dir / f"stderr.{self.env.host}.{self.pid}.log", self._logs)
+            self._stderr.start(log_dir / f"stderr.{self.env.host}.{self.pid}.log",
+                               self._log_follower())
         except Exception as exc:
             self.warnings.once("capture-stderr", "scalemon: not streaming stderr: %s", exc)
 

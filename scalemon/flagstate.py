@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from scalemon.flags import FLAGS, RESTART
+from scalemon.flags import FLAGS, LIVE, NEW_COMMUNICATOR, RESTART, TIERS
 from scalemon.protocol import Message
 
 LOG_LINES_KEPT = 5000
@@ -67,8 +67,8 @@ class FlagState:
         view = self.rank(msg.rank)
         view.values = {k: v if isinstance(v, str) else None
                        for k, v in b["values"].items() if isinstance(k, str)}
-        view.notes = {k: v for k, v in (b.get("notes") or {}).items()
-                      if isinstance(v, list) and len(v) == 2}
+        view.notes = {k: v for k, v in (b.get("notes") or {}).items()  # tiers known here only
+                      if isinstance(v, list) and len(v) == 2 and v[0] in TIERS}
         view.restart = b.get("restart")
         view.rebuild = bool(b.get("rebuild"))
 
@@ -116,6 +116,17 @@ class FlagState:
             return note[0], note[1]
         return flag.tier, flag.why
 
+    def strictest(self, name: str, ranks: list[int]) -> tuple[str, str]:
+        """(tier, why) a change of `name` gets on these ranks: the strictest of theirs, with
+        the rank that makes it so."""
+        flag = FLAGS[name]
+        tier, why = flag.tier, flag.why
+        for r in ranks:
+            rank_tier, rank_why = self.tier_on(name, r)
+            if TIER_ORDER[rank_tier] > TIER_ORDER[tier]:
+                tier, why = rank_tier, f"rank {r}: {rank_why}"
+        return tier, why
+
     def table(self, ranks: list[int]) -> list[dict[str, Any]]:
         """A row per flag of the panel: tier (the strictest over `ranks`) and why, the value on
         every rank, and whether the ranks disagree (a classic cause of hangs)."""
@@ -123,11 +134,7 @@ class FlagState:
         reporting = {str(k) for k, f in self.ranks.items() if f.values}
         for name, flag in FLAGS.items():
             values = {str(r): self.values_of(r)[name] for r in ranks}
-            tier, why = flag.tier, flag.why
-            for r in ranks:
-                rank_tier, rank_why = self.tier_on(name, r)
-                if _TIER_ORDER[rank_tier] > _TIER_ORDER[tier]:
-                    tier, why = rank_tier, f"rank {r}: {rank_why}"
+            tier, why = self.strictest(name, ranks)
             reported = [v for r, v in values.items() if r in reporting]
             rows.append({
                 "name": name, "tier": tier, "why": why, "hint": flag.hint,
@@ -150,16 +157,12 @@ class FlagState:
 
     def effective_tier(self, name: str, ranks: list[int]) -> str:
         """The tier a change of `name` gets on these ranks: the strictest of theirs."""
-        tier = FLAGS[name].tier
-        for r in ranks:
-            rank_tier = self.tier_on(name, r)[0]
-            if _TIER_ORDER[rank_tier] > _TIER_ORDER[tier]:
-                tier = rank_tier
-        return tier
+        return self.strictest(name, ranks)[0]
 
     def toggles_json(self) -> list[dict[str, Any]]:
         """The audit, oldest first."""
         return [self.toggles[i] for i in sorted(self.toggles)]
 
 
-_TIER_ORDER = {"live": 0, "new communicator": 1, RESTART: 2}
+TIER_ORDER = {LIVE: 0, NEW_COMMUNICATOR: 1, RESTART: 2}
+"""Tiers from the least to the most disruptive."""

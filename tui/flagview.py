@@ -2,8 +2,8 @@
 panel (tier, the value in effect on every rank, whether the ranks disagree) and the latest
 toggles of the audit. Also the header's one-segment flag note.
 
-Rows are built in one pass over the ranks (`FlagState.table` compares every rank with every
-other one, too slow for a redraw of a large job).
+Each flag's tier is the reducer's (`FlagState.strictest`); the values are grouped by value in
+one pass over the ranks.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ def flags_view(data: DashboardData) -> FlagsView:
     with data.lock:
         flags = data.state.flags
         ranks = sorted(set(data.state.ranks) | set(flags.ranks))
-        reported = {r: (f.values, f.notes) for r, f in flags.ranks.items() if f.values}
+        reported = {r: f.values for r, f in flags.ranks.items() if f.values}
+        tiers = {name: flags.strictest(name, sorted(reported)) for name in FLAGS}
         latest = [_copy(t) for t in flags.toggles_json()[-AUDIT_ROWS:]]
         blockers = flags.restart_blockers(ranks)
         count = len(flags.toggles)
-    rows = [_row(name, reported) for name in FLAGS]
+    rows = [_row(name, *tiers[name], reported) for name in FLAGS]
     audit = [_audit_row(t) for t in reversed(latest)]
     unreported = [r for r in ranks if r not in reported]
     return FlagsView(rows, audit, ranks, unreported, blockers, count)
@@ -87,18 +88,11 @@ def _copy(toggle: dict[str, Any]) -> dict[str, Any]:
     return {**toggle, "results": dict(toggle.get("results") or {})}
 
 
-def _row(name: str, reported: dict[int, tuple[dict, dict]]) -> FlagRow:
-    flag = FLAGS[name]
-    tier, why = flag.tier, flag.why
-    order = {LIVE: 0, NEW_COMMUNICATOR: 1, RESTART: 2}
+def _row(name: str, tier: str, why: str, reported: dict[int, dict]) -> FlagRow:
     by_value: dict[str, list[int]] = {}
     for rank in sorted(reported):
-        values, notes = reported[rank]
-        value = values.get(name)
+        value = reported[rank].get(name)
         by_value.setdefault(UNSET if value is None else value, []).append(rank)
-        note = notes.get(name)
-        if note and order.get(note[0], 0) > order.get(tier, 0):
-            tier, why = note[0], f"rank {rank}: {note[1]}"
     if not by_value:
         text = "?"
     elif len(by_value) == 1:
@@ -107,7 +101,7 @@ def _row(name: str, reported: dict[int, tuple[dict, dict]]) -> FlagRow:
         text = values_text(by_value)
     if len(text) > VALUE_CHARS:
         text = text[:VALUE_CHARS - 1] + "…"
-    return FlagRow(name, tier, why, flag.hint, text, by_value, len(by_value) > 1)
+    return FlagRow(name, tier, why, FLAGS[name].hint, text, by_value, len(by_value) > 1)
 
 
 def values_text(by_value: dict[str, list[int]]) -> str:
