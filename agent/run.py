@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 import scalemon
+from scalemon.failures import clean_error
 from scalemon.jobs import run_dir
 
 from .autostart import hub_address, start_hub_if_needed
@@ -41,6 +42,11 @@ from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 F = TypeVar("F", bound=Callable[..., Any])
+FIRST_ANSWER_WARN_S = 5.0
+"""A hub the user named (SCALEMON_HUB) runs already: after this long without its answer, the
+rank says nothing is being received (an auto-started hub gets the Sender's longer wait)."""
+OWN_DIRS = (Path(__file__).resolve().parent, Path(scalemon.__file__).resolve().parent)
+"""scalemon's code: its frames are left out of the error a rank reports as its cause."""
 
 
 def guarded(method: F) -> F:
@@ -104,8 +110,12 @@ class Run:
         self._previous_log_s = 0.0
         self.steps_logged = 0
         self._finished = False
+        configured_by = ("init(hub=...)" if hub else
+                         "SCALEMON_HUB" if os.environ.get("SCALEMON_HUB") else None)
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
-                             rpc_endpoint=self.address.rpc, warnings=self.warnings)
+                             rpc_endpoint=self.address.rpc, warnings=self.warnings,
+                             configured_by=configured_by, hub_label=self.address.base,
+                             first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None)
         self.sender.on_command = self._on_command
         self._watch_hub(hub)
         self._nccl = uses_nccl()
@@ -375,7 +385,8 @@ class Run:
             self._previous_excepthook(etype, value, tb)  # the traceback first, at once
         finally:
             if not self._finished:
-                self._disabled_reason = "".join(traceback.format_exception_only(etype, value))
+                self._disabled_reason = clean_error(
+                    "".join(traceback.format_exception_only(etype, value)), OWN_DIRS)
                 self.finish(exit_code=1, reason="exception")
 
     def _atexit(self) -> None:

@@ -52,6 +52,9 @@ class Sender:
         warnings: Warnings | None = None,
         sync_every_s: float = 1.0,
         silent_warn_s: float = 15.0,
+        configured_by: str | None = None,
+        first_answer_warn_s: float | None = None,
+        hub_label: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.rpc_endpoint = rpc_endpoint
@@ -65,6 +68,10 @@ class Sender:
         self.flush_interval_s = flush_interval_s
         self.sync_every_s = sync_every_s
         self.silent_warn_s = silent_warn_s
+        self.configured_by = configured_by  # "SCALEMON_HUB", ... when the user chose the hub
+        self.hub_label = hub_label or rpc_endpoint  # the hub as the user knows its address
+        self.first_answer_warn_s = (silent_warn_s if first_answer_warn_s is None
+                                    else first_answer_warn_s)
         self._answered: float | None = None  # monotonic time of the hub's last answer
         self.on_hub_silent: Callable[[], None] | None = None  # e.g. start a new hub
         self.replace_after_s = 3.0
@@ -203,12 +210,8 @@ class Sender:
         now = time.monotonic()
         answered = self._answered
         if answered is None:
-            if now - self._started >= self.silent_warn_s:
-                self.warnings.once(
-                    "hub-never", "scalemon: the job's hub at %s has not answered for %.0f s: "
-                    "it did not start or cannot be reached (see hub.log in the job's run "
-                    "directory, or `scalemon jobs`); this rank's metrics are dropped until it "
-                    "answers", self.rpc_endpoint, now - self._started)
+            if now - self._started >= self.first_answer_warn_s:
+                self._warn_never_answered(now - self._started)
             return
         silent = now - answered
         if (self.on_hub_silent is not None and silent >= self.replace_after_s
@@ -223,7 +226,24 @@ class Sender:
             self.warnings.once(
                 "hub-gone", "scalemon: the job's hub at %s stopped answering %.0f s ago: it "
                 "died or hangs (see hub.log in the job's run directory); this rank's "
-                "metrics are dropped until a hub answers again", self.rpc_endpoint, silent)
+                "metrics are dropped until a hub answers again", self.hub_label, silent)
+
+    def _warn_never_answered(self, waited: float) -> None:
+        """Say once that nothing this rank sends is received, and where to look."""
+        if self.configured_by:
+            self.warnings.once(
+                "hub-never", "scalemon: nothing is being received: the hub at %s (set by %s) "
+                "has not answered for %.0f s. Check the address (`scalemon jobs` on the hub's "
+                "host lists live hubs)%s; this rank's metrics are dropped until a hub "
+                "answers", self.hub_label, self.configured_by, waited,
+                ", or unset SCALEMON_HUB so the job starts its own hub"
+                if self.configured_by == "SCALEMON_HUB" else "")
+        else:
+            self.warnings.once(
+                "hub-never", "scalemon: the job's hub at %s has not answered for %.0f s: "
+                "it did not start or cannot be reached (see hub.log in the job's run "
+                "directory, or `scalemon jobs`); this rank's metrics are dropped until it "
+                "answers", self.hub_label, waited)
 
     def _read_sync(self, frame: bytes) -> None:
         """The hub's answer: its version (another major switches sending off), its clock, and

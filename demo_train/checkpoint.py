@@ -10,9 +10,16 @@ One checkpoint is a directory `step_000012/` under --ckpt-dir:
 
 Every rank writes into `step_000012.tmp/`; after a barrier rank 0 writes meta.json and renames
 the directory, so a directory without `.tmp` is complete, and a crash mid-save leaves only a
-`.tmp` that is ignored (and removed by the next save). Resuming takes the newest complete
-checkpoint whose files match their checksums and that loads on every rank; one that does not
-is renamed `*.corrupt` with a message saying why, and the one before it is used.
+`.tmp` that is ignored (and removed by the next save).
+
+Resuming takes the newest complete checkpoint whose files match their checksums and that loads
+on every rank. Each rank reads it into copies of its own; only when every rank read it do all
+copy it into the live model, optimizer, loss scaler, data position and RNGs, so a checkpoint
+that fails on one rank changes nothing anywhere. One that fails is renamed `*.corrupt` with a
+message saying why, and the one before it is tried; when none is left, NoCheckpoint names the
+ones set aside (by this run or an earlier one). A checkpoint of other settings (ranks,
+optimizer layout, model shape, data order) is not corrupt: IncompatibleCheckpoint, nothing
+renamed.
 
 --ckpt-dir must be one directory for all ranks (one node, or a shared filesystem): rank 0
 checksums and renames what every rank wrote. Resuming needs the same number of ranks (the
@@ -23,6 +30,7 @@ state of --zero 0, 2 and 3 is interchangeable between them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -48,16 +56,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .parallel import any_rank
-
 FORMAT = 1
 META = "meta.json"
 ZERO1_OPTIM = "optimizer_zero1.pt"
 _COMPLETE = re.compile(r"^step_(\d{6,})$")
+_SET_ASIDE = re.compile(r"^step_(\d{6,})\.corrupt$")
 
 
 class CheckpointError(RuntimeError):
     """No checkpoint could be used."""
+
+
+class NoCheckpoint(CheckpointError):
+    """Nothing to resume from: no checkpoint, or only ones set aside as corrupt."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -270,41 +281,37 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
     # --- resuming ------------------------------------------------------------------------
-    def load_latest(self, state: TrainState) -> int | None:
-        """Load the newest usable checkpoint into `state` (collective); returns its step, or
-        None when there is none. Raises IncompatibleCheckpoint or CheckpointError."""
+    def load_latest(self, state: TrainState) -> int:
+        """Resume `state` from the newest usable checkpoint (collective); returns its step.
+
+        Every rank reads a candidate into objects of its own and `state` is left as it is
+        until every rank has read it; then all copy it in together. A candidate that fails
+        anywhere is set aside (`*.corrupt`) and the one before it tried, so a failure never
+        leaves part of a checkpoint loaded. Raises NoCheckpoint when none is usable,
+        IncompatibleCheckpoint, or CheckpointError when copying in failed on some rank."""
         while True:
-            decision = _broadcast(self._choose(state) if self.rank == 0 else None, self.group)
-            kind, arg = decision
+            kind, arg = _broadcast(self._choose(state) if self.rank == 0 else None, self.group)
             if kind == "none":
-                return None
+                raise NoCheckpoint(arg)
             if kind == "incompatible":
                 raise IncompatibleCheckpoint(arg)
-            if kind == "unusable":
-                raise CheckpointError(arg)
             path = Path(arg)
-            error: str | None = None
-            try:
-                step = self._load(path, state)
-            except Exception as exc:  # any failure means: use an older one
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                step = -1
-            if not any_rank(error is not None, self.group):
-                self.log(f"checkpoint: resumed from {path} (step {step})")
-                return step
-            if error is not None:
-                print(f"rank {self.rank}: checkpoint {path} failed to load: {error}", flush=True)
+            loaded, error = self._try_read(path, state)
+            failures = self._failures(error)
+            if not failures:
+                self._commit_everywhere(path, loaded, state)
+                self.log(f"checkpoint: resumed from {path} (step {loaded.step})"
+                         f"{self._newer_set_aside(loaded.step)}")
+                return loaded.step
             if self.rank == 0:
-                self._set_aside(path, "it failed to load on some rank")
+                self._set_aside(path, "it failed to load on " + "; ".join(
+                    f"rank {r}: {e}" for r, e in failures.items()))
             _barrier(self.group)
 
-    def _choose(self, state: TrainState) -> tuple[str, str | None]:
-        """Rank 0: the newest checkpoint that verifies, setting corrupt ones aside."""
-        candidates = list_checkpoints(self.root)
-        if not candidates:
-            self.log(f"checkpoint: none in {self.root}, starting from step 0")
-            return "none", None
-        for _, path in candidates:
+    def _choose(self, state: TrainState) -> tuple[str, str]:
+        """Rank 0: ("load", path) of the newest checkpoint that verifies, setting corrupt ones
+        aside; ("incompatible", why) or ("none", why)."""
+        for _, path in list_checkpoints(self.root):
             meta, problem = verify(path)
             if meta is None:
                 self._set_aside(path, problem)
@@ -313,10 +320,26 @@ class Checkpointer:
             if mismatch:
                 return "incompatible", f"cannot resume from {path}: {mismatch}"
             return "load", str(path)
-        return "unusable", (f"no usable checkpoint in {self.root}: every one was corrupt (set "
-                            "aside as *.corrupt); move them away to start from step 0")
+        return "none", self._nothing_usable()
+
+    def _nothing_usable(self) -> str:
+        """Why there is nothing to resume from, naming the checkpoints set aside as corrupt
+        (by this run or an earlier one)."""
+        aside = [p.name for _, p in set_aside_checkpoints(self.root)]
+        if not aside:
+            return f"no checkpoint in {self.root}"
+        return (f"no usable checkpoint in {self.root}: {len(aside)} set aside as corrupt "
+                f"({', '.join(aside)})")
+
+    def _newer_set_aside(self, step: int) -> str:
+        """Rank 0: a note naming the checkpoints newer than `step` set aside as corrupt."""
+        if self.rank != 0:
+            return ""
+        newer = [p.name for s, p in set_aside_checkpoints(self.root) if s > step]
+        return f"; newer ones set aside as corrupt: {', '.join(newer)}" if newer else ""
 
     def _incompatible(self, meta: dict[str, Any], state: TrainState) -> str | None:
+        """Why this run cannot resume from a checkpoint with `meta` (nothing corrupt), or None."""
         if meta.get("format") != FORMAT:
             return f"format {meta.get('format')}, this trainer reads format {FORMAT}"
         if meta["world_size"] != self.world_size:
@@ -326,38 +349,172 @@ class Checkpointer:
             return (f"its optimizer state is {meta['optimizer_layout']!r} and this run needs "
                     f"{state.optimizer_layout!r}: resume with the same --zero stage family "
                     "(ZeRO-1 vs the others)")
-        return None
+        return _settings_mismatch(meta.get("config") or {}, state.config)
 
     def _set_aside(self, path: Path, problem: str | None) -> None:
         """Rank 0: rename a bad checkpoint to `*.corrupt` and say why."""
         target = path.with_name(path.name + ".corrupt")
         shutil.rmtree(target, ignore_errors=True)
         os.rename(path, target)
-        self.log(f"checkpoint: {path} is corrupt ({problem}); moved to {target.name}, "
-                 "using the previous checkpoint")
+        self.log(f"checkpoint: {path} is corrupt ({problem}); moved to {target.name}")
 
-    def _load(self, path: Path, state: TrainState) -> int:
-        """Read checkpoint `path` into `state`; returns its step."""
-        sharded: dict[str, Any] = {"model": get_model_state_dict(state.model)}
-        if not state.zero1:  # a template: DCP loads in place into these tensors
-            sharded["optim"] = get_optimizer_state_dict(state.model, state.optimizer)
+    def _failures(self, error: str | None) -> dict[int, str]:
+        """Every rank's error in the same attempt, by rank (collective): {} when none failed."""
+        errors: list[str | None] = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(errors, error, group=self.group)
+        return {r: e for r, e in enumerate(errors) if e is not None}
+
+    def _try_read(self, path: Path, state: TrainState) -> tuple[Loaded | None, str | None]:
+        """(what `_read` read, None), or (None, the error in one line)."""
+        try:
+            return self._read(path, state), None
+        except Exception as exc:  # any failure means: use an older one
+            return None, _one_line(exc)
+
+    def _read(self, path: Path, state: TrainState) -> Loaded:
+        """Read checkpoint `path` into new objects shaped like `state`'s (this rank's part),
+        checking that it would load; `state` is not changed. DCP's part is collective."""
+        sharded: dict[str, Any] = {"model": _detached_copy(get_model_state_dict(state.model))}
+        if not state.zero1:  # DCP loads in place into the tensors of these copies
+            sharded["optim"] = _optimizer_template(state)
         with _single_process_ok():
             dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
-        set_model_state_dict(state.model, sharded["model"])
         if state.zero1:
-            full = torch.load(path / ZERO1_OPTIM, weights_only=True)
-            state.optimizer.load_state_dict(full)
-            inner = state.optimizer.optim  # it wrote the local state by hand
-            if hasattr(inner, "invalidate_tables"):
-                inner.invalidate_tables()
+            optim = torch.load(path / ZERO1_OPTIM, weights_only=True)
+            _check_param_groups(optim, state.optimizer)
         else:
-            set_optimizer_state_dict(state.model, state.optimizer, sharded["optim"])
+            optim = sharded["optim"]
         mine = torch.load(path / f"rank{self.rank}.pt", weights_only=True)
-        state.data.load_state_dict(mine["data"])
-        if state.scaler is not None and mine["scaler"] is not None:
-            state.scaler.load_state_dict(mine["scaler"])
-        set_rng_state(mine["rng"])
-        return int(mine["step"])
+        _check_rank_state(mine, state)
+        return Loaded(int(mine["step"]), sharded["model"], optim, mine)
+
+    def _commit_everywhere(self, path: Path, loaded: Loaded, state: TrainState) -> None:
+        """Copy what every rank read into the live `state` (collective). Raises
+        CheckpointError when that failed on some rank: the ranks' states then differ."""
+        error: str | None = None
+        try:
+            _commit(loaded, state)
+        except Exception as exc:
+            error = _one_line(exc)
+        failures = self._failures(error)
+        if failures:
+            where = "; ".join(f"rank {r}: {e}" for r, e in failures.items())
+            raise CheckpointError(f"{path} was read on every rank, but loading it into the "
+                                  f"model failed on {where}; the ranks' states may differ "
+                                  "now, so this run stops")
+
+
+@dataclass
+class Loaded:
+    """A checkpoint as one rank read it, in objects of its own (not yet in the live state)."""
+
+    step: int
+    model: dict[str, Any]  # get_model_state_dict's layout
+    optim: dict[str, Any]  # get_optimizer_state_dict's, or ZeRO-1's consolidated state_dict
+    rank_state: dict[str, Any]  # rank<r>.pt: step, data position, RNG states, loss scaler
+
+
+def set_aside_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Checkpoint directories set aside as `*.corrupt`, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _SET_ASIDE.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _settings_mismatch(saved: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's run settings and this run's that makes it
+    impossible to resume (the model's shapes, the data order), or None. Settings the
+    checkpoint does not record are not compared."""
+    shapes = [{k: v for k, v in (c.get("model") or {}).items() if k != "dropout"}
+              for c in (saved, ours)]
+    if "model" in saved and shapes[0] != shapes[1]:
+        return (f"its model is {shapes[0]} and this run's is {shapes[1]}: resume with the "
+                "same --preset and --block-size")
+    if "seed" in saved and saved["seed"] != ours.get("seed"):
+        return (f"it was trained with --seed {saved['seed']} and this run has "
+                f"{ours.get('seed')}: the data order would differ")
+    per_step = [c.get("batch_size", 0) * c.get("grad_accum", 1) for c in (saved, ours)]
+    if "batch_size" in saved and per_step[0] != per_step[1]:
+        return (f"it took {per_step[0]} sequences per rank per step (--batch-size x "
+                f"--grad-accum) and this run takes {per_step[1]}")
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a one-line report of a rank's failure."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _detached_copy(obj: Any) -> Any:
+    """`obj` (nested dicts, lists, tuples) with every tensor replaced by a copy of its own."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _detached_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached_copy(v) for v in obj)
+    return obj
+
+
+def _optimizer_template(state: TrainState) -> dict[str, Any]:
+    """A copy of the optimizer's DCP state dict, for DCP to load into. Taking it makes torch
+    create the state of an optimizer that has none (a step with lr 0): that state is dropped
+    again, so that a run that does not resume after all starts like a new one."""
+    optimizer = state.optimizer
+    had_state = bool(optimizer.state)
+    template = _detached_copy(get_optimizer_state_dict(state.model, optimizer))
+    if not had_state:
+        optimizer.state.clear()
+        if hasattr(optimizer, "invalidate_tables"):
+            optimizer.invalidate_tables()
+    return template
+
+
+def _check_param_groups(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless `saved` (an optimizer state_dict) has `optimizer`'s parameter groups."""
+    got = [len(g["params"]) for g in saved["param_groups"]]
+    want = [len(g["params"]) for g in optimizer.param_groups]
+    if got != want:
+        raise ValueError(f"optimizer parameter groups of sizes {got}, this run has {want}")
+
+
+def _check_rank_state(saved: dict[str, Any], state: TrainState) -> None:
+    """Raise unless a rank file would load into `state`: the data position is tried on a
+    copy of the loader, the RNG states set and this rank's own put back."""
+    int(saved["step"])
+    copy.copy(state.data).load_state_dict(saved["data"])
+    if state.scaler is not None and saved["scaler"] is not None:
+        missing = sorted(set(state.scaler.state_dict()) - set(saved["scaler"]))
+        if missing:
+            raise ValueError(f"loss scaler state without {', '.join(missing)}")
+    own = rng_state()
+    try:
+        set_rng_state(saved["rng"])
+    finally:
+        set_rng_state(own)
+
+
+def _commit(loaded: Loaded, state: TrainState) -> None:
+    """Copy what `_read` read into the live model, optimizer, data loader, loss scaler and
+    random number generators."""
+    set_model_state_dict(state.model, loaded.model)
+    if state.zero1:
+        state.optimizer.load_state_dict(loaded.optim)
+        inner = state.optimizer.optim  # it wrote the local state by hand
+        if hasattr(inner, "invalidate_tables"):
+            inner.invalidate_tables()
+    else:
+        set_optimizer_state_dict(state.model, state.optimizer, loaded.optim)
+    mine = loaded.rank_state
+    state.data.load_state_dict(mine["data"])
+    if state.scaler is not None and mine["scaler"] is not None:
+        state.scaler.load_state_dict(mine["scaler"])
+    set_rng_state(mine["rng"])
 
 
 class TermSignal:

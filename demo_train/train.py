@@ -8,8 +8,9 @@
     torchrun --nproc-per-node 2 -- demo_train/train.py --amp fp16 --grad-accum 4 \\
         --activation-checkpointing --zero 3 --optimizer torch-fused
     # checkpoints every 5 steps, and a crash of rank 1 at step 7 that torchrun recovers from
+    # (--resume-or-start: the first attempt has no checkpoint to resume from)
     torchrun --nproc-per-node 2 --max-restarts 1 -- demo_train/train.py --max-steps 20 \\
-        --ckpt-dir runs/ckpt --ckpt-every 5 --resume --inject-crash 1:7
+        --ckpt-dir runs/ckpt --ckpt-every 5 --resume-or-start --inject-crash 1:7
     # GPT-2 (124M) shapes on one GPU, bf16 and torch.compile
     python demo_train/train.py --preset gpt2-124m --amp bf16 --compile --batch-size 8
 
@@ -20,6 +21,10 @@ steps; MFU where the GPU's peak is known), timings, memory and the memory estima
 scalemon hub. The flags are the techniques of ../shared/seeds; each lives in a module:
 precision.py (--amp), parallel.py (--zero, --optimizer, --compile, --grad-accum's no_sync),
 checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*).
+
+--resume stops (exit code 1, one line) when there is no usable checkpoint, naming the ones set
+aside as corrupt; --resume-or-start starts from step 0 then, saying so. A mistaken flag value
+stops every rank before torch.distributed starts (exit code 2, said once per node).
 """
 
 from __future__ import annotations
@@ -36,13 +41,21 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scalemon.demo_train.checkpoint import Checkpointer, TermSignal, TrainState
+from scalemon.cli_args import int_at_least, number
+from scalemon.demo_train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    IncompatibleCheckpoint,
+    NoCheckpoint,
+    TermSignal,
+    TrainState,
+)
 from scalemon.demo_train.data import ByteBatches, load_corpus
 from scalemon.demo_train.faults import Faults, rank_delay, rank_step
 from scalemon.demo_train.memory import MemoryEstimate, estimate_memory
@@ -62,38 +75,50 @@ from scalemon.demo_train.parallel import (
 )
 from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler
 
+CANNOT_RESUME = 1  # exit code: --resume found nothing usable, or an incompatible checkpoint
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a job that trains nothing is a mistake to say)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+
+positive_int = int_at_least(1)  # a job that trains nothing is a mistake to say
+non_negative_int = int_at_least(0)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are said once per node: under torchrun every rank
+    parses the same flags, and only local rank 0 prints (every rank exits with code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.flush()
+        sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags, grouped by what they control."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    """Command-line flags, grouped by what they control; every value checked here, before
+    torch.distributed starts."""
+    p = FlagParser(prog="train.py", description=__doc__,
+                   formatter_class=argparse.RawTextHelpFormatter)
     # model and data
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     p.add_argument("--data", help="a text file to train on (default: Python's own sources)")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per rank per forward pass (the micro-batch)")
-    p.add_argument("--block-size", type=int, help="context length (default: the preset's)")
-    p.add_argument("--grad-accum", type=int, default=1,
+    p.add_argument("--block-size", type=positive_int,
+                   help="context length (default: the preset's)")
+    p.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step (gradients synced on the last only)")
     # optimisation
     p.add_argument("--max-steps", type=positive_int, default=200,
                    help="train until this step (default 200)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--lr", type=number(0.0, above=True), default=1e-3,
+                   help="learning rate (> 0)")
+    p.add_argument("--weight-decay", type=number(0.0), default=0.1,
+                   help="AdamW's decoupled weight decay (>= 0)")
     p.add_argument("--optimizer", default="auto", choices=("auto", *OPTIMIZERS),
                    help="AdamW: fused (our Triton kernel), torch, torch-fused "
                         "(auto: torch-fused on GPU, torch on CPU)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int_at_least(0, 2**63 - 1), default=1337)
     # memory and speed techniques
     p.add_argument("--amp", default="auto", choices=("auto", *AMP_MODES),
                    help="mixed precision (auto: bf16 on a GPU that has it, else off)")
@@ -107,15 +132,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     # checkpoints
     p.add_argument("--ckpt-dir", help="save checkpoints here (and on SIGTERM)")
-    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (0: all)")
-    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint")
+    p.add_argument("--ckpt-every", type=non_negative_int, default=100,
+                   help="steps between checkpoints (0: only at the end and on SIGTERM)")
+    p.add_argument("--keep", type=non_negative_int, default=3, help="checkpoints kept (0: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the latest usable checkpoint; stop if there is none")
+    p.add_argument("--resume-or-start", action="store_true",
+                   help="as --resume, but start from step 0 when there is no usable "
+                        "checkpoint (e.g. the first attempt of a job torchrun may restart)")
     # faults, for demonstrations and tests
     p.add_argument("--inject-hang", type=rank_step, metavar="RANK:STEP",
                    help="that rank stops before the collectives of that step")
     p.add_argument("--inject-crash", type=rank_step, metavar="RANK:STEP",
                    help="that rank raises before that step (first attempt only)")
-    p.add_argument("--inject-overflow", type=int, metavar="STEP",
+    p.add_argument("--inject-overflow", type=positive_int, metavar="STEP",
                    help="inf gradients at that step (skipped under --amp fp16)")
     p.add_argument("--slow-rank", type=rank_delay, metavar="RANK:SECONDS",
                    help="that rank sleeps before every backward: a planted straggler")
@@ -126,19 +156,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: a GPU per rank where the node has GPUs, else the CPU; with fewer "
                         "GPUs than ranks on the node the job stops and says so")
-    p.add_argument("--log-every", type=int, metavar="N",
+    p.add_argument("--log-every", type=positive_int, metavar="N",
                    help="read the loss on the host, print it and measure tokens/s every N steps "
                         "(each read waits for the GPU; default 1 on CPU, 10 on CUDA)")
     p.add_argument("--monitor", action="store_true", help="stream metrics to scalemon")
-    p.add_argument("--step-delay", type=float, default=0.0,
+    p.add_argument("--step-delay", type=number(0.0), default=0.0,
                    help="sleep this many seconds per step (slows the demo down to watch it)")
     p.add_argument("--stats-json", help="rank 0 writes per-step times, losses, ... here")
     args = p.parse_args(argv)
-    if args.grad_accum < 1 or args.batch_size < 1:
-        p.error("--grad-accum and --batch-size must be at least 1")
-    if args.log_every is not None and args.log_every < 1:
-        p.error("--log-every must be at least 1")
+    problem = flag_conflict(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        p.error(problem)
     return args
+
+
+def flag_conflict(args: argparse.Namespace, world_size: int) -> str | None:
+    """What is wrong with a combination of flags (each value alone is valid), or None."""
+    if (args.resume or args.resume_or_start) and not args.ckpt_dir:
+        flag = "--resume" if args.resume else "--resume-or-start"
+        return f"{flag} needs --ckpt-dir (where the checkpoints are)"
+    for flag in ("inject_hang", "inject_crash", "slow_rank", "inject_desync"):
+        planted = getattr(args, flag)
+        if planted is not None and planted.rank >= world_size:
+            return (f"--{flag.replace('_', '-')} {planted} names rank {planted.rank}, and this "
+                    f"job has {world_size} rank(s)")
+    return None
 
 
 def print0(env: DistEnv, *args: Any) -> None:
@@ -236,12 +278,12 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
 
     if args.ckpt_dir:
         t.ckpt = Checkpointer(args.ckpt_dir, args.keep, t.group, log=lambda m: print0(env, m))
-        t.term = TermSignal()
         restarted_at = sm.restart_step() if args.monitor else None
         if restarted_at is not None:
             print0(env, f"restarted by torchrun for a flag toggle after step {restarted_at}")
-        if args.resume or restarted_at is not None:
-            t.start_step = t.ckpt.load_latest(t.state) or 0
+        if args.resume or args.resume_or_start or restarted_at is not None:
+            t.start_step = resume(t)
+        t.term = TermSignal()
     if args.monitor:  # after resuming, so the loss scaler's restored scale is the baseline
         checkpoint = None
         if t.ckpt is not None:
@@ -255,6 +297,30 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
         if t.monitor is not None:
             t.monitor.info("memory_estimate", memory.as_dict())
     return t
+
+
+def resume(t: Trainer) -> int:
+    """The step to go on from: the newest usable checkpoint's (loaded into the trainer), or 0
+    with --resume-or-start when there is none. Raises NoCheckpoint otherwise (and
+    IncompatibleCheckpoint, CheckpointError: see Checkpointer.load_latest)."""
+    try:
+        return t.ckpt.load_latest(t.state)
+    except NoCheckpoint as exc:
+        if not t.args.resume_or_start:
+            raise
+        print0(t.env, f"checkpoint: {exc}; starting from step 0 (--resume-or-start)")
+        return 0
+
+
+def say_cannot_resume(env: DistEnv, exc: CheckpointError | IncompatibleCheckpoint) -> None:
+    """Rank 0 says in one line why the run cannot resume (every rank has the same reason:
+    the ranks decided together), then the ranks leave together."""
+    if env.rank == 0:
+        hint = ("; to start from step 0 instead, pass --resume-or-start"
+                if isinstance(exc, NoCheckpoint) else "")
+        print(f"train.py: cannot resume: {exc}{hint}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.barrier()  # nobody exits (and has torchrun stop the others) before it is said
 
 
 def new_groups(t: Trainer, names: list[str]) -> str:
@@ -359,6 +425,9 @@ def train(t: Trainer) -> int:
                               "agent_totals_s": []}  # finish() adds the clock's intervals
     scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
     clock = SyncClock(t.start_step, time.perf_counter())
+    if t.start_step >= args.max_steps:
+        print0(env, f"nothing to train: resumed at step {t.start_step}, --max-steps is "
+                    f"{args.max_steps}")
     for step in range(t.start_step + 1, args.max_steps + 1):
         t0 = time.perf_counter()
         t.faults.before_step(step, t.monitor)
@@ -466,6 +535,21 @@ def write_stats(t: Trainer, stats: dict[str, list], summary: dict[str, Any]) -> 
         json.dump(out, f)
 
 
+def build_and_train(args: argparse.Namespace, env: DistEnv) -> int:
+    """Build the trainer and train; returns the exit code. A run that cannot resume stops
+    before training with one line (CANNOT_RESUME)."""
+    try:
+        trainer = build(args, env)
+    except (CheckpointError, IncompatibleCheckpoint) as exc:
+        say_cannot_resume(env, exc)
+        return CANNOT_RESUME
+    try:
+        return train(trainer)
+    finally:
+        if trainer.term is not None:
+            trainer.term.restore()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build, train, close; returns the process exit code."""
     args = parse_args(argv)
@@ -475,14 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"train.py: {exc}", file=sys.stderr, flush=True)
         return 2
-    trainer = build(args, env)
-    code = train(trainer)
-    if trainer.term is not None:
-        trainer.term.restore()
-    # free DDP and ZeroRedundancyOptimizer before their process group: left to interpreter
-    # shutdown, ZeRO-1 with gloo sometimes aborts ("terminate called without an active
-    # exception") after training finished
-    del trainer
+    code = build_and_train(args, env)
+    # free DDP and ZeroRedundancyOptimizer before their process group (build_and_train's
+    # trainer is gone now): left to interpreter shutdown, ZeRO-1 with gloo sometimes aborts
+    # ("terminate called without an active exception") after training finished
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

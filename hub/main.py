@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from scalemon.cli_args import Parser, int_at_least, job_id, seconds
 from scalemon.jobs import check_job_id
 
 from .server import Hub, HubAlreadyRunning, install_signal_handlers
@@ -14,27 +15,30 @@ from .server import Hub, HubAlreadyRunning, install_signal_handlers
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `scalemon hub`."""
-    parser.add_argument("--job", required=True, help="job id (what the ranks report)")
-    parser.add_argument("--home", type=Path, help="scalemon home (default $SCALEMON_HOME)")
+    parser.add_argument("--job", required=True, type=job_id, metavar="ID",
+                        help="job id (what the ranks report)")
+    parser.add_argument("--home", type=Path, metavar="DIR",
+                        help="scalemon home (default: $SCALEMON_HOME)")
     parser.add_argument(
         "--address",
         help="bind here instead of the job's private ipc directory (ipc:///dir or tcp://host:port)",
     )
-    parser.add_argument("--world-size", type=int, help="expected number of ranks")
+    parser.add_argument("--world-size", type=int_at_least(1), metavar="N",
+                        help="expected number of ranks")
     parser.add_argument(
-        "--lost-after", type=float, default=5.0, metavar="S",
-        help="mark a rank lost after S seconds without a message (default 5)",
+        "--lost-after", type=seconds(0.0, above=True), default=5.0, metavar="S",
+        help="mark a rank lost after S seconds without a message",
     )
     parser.add_argument(
-        "--hang-after", type=float, default=10.0, metavar="S",
-        help="the job is hung when no rank completed a step for S seconds (default 10)",
+        "--hang-after", type=seconds(0.0, above=True), default=10.0, metavar="S",
+        help="the job is hung when no rank completed a step for S seconds",
     )
     parser.add_argument(
-        "--linger", type=float, default=600.0, metavar="S",
-        help="stay up S seconds after the job ended so its final state can be read (default 600)",
+        "--linger", type=seconds(0.0), default=600.0, metavar="S",
+        help="stay up S seconds after the job ended so its final state can be read",
     )
     parser.add_argument(
-        "--memory-limit", type=int, default=1_000_000, metavar="N",
+        "--memory-limit", type=int_at_least(1), default=1_000_000, metavar="N",
         help="records kept in memory; older ones are read back from the history file",
     )
 
@@ -61,6 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m scalemon.hub`."""
-    parser = argparse.ArgumentParser(prog="scalemon hub", description=__doc__)
+    parser = Parser(prog="scalemon hub", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

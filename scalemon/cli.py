@@ -89,7 +89,8 @@ def _fmt(value: Any, spec: str = "") -> str:
 def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     if key == "state":
         reason = rank.get("state_reason")
-        return rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
+        text = rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
+        return text + (", peer lost" if rank.get("peer_loss") else "")
     return _fmt(rank.get(key))
 
 
@@ -102,6 +103,8 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
         f"{'HUNG' if state.get('hang') else state['state']}"
         f"  messages {state['messages']}",
     ]
+    if state.get("first_failure"):
+        lines.append(state["first_failure"]["text"])
     columns = display.rank_columns(dashboard=False)
     cells = []
     for rank in state["ranks"]:
@@ -208,7 +211,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
     """Open the dashboard on a job."""
     from scalemon.tui.attach import attach
 
-    return attach(args.target, stats_path=args.stats_json, hang_after_s=args.hang_after)
+    return attach(args.target, stats_path=args.stats_json, hang_after_s=args.hang_after,
+                  wait_s=args.wait)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -220,36 +224,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
+    from scalemon.cli_args import ENVIRONMENT, Parser, seconds
     from scalemon.hub.main import add_arguments as add_hub_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scalemon",
-        description="Terminal monitor for distributed PyTorch training.",
+        description="Terminal monitor for distributed PyTorch training. "
+                    "`scalemon COMMAND --help` tells more about each command.",
+        epilog=ENVIRONMENT,
     )
     parser.add_argument("--version", action="version", version=f"scalemon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    snap = sub.add_parser("snapshot", help="print the current state of a job")
+    snap = sub.add_parser(
+        "snapshot", help="print the current state of a job",
+        description="Print the current state of a job: a row per rank, its extras, flags, "
+                    "collectives and hang. With the job's hub gone, replay its history file.")
     snap.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
     snap.add_argument("--json", action="store_true", help="machine-readable JSON")
-    snap.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the hub")
+    snap.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
+                      help="seconds to wait for the hub")
     snap.set_defaults(func=cmd_snapshot)
 
-    jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user")
-    jobs.add_argument("--json", action="store_true")
+    jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user",
+                          description="List the live jobs (hubs) of this user under "
+                                      "$SCALEMON_HOME: job id, world size, hub pid and address.")
+    jobs.add_argument("--json", action="store_true", help="machine-readable JSON")
     jobs.set_defaults(func=cmd_jobs)
 
-    attach = sub.add_parser("attach", help="open the dashboard on a job")
+    attach = sub.add_parser(
+        "attach", help="open the dashboard on a job",
+        description="Open the dashboard on a job: its live hub, else its history file. A job "
+                    "that is not there yet is waited for (--wait), with a countdown.")
     attach.add_argument("target", nargs="?",
                         help="job id or hub address (default: the live job, or pick from a list)")
-    attach.add_argument("--hang-after", type=float, default=10.0, metavar="S",
-                        help="call the job hung after S seconds without a completed step "
-                             "(default 10)")
+    attach.add_argument("--wait", type=seconds(0.0), default=30.0, metavar="S",
+                        help="wait up to S seconds for the job's hub (without TARGET: for a "
+                             "live job) to appear; 0 does not wait")
+    attach.add_argument("--hang-after", type=seconds(0.0, above=True), default=10.0,
+                        metavar="S",
+                        help="call the job hung after S seconds without a completed step")
     attach.add_argument("--stats-json", type=Path, metavar="PATH",
                         help="on exit, write redraw times and message counts here (benchmarks)")
     attach.set_defaults(func=cmd_attach)
 
-    demo = sub.add_parser("demo", help="run a monitored 2-rank demo job and open the dashboard")
+    demo = sub.add_parser(
+        "demo", help="run a monitored 2-rank demo job and open the dashboard",
+        description="Run the demo trainer under torchrun with the monitor on (CPU ranks with "
+                    "gloo unless there is a GPU per rank) and open the dashboard on it. q "
+                    "stops the job and its hub. Exit status: 0, or the job's when it failed "
+                    "by itself (1 when a signal killed it); 2 for bad options.")
     from scalemon.tui.demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(demo)
@@ -259,7 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_flag_parsers(sub)
 
-    hub = sub.add_parser("hub", help="run a job's hub (ranks start one by themselves)")
+    hub = sub.add_parser(
+        "hub", help="run a job's hub (ranks start one by themselves)",
+        description="Run a job's hub in the foreground: it collects the ranks' messages, keeps "
+                    "the history and serves dashboards. Rank 0 starts one by itself unless "
+                    "SCALEMON_HUB names one.")
     add_hub_arguments(hub)
     hub.set_defaults(func=cmd_hub)
     return parser

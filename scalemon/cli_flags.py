@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from scalemon import display, protocol
+from scalemon.cli_args import seconds
 from scalemon.client import HubClient, HubUnreachable
 from scalemon.control import ControlError, Controller
 from scalemon.flags import FlagError, check, parse_assignment, tier_text
@@ -20,10 +21,14 @@ EXIT_NOT_APPLIED = 4
 
 def add_parsers(sub: Any) -> None:
     """Add the `flags` and `toggle` commands to the `scalemon` parser."""
-    flags = sub.add_parser("flags", help="the job's NCCL/torch flags: tier and value per rank")
+    flags = sub.add_parser(
+        "flags", help="the job's NCCL/torch flags: tier and value per rank",
+        description="The job's NCCL and torch flags: each one's tier (when a change takes "
+                    "effect), its value on every rank, mismatches; then the last toggles.")
     flags.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
     flags.add_argument("--json", action="store_true", help="machine-readable JSON")
-    flags.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the hub")
+    flags.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
+                       help="seconds to wait for the hub")
     flags.set_defaults(func=cmd_flags)
 
     toggle = sub.add_parser(
@@ -32,13 +37,16 @@ def add_parsers(sub: Any) -> None:
         description="Change NAME on every rank of the job at one step boundary (NAME= unsets). "
                     "Exit status: 0 in effect on every rank, 3 refused, 4 not in effect on "
                     "every rank in time, 2 no hub.")
-    toggle.add_argument("words", nargs="+", metavar="[JOB] NAME=VALUE")
+    toggle.add_argument("words", nargs="+", metavar="[JOB] NAME=VALUE",
+                        help="the flag and its new value, after the job id or hub address "
+                             "(default: the live job)")
     toggle.add_argument("--restart", action="store_true",
                         help="restart the job with the value (checkpoint, torchrun restart) "
                              "whatever the flag's tier: every group gets it")
-    toggle.add_argument("--wait", type=float, default=180.0, metavar="S",
-                        help="seconds to wait for every rank to apply it (default 180)")
-    toggle.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the hub")
+    toggle.add_argument("--wait", type=seconds(0.0), default=180.0, metavar="S",
+                        help="seconds to wait for every rank to apply it")
+    toggle.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
+                        help="seconds to wait for the hub")
     toggle.set_defaults(func=cmd_toggle)
 
 

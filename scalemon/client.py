@@ -29,6 +29,17 @@ class HistoryReset(ProtocolError):
     records this stream had delivered. Start over from record 0; the text says which."""
 
 
+def _where(address: HubAddress) -> str:
+    """The hub as the user gave it: `tcp://h:5555 (requests go to its port 5557; a tcp hub
+    listens on 5555-5557)`, `ipc:///dir (socket rpc.sock)`."""
+    base = address.base
+    if address.rpc.startswith("tcp://"):
+        first, rpc = base.rpartition(":")[2], address.rpc.rpartition(":")[2]
+        return (f"{base} (requests go to its port {rpc}; a tcp hub listens on ports "
+                f"{first}-{rpc})")
+    return f"{base} (socket {address.rpc.rpartition('/')[2]})"
+
+
 class HubClient:
     """Request/reply with one hub. Not thread-safe: use one per thread."""
 
@@ -55,8 +66,9 @@ class HubClient:
         if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             self.close()  # a late reply must not be taken for the next request's
             raise HubUnreachable(
-                f"no answer from the hub at {self.address.rpc} within {self.timeout_s:g} s: "
-                "is the job's hub running? (`scalemon jobs` lists live hubs)"
+                f"no answer from the hub at {_where(self.address)} within "
+                f"{self.timeout_s:g} s: is the job's hub running? (`scalemon jobs` lists live "
+                "hubs)"
             )
         reply = protocol.decode_reply(sock.recv_multipart()[-1])
         if isinstance(reply.get("history"), dict):

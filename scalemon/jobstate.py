@@ -22,6 +22,7 @@ from scalemon.collectives import (
     find_culprits,
     hist_quantile,
 )
+from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
 from scalemon.protocol import HUB_RANK, Message
 
@@ -58,6 +59,10 @@ class RankView:
     state_reason: str | None = None
     exit_code: int | None = None
     error: str | None = None
+    ended_t: float | None = None
+    """When the rank exited or was found lost (its own clock for an exit, the hub's for lost)."""
+    peer_loss: bool = False
+    """Exited with an error that reads like a peer's death (`failures.is_peer_loss`)."""
     step: int | None = None
     steps_received: int = 0
     last_seen_t: float | None = None
@@ -76,8 +81,8 @@ class RankView:
         metric = metrics.BY_NAME[name]
         if metric.source == "extra":
             return self.extra.get(name)
-        if name == "heartbeat_age_s":
-            if self.last_seen_t is None:
+        if name == "heartbeat_age_s":  # a rank that ended sends none: no age to count
+            if self.last_seen_t is None or self.state in TERMINAL_STATES:
                 return None
             return (time.time() if now is None else now) - self.last_seen_t
         if name == "arrival_lateness_s":
@@ -168,6 +173,7 @@ class JobState:
         view.device, view.backend = b.get("device"), b.get("backend")
         view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
+        view.ended_t, view.peer_loss = None, False
         self.world_size = max(self.world_size or 0, b["world_size"])
         if b.get("config") is not None:
             self.info.setdefault("config", {})[msg.rank] = b["config"]
@@ -227,6 +233,8 @@ class JobState:
         view.state_reason = b["reason"]
         view.exit_code = b.get("exit_code")
         view.error = b.get("error")
+        view.ended_t = msg.t
+        view.peer_loss = view.state == "exited" and is_peer_loss(view.error)
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
 
@@ -259,7 +267,34 @@ class JobState:
         view.state, view.state_reason = b["state"], b.get("reason")
         if b.get("exit_code") is not None:
             view.exit_code = b["exit_code"]
+        if view.state in ("lost", "exited") and view.ended_t is None:
+            view.ended_t = msg.t
         return None
+
+    def failed(self) -> list[RankView]:
+        """Ranks that failed (exited other than by finishing with 0, or lost), in the order
+        that explains the job: ranks that failed for a reason of their own before those that
+        only lost a peer, each kind earliest first."""
+        views = [v for v in self.ranks.values()
+                 if v.state == "lost" or (v.state == "exited" and v.exit_code != 0)]
+        return sorted(views, key=lambda v: (v.peer_loss, v.ended_t or float("inf"), v.rank))
+
+    def first_failure(self) -> dict[str, Any] | None:
+        """The rank that failed first for a reason of its own (or, when every failed rank only
+        lost a peer, the earliest), with its error's first line and the ranks that failed only
+        because a peer went away; None while no rank failed."""
+        failed = self.failed()
+        if not failed:
+            return None
+        first = failed[0]
+        why = first_line(first.error) or first.state_reason or first.state
+        return {
+            "rank": first.rank, "state": first.state, "exit_code": first.exit_code,
+            "step": first.step, "t": first.ended_t, "error": why,
+            "peer_loss": sorted(v.rank for v in failed if v.peer_loss and v is not first),
+            "text": failure_text(first.rank, first.step, why,
+                                 [v.rank for v in failed if v.peer_loss and v is not first]),
+        }
 
     @property
     def state(self) -> str:
@@ -459,10 +494,20 @@ class JobState:
             "groups": {self.group_label(n): {"name": n, **g} for n, g in self.groups.items()},
             "collectives": self.collectives_table(),
             "hang": self.hang(now),
+            "first_failure": self.first_failure(),
             "hang_after_s": self.hang_after_s,
             "fr_dumps": list(self.fr_dumps),
             "hub_notes": list(self.hub_notes),
         }
+
+
+def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:
+    """"rank 1 failed first (step 30): InjectedCrash: ...; rank 0 failed after losing a peer"."""
+    at = f" (step {step})" if step is not None else ""
+    text = f"rank {rank} failed first{at}: {why}"
+    if peer_loss:
+        text += f"; {_ranks_text(peer_loss)} failed only because a peer went away"
+    return text
 
 
 def _ranks_text(ranks: list[int]) -> str:

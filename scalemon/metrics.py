@@ -181,7 +181,8 @@ METRICS: tuple[Metric, ...] = (
            "each name in the rank's `extra`.", kept=False),
     # --- computed from the envelope --------------------------------------------------------
     Metric("heartbeat_age_s", "hub", "float", "s", "seconds since the rank's last message of any "
-           "kind (the reader's clock minus the envelope `t`, so it needs clocks in sync)",
+           "kind (the reader's clock minus the envelope `t`, so it needs clocks in sync); "
+           "none once the rank exited or finished",
            show=Show(column="hb", unit="s", style="age", width=4)),
     # --- the heartbeat message -------------------------------------------------------------
     Metric("phase", "heartbeat", "str", "", "what the training thread is doing. The agent sets "

@@ -82,20 +82,21 @@ def run(tmp: Path, tag: str, *args: str, extra: tuple[str, ...] = (), timeout: f
 _STRAIGHT: dict[tuple[str, ...], Job] = {}
 
 
+def straight_job(tmp: Path, *flags: str) -> Job:
+    """The uninterrupted 12-step run of a configuration (run in `tmp` once per session)."""
+    if flags not in _STRAIGHT:
+        job = run(tmp, f"s{len(_STRAIGHT)}", *flags, "--max-steps", str(STEPS))
+        assert job.code == 0, job.out[-3000:]
+        assert [s for s, _ in job.printed()] == list(range(1, STEPS + 1))
+        _STRAIGHT[flags] = job
+    return _STRAIGHT[flags]
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory):
     """`straight(*flags)`: the uninterrupted 12-step run of a configuration (cached)."""
     tmp = tmp_path_factory.mktemp("straight")
-
-    def get(*flags: str) -> Job:
-        if flags not in _STRAIGHT:
-            job = run(tmp, f"s{len(_STRAIGHT)}", *flags, "--max-steps", str(STEPS))
-            assert job.code == 0, job.out[-3000:]
-            assert [s for s, _ in job.printed()] == list(range(1, STEPS + 1))
-            _STRAIGHT[flags] = job
-        return _STRAIGHT[flags]
-
-    return get
+    return lambda *flags: straight_job(tmp, *flags)
 
 
 def ckpt_args(ckpt: Path, every: int, *more: str) -> tuple[str, ...]:
@@ -151,11 +152,12 @@ def test_resume_is_exact_with_sharded_state(straight, tmp_path, flags):
 
 def test_crash_at_step_7_restarts_from_the_last_checkpoint(straight, tmp_path):
     ref = straight()
-    job = run(tmp_path, "crash", "--max-steps", str(STEPS), "--resume",
+    job = run(tmp_path, "crash", "--max-steps", str(STEPS), "--resume-or-start",
               *ckpt_args(tmp_path / "ckpt", 5), "--inject-crash", "1:7",
               extra=("--max-restarts", "1"), timeout=180)
     assert job.code == 0, job.out[-3000:]
     assert "rank 1: injected crash before step 7" in job.out
+    assert job.out.count("starting from step 0 (--resume-or-start)") == 1  # the 1st attempt
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000005'} (step 5)" in job.out
     want = dict(ref.printed())
     printed = job.printed()

@@ -18,6 +18,7 @@ from scalemon.demo_train.checkpoint import (
     Checkpointer,
     CheckpointError,
     IncompatibleCheckpoint,
+    NoCheckpoint,
     list_checkpoints,
 )
 from scalemon.demo_train.faults import Faults, RankStep, rank_step
@@ -230,7 +231,8 @@ def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_used(corpus, tmp_
 def test_no_usable_or_incompatible_checkpoints_are_clear_errors(corpus, tmp_path) -> None:
     t = trainer(corpus)
     quiet = Checkpointer(tmp_path, log=lambda _m: None)
-    assert quiet.load_latest(t.state) is None  # nothing there: start from step 0
+    with pytest.raises(NoCheckpoint, match="no checkpoint in"):  # nothing there
+        quiet.load_latest(t.state)
     steps(t, 1)
     quiet.save(1, t.state)
     meta_path = tmp_path / "step_000001" / "meta.json"
@@ -241,7 +243,6 @@ def test_no_usable_or_incompatible_checkpoints_are_clear_errors(corpus, tmp_path
     (tmp_path / "step_000001" / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         quiet.load_latest(t.state)
-
 
 
 # -----------------------------------------------------------------------------
@@ -380,3 +381,68 @@ def test_sync_clock_leaves_sleeps_and_warm_up_out() -> None:
     assert clock.lap(30, 110.0) == (10, 2.0)
     assert clock.tokens_per_s(100) == pytest.approx(100 * 20 / 4.0)  # the first one left out
     assert train.SyncClock(0, 0.0).tokens_per_s(100) is None
+
+
+# -----------------------------------------------------------------------------
+# flag values: checked before torch.distributed starts, argparse's exit code 2
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--max-steps", "-5"), "argument --max-steps: must be at least 1, not -5"),
+    (("--max-steps", "0"), "argument --max-steps: must be at least 1, not 0"),
+    (("--batch-size", "0"), "argument --batch-size: must be at least 1, not 0"),
+    (("--block-size", "-1"), "argument --block-size: must be at least 1, not -1"),
+    (("--grad-accum", "0"), "argument --grad-accum: must be at least 1, not 0"),
+    (("--lr", "0"), "argument --lr: must be more than 0, not 0"),
+    (("--lr=-1e-3",), "argument --lr: must be more than 0, not -1e-3"),
+    (("--lr", "-0.001"), "argument --lr: must be more than 0, not -0.001"),
+    (("--lr", "nan"), "argument --lr: must be more than 0, not nan"),
+    (("--lr", "fast"), "argument --lr: 'fast' is not a number"),
+    (("--weight-decay", "-0.1"), "argument --weight-decay: must be 0 or more, not -0.1"),
+    (("--seed", "-1"), "argument --seed: must be from 0 to 9223372036854775807, not -1"),
+    (("--seed", str(2**64)), "argument --seed: must be from 0 to 9223372036854775807"),
+    (("--ckpt-every", "-1"), "argument --ckpt-every: must be at least 0, not -1"),
+    (("--keep", "-2"), "argument --keep: must be at least 0, not -2"),
+    (("--log-every", "0"), "argument --log-every: must be at least 1, not 0"),
+    (("--inject-overflow", "0"), "argument --inject-overflow: must be at least 1, not 0"),
+    (("--step-delay", "-1"), "argument --step-delay: must be 0 or more, not -1"),
+    (("--step-delay", "inf"), "argument --step-delay: must be 0 or more, not inf"),
+    (("--batch-size", "2.5"), "argument --batch-size: '2.5' is not a whole number"),
+    (("--resume",), "--resume needs --ckpt-dir"),
+    (("--resume-or-start",), "--resume-or-start needs --ckpt-dir"),
+    (("--inject-crash", "1:3"), "--inject-crash 1:3 names rank 1, and this job has 1 rank(s)"),
+])
+def test_a_mistaken_flag_value_is_refused_saying_what_is_wrong(flags, says, capsys,
+                                                               monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(list(flags))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"train.py: error: {says}" in err, err
+
+
+def test_flag_mistakes_are_said_by_local_rank_0_only(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(["--max-steps", "-5"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_valid_edge_values_are_accepted(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = train.parse_args(["--max-steps", "1", "--lr", "1e-9", "--weight-decay", "0",
+                             "--ckpt-every", "0", "--keep", "0", "--seed", "0",
+                             "--step-delay", "0", "--inject-crash", "1:3", "--ckpt-dir", "x",
+                             "--resume-or-start"])
+    assert (args.max_steps, args.lr, args.ckpt_every, args.resume_or_start) == (1, 1e-9, 0, True)
+
+
+def test_max_steps_minus_5_stops_before_torch_distributed_starts(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(train, "setup_distributed",
+                        lambda *_: pytest.fail("torch.distributed was started"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--max-steps", "-5"])
+    assert exit_.value.code == 2
+    assert "must be at least 1, not -5" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -33,6 +34,10 @@ class Tmux:
 
     def screen(self) -> str:
         return self.run("capture-pane", "-p", "-t", self.session)
+
+    def joined(self) -> str:
+        """The screen with the lines the terminal wrapped joined again."""
+        return self.run("capture-pane", "-p", "-J", "-t", self.session)
 
     def kill(self) -> None:
         self.run("kill-session", "-t", self.session)
@@ -79,6 +84,50 @@ def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home:
         assert job_processes(job), "the job should be running"
         tmux.run("send-keys", "-t", tmux.session, "q")
         wait_for(lambda: "DEMO-EXIT=0" in tmux.screen(), timeout=60, interval=0.5)
+        wait_for(lambda: not job_processes(job), timeout=30, interval=0.5)
+        log = (home / "demo" / f"{job}.log").read_text()
+        assert "Traceback" not in log, log[-3000:]  # torchrun's SignalException is not there
+        assert log.rstrip().splitlines()[-1] == (
+            f"scalemon demo: stopped job {job} on quit (SIGTERM); torchrun ended: exit code 143")
+        assert (f"scalemon demo: stopped job {job} (log: {home / 'demo' / job}.log); "
+                f"`scalemon snapshot {job}` replays its history") in tmux.joined()
+    finally:
+        print(tmux.screen())
+        tmux.kill()
+        for proc in job_processes(job):
+            proc.kill()
+
+
+def test_scalemon_demo_whose_job_dies_shows_its_last_lines_and_exits_with_its_code(home: Path):
+    job = f"tuidie{os.getpid()}"
+    scalemon = Path(sys.executable).with_name("scalemon")
+    cmd = (f"env SCALEMON_HOME={home} OMP_NUM_THREADS=1 {scalemon} demo --job {job} "
+           f"--step-delay 0.05; echo DEMO-EXIT=$?; sleep 60")
+    tmux = Tmux(f"smdie-{os.getpid()}")
+    try:
+        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "120", "-y", "40", cmd)
+        wait_for(lambda: (r := ranks_on(tmux.screen())) and len(r) == 2
+                 and min(s for s, _ in r.values()) >= 3, timeout=180, interval=0.5)
+        (rank1,) = [p for p in job_processes(job) if p.environ().get("LOCAL_RANK") == "1"]
+        rank1.kill()  # the job fails: torchrun stops rank 0 and exits 1
+        wait_for(lambda: "The job ended: exit code 1" in tmux.screen(), timeout=60,
+                 interval=0.5)
+        screen = tmux.screen()
+        assert f"The last 15 lines of its log, {home / 'demo' / job}.log:" in screen
+        assert f"Signal 9 (SIGKILL) received by PID {rank1.pid}" in screen
+        assert "Esc: back to the dashboard" in screen
+        time.sleep(3)
+        assert "The job ended" in tmux.screen()  # it stays until dismissed
+        tmux.run("send-keys", "-t", tmux.session, "Escape")
+        wait_for(lambda: "The job ended" not in tmux.screen(), timeout=30, interval=0.5)
+        assert "DEMO-EXIT" not in tmux.screen()  # the dashboard is still there
+        tmux.run("send-keys", "-t", tmux.session, "q")
+        wait_for(lambda: "DEMO-EXIT=1" in tmux.screen(), timeout=60, interval=0.5)
+        said = tmux.joined()  # what it printed once the dashboard was gone
+        assert (f"scalemon demo: job {job} failed: exit code 1; `scalemon snapshot {job}` "
+                f"replays its history; the last 15 lines of its log, "
+                f"{home / 'demo' / job}.log:\n") in said
+        assert f"Signal 9 (SIGKILL) received by PID {rank1.pid}" in said
         wait_for(lambda: not job_processes(job), timeout=30, interval=0.5)
     finally:
         print(tmux.screen())

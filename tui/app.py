@@ -27,6 +27,7 @@ from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.css.query import NoMatches
+from textual.markup import escape
 from textual.message import Message
 from textual.screen import Screen
 from textual.worker import get_current_worker
@@ -40,6 +41,7 @@ from scalemon.tui.feed import Feed, HubFeed
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.messages import DumpRequested, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.screens.collectives import CollectivesScreen
 from scalemon.tui.screens.flags import FlagsScreen, ToggleRequested
@@ -62,16 +64,18 @@ ToggleSender = Callable[[str, str, bool], dict[str, Any]]
 ControlError (the job cannot be steered from here)."""
 
 
-def run_app(app: DashboardApp) -> None:
-    """Run the app in this terminal. The receiver thread can hold the GIL for up to the
-    interpreter's switch interval (5 ms) whenever the UI thread lets go of it, which adds up
-    over a redraw; 1 ms keeps redraws prompt while thousands of messages a second arrive."""
+def run_app(app: DashboardApp) -> int:
+    """Run the app in this terminal; returns its exit code (1 when it crashed). The receiver
+    thread can hold the GIL for up to the interpreter's switch interval (5 ms) whenever the UI
+    thread lets go of it, which adds up over a redraw; 1 ms keeps redraws prompt while
+    thousands of messages a second arrive."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(0.001)
     try:
         app.run()
     finally:
         sys.setswitchinterval(previous)
+    return app.return_code or 0
 
 
 class FeedStatus(Message):
@@ -180,12 +184,12 @@ class DashboardApp(App[None]):
     def on_feed_status(self, event: FeedStatus) -> None:
         """Tell the user when the hub goes away and comes back."""
         if event.status == "incompatible":
-            self.notify(event.detail, severity="error", timeout=30, markup=False)
+            self.notify(clean(event.detail), severity="error", timeout=30, markup=False)
         elif event.status == "disconnected":
-            self.notify(f"hub disconnected ({event.detail}); retrying", severity="warning",
-                        timeout=4, markup=False)
+            self.notify(f"hub disconnected ({clean(event.detail)}); retrying",
+                        severity="warning", timeout=4, markup=False)
         elif event.status == "restarted":
-            self.notify(event.detail, severity="warning", timeout=15, markup=False)
+            self.notify(clean(event.detail), severity="warning", timeout=15, markup=False)
         elif event.status == "connected" and getattr(self.feed, "attaches", 0) > 1:
             self.notify("hub reconnected", timeout=3)
         self.redraw_now()
@@ -200,6 +204,8 @@ class DashboardApp(App[None]):
             self._plots_at = 0.0
 
     def _tick(self) -> None:
+        if not self.screen_stack:
+            return  # the timer fired while the app shuts down
         screen = self.screen
         if not isinstance(screen, DataScreen) or not screen.is_mounted:
             return  # a modal on top (help, palette), or a screen still composing
@@ -246,14 +252,24 @@ class DashboardApp(App[None]):
             self._plot_interval = min(1.0, max(TICK_S, 4 * elapsed))
 
     def _watch_job(self) -> None:
+        """The job this app started ended: a toast when it finished, else the end of its log
+        on a screen of its own, which stays until dismissed."""
         if self.job_process is None or self._job_exit_reported:
             return
         code = self.job_process.poll()
-        if code is not None:
-            self._job_exit_reported = True
-            where = f"; its output is in {self.job_log}" if self.job_log else ""
-            self.notify(f"the job exited with code {code}{where}",
-                        severity="error" if code else "information", timeout=15, markup=False)
+        if code is None:
+            return
+        self._job_exit_reported = True
+        where = f"; its output is in {self.job_log}" if self.job_log else ""
+        if code == 0:
+            self.notify(f"the job finished (exit code 0){where}", timeout=15, markup=False)
+            return
+        from scalemon.tui.demo import exit_text
+        from scalemon.tui.jobexit import JobExitScreen
+
+        self.push_screen(JobExitScreen(code, self.job_log), callback=lambda _: self.notify(
+            f"the job ended: {exit_text(code)}{where}", severity="error", timeout=30,
+            markup=False))
 
     # ---- actions -------------------------------------------------------------------------
 
@@ -343,7 +359,7 @@ class DashboardApp(App[None]):
 
     def _dump_answered(self, text: str, ok: bool) -> None:
         self.dump_status = text
-        self.notify(text, severity="information" if ok else "warning", timeout=8,
+        self.notify(clean(text), severity="information" if ok else "warning", timeout=8,
                     markup=False)  # paths and errors, never markup
         for screen in self.screen_stack:
             if isinstance(screen, HangScreen):
@@ -385,7 +401,7 @@ class DashboardApp(App[None]):
     def on_toggle_answer(self, message: ToggleAnswer) -> None:
         """Say what became of a flag change request."""
         self.toggle_status = (message.text, message.ok)
-        self.notify(message.text, severity="information" if message.ok else "error",
+        self.notify(clean(message.text), severity="information" if message.ok else "error",
                     timeout=10, markup=False)
         for screen in self.screen_stack:
             if isinstance(screen, FlagsScreen):
@@ -417,8 +433,8 @@ class DashboardApp(App[None]):
         with self.data.lock:
             hosts = {r: v.host for r, v in self.data.state.ranks.items()}
         for rank in sorted(hosts):
-            yield SystemCommand(f"rank {rank}", f"open the detail of rank {rank} on "
-                                f"{hosts[rank] or 'an unknown host'}",
+            host = escape(clean(hosts[rank], one_line=True)) if hosts[rank] else "an unknown host"
+            yield SystemCommand(f"rank {rank}", f"open the detail of rank {rank} on {host}",
                                 lambda rank=rank: self.open_rank(rank), discover=False)
 
     # ---- shutting down -------------------------------------------------------------------

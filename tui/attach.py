@@ -1,9 +1,12 @@
-"""`scalemon attach [JOB|ENDPOINT]`: open the dashboard on a job."""
+"""`scalemon attach [JOB|ENDPOINT]`: open the dashboard on a job (waiting for it to appear)."""
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
+from typing import TextIO
 
 from scalemon.history import history_path
 from scalemon.jobs import HubAddress, live_jobs
@@ -46,12 +49,65 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
     return DashboardApp(jobs=jobs, home=home, stats_path=stats_path, hang_after_s=hang_after_s)
 
 
+def can_attach(target: str | None, home: Path | None = None) -> bool:
+    """True when `make_app` has something to attach to (or an error that waiting cannot
+    mend): an address, a job id with a live hub or a history file, or a live job."""
+    if target and "://" in target:
+        return True  # the dashboard retries an address by itself
+    jobs = live_jobs(home, clean=False)
+    if not target:
+        return bool(jobs)
+    try:
+        return any(j.job == target for j in jobs) or history_path(target, home).exists()
+    except ValueError:
+        return True  # a bad job id: say so at once
+
+
+def wait_for_job(target: str | None, wait_s: float, home: Path | None = None,
+                 out: TextIO | None = None, poll_s: float = 0.2) -> bool:
+    """Wait up to `wait_s` seconds until `can_attach`, with a countdown on `out` (stderr):
+    in place on a terminal, else a line every 5 s. True when there is something to attach
+    to. Ctrl-C raises KeyboardInterrupt, after the countdown line was cleared."""
+    out = out or sys.stderr
+    ready = can_attach(target, home)
+    if ready or wait_s <= 0:
+        return ready
+    what = f"job {target}'s hub" if target else "a live job"
+    in_place = out.isatty()
+    end = time.monotonic() + wait_s
+    shown: int | None = None
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return can_attach(target, home)
+            whole = math.ceil(left)
+            if whole != shown and (in_place or shown is None or whole % 5 == 0):
+                line = f"scalemon attach: waiting for {what}: {whole} s left (Ctrl-C to stop)"
+                out.write(f"\r{line}\x1b[K" if in_place else f"{line}\n")
+                out.flush()
+                shown = whole
+            time.sleep(min(poll_s, left))
+            if can_attach(target, home):
+                return True
+    finally:
+        if in_place:
+            out.write("\r\x1b[K")
+            out.flush()
+
+
 def attach(target: str | None, stats_path: Path | None = None,
-           hang_after_s: float = HANG_AFTER_S) -> int:
-    """Run the dashboard; returns the exit code."""
+           hang_after_s: float = HANG_AFTER_S, wait_s: float = 0.0) -> int:
+    """Run the dashboard, after waiting up to `wait_s` seconds for the job to appear; returns
+    the exit code."""
+    try:
+        found = wait_for_job(target, wait_s)
+    except KeyboardInterrupt:
+        print("scalemon attach: stopped waiting", file=sys.stderr)
+        return 130
     app = make_app(target, stats_path=stats_path, hang_after_s=hang_after_s)
     if isinstance(app, str):
-        print(f"scalemon attach: {app}", file=sys.stderr)
+        waited = f" (waited {wait_s:g} s)" if wait_s > 0 and not found else ""
+        print(f"scalemon attach: {app}{waited}", file=sys.stderr)
         return 2
-    run_app(app)
-    return 0
+    return run_app(app)  # 1 when the dashboard crashed

@@ -3,7 +3,8 @@
 The job runs under torchrun in its own session (`--device auto`, NCCL, when NVML counts a GPU
 per rank, else `--device cpu` with gloo), its output goes to a log file, and the dashboard
 attaches to it by job id. Quitting the dashboard stops the job and its hub; `scalemon snapshot
-<job>` can still replay the history afterwards.
+<job>` can still replay the history afterwards. A job that ends by itself with an error shows
+the last lines of its log on the dashboard, and `scalemon demo` then exits with its code.
 """
 
 from __future__ import annotations
@@ -20,19 +21,43 @@ import sys
 import time
 from pathlib import Path
 
-from scalemon.jobs import JobFile, jobs_dir, private_dir, scalemon_home
+from scalemon.cli_args import LazyChoices, int_at_least, job_id, seconds
+from scalemon.jobs import (
+    HubAddress,
+    JobFile,
+    jobs_dir,
+    live_jobs,
+    private_dir,
+    run_dir,
+    scalemon_home,
+)
+
+MAX_RANKS = 64
+"""More ranks than this on one machine is a typo, not a demo."""
+
+
+def preset_names() -> list[str]:
+    """The trainer's model presets (importing them imports torch)."""
+    from scalemon.demo_train.model import PRESETS
+
+    return sorted(PRESETS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `scalemon demo`."""
-    parser.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--max-steps", type=int, default=100_000,
-                        help="steps to train (default 100000: until you quit)")
-    parser.add_argument("--step-delay", type=float, default=0.05, metavar="S",
-                        help="sleep S seconds per step so it is easy to watch (default 0.05)")
-    parser.add_argument("--preset", default="tiny", help="model size preset (default tiny)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--job", help="job id (default demo-<host>-<pid>)")
+    """Options of `scalemon demo`, checked before anything starts."""
+    parser.add_argument("--ranks", type=int_at_least(1, MAX_RANKS), default=2, metavar="N",
+                        help=f"number of ranks, 1 to {MAX_RANKS}")
+    parser.add_argument("--max-steps", type=int_at_least(1), default=100_000, metavar="N",
+                        help="steps to train; the default lasts until you quit")
+    parser.add_argument("--step-delay", type=seconds(0.0), default=0.05, metavar="S",
+                        help="sleep S seconds per step so it is easy to watch")
+    parser.add_argument("--preset", default="tiny", metavar="NAME",
+                        choices=LazyChoices(preset_names),
+                        help="the trainer's model size preset: %(choices)s")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=8, metavar="N",
+                        help="sequences per rank per step")
+    parser.add_argument("--job", type=job_id, metavar="ID",
+                        help="job id (default: demo-<host>-<pid>)")
 
 
 def free_port() -> int:
@@ -70,10 +95,27 @@ def demo_device(ranks: int, gpus: int) -> str:
     return "auto" if 0 < ranks <= gpus else "cpu"
 
 
+LAUNCHER = "from scalemon.tui.demo import run_torchrun; run_torchrun()"
+"""`python -c LAUNCHER ARGS` is `python -m torch.distributed.run ARGS` stopped cleanly."""
+
+
+def run_torchrun() -> None:
+    """torchrun with the arguments in sys.argv; stopped by a signal (the demo's quit), it ends
+    with status 128 + the signal's number instead of a traceback: its workers are shut down
+    by then, and the log says so in its warnings."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main()
+    except SignalException as exc:
+        sys.exit(128 + int(exc.sigval))
+
+
 def job_command(args: argparse.Namespace, device: str) -> list[str]:
     """The torchrun command line of the demo job."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+        sys.executable, "-c", LAUNCHER, "--nproc-per-node", str(args.ranks),
         "--master-port", str(free_port()), "--", trainer_path(), "--monitor",
         "--device", device, "--max-steps", str(args.max_steps),
         "--step-delay", str(args.step_delay), "--preset", args.preset,
@@ -101,11 +143,29 @@ def start_job(args: argparse.Namespace, job: str) -> tuple[subprocess.Popen, Pat
     return proc, log_path
 
 
-def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0) -> None:
-    """Stop the job's process group (SIGTERM, then SIGKILL) and then its hub."""
+def exit_text(code: int) -> str:
+    """A process's exit status in words: `exit code N` or `killed by SIGNAME`."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0,
+             log_path: Path | None = None) -> None:
+    """Stop the job's process group (SIGTERM, then SIGKILL) and then its hub. torchrun shuts
+    its workers down on SIGTERM; the log (when given) then ends with a line that says the demo
+    stopped the job."""
+    running = proc.poll() is None
+    sent = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
+            sent.append(sig.name)
         try:
             proc.wait(timeout=wait_s)
             break
@@ -120,6 +180,10 @@ def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         time.sleep(0.1)
+    if running and log_path is not None and proc.returncode is not None:
+        with contextlib.suppress(OSError), open(log_path, "a") as log:
+            log.write(f"scalemon demo: stopped job {job} on quit ({', then '.join(sent)}); "
+                      f"torchrun ended: {exit_text(proc.returncode)}\n")
     stop_hub(job)
 
 
@@ -135,19 +199,63 @@ def stop_hub(job: str) -> None:
             os.kill(jf.pid, signal.SIGTERM)
 
 
+def default_job_id() -> str:
+    """`demo-<host>-<pid>`."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])
+    return f"demo-{host}-{os.getpid()}"
+
+
+def job_problem(job: str) -> str | None:
+    """Why the demo cannot run as `job` here, or None: a live job of that id, or ipc socket
+    paths too long for the OS under $SCALEMON_HOME."""
+    try:
+        HubAddress.for_directory(run_dir(job))
+    except ValueError as exc:
+        return str(exc)
+    if any(j.job == job for j in live_jobs()):
+        return (f"a live job is named {job} already (see `scalemon jobs`): pass another --job, "
+                "or leave it out")
+    return None
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Run the demo job and the dashboard on it; returns the exit code."""
+    """Run the demo job and the dashboard on it; returns the exit code: the job's when it
+    ended by itself with an error, else 0."""
+    from scalemon.history import history_path
     from scalemon.tui.app import DashboardApp, run_app
     from scalemon.tui.feed import HubFeed
+    from scalemon.tui.jobexit import last_lines
 
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])
-    job = args.job or f"demo-{host}-{os.getpid()}"
+    job = args.job or default_job_id()
+    problem = job_problem(job)
+    if problem:
+        print(f"scalemon demo: {problem}", file=sys.stderr)
+        return 2
     proc, log_path = start_job(args, job)
+    code: int | None = None
+    app_code = 1
     try:
         app = DashboardApp(HubFeed(job=job), job_process=proc, job_log=log_path)
-        run_app(app)
+        app_code = run_app(app)
     finally:
-        stop_job(proc, job)
-    print(f"scalemon demo: stopped job {job} (log: {log_path}); "
-          f"`scalemon snapshot {job}` replays its history")
-    return 0
+        code = proc.poll()  # None while it runs: the quit stops it
+        stop_job(proc, job, log_path=log_path)
+    replay = (f"; `scalemon snapshot {job}` replays its history"
+              if history_path(job).exists() else "")
+    if app_code:
+        print(f"scalemon demo: the dashboard failed (exit code {app_code}); stopped job {job} "
+              f"(log: {log_path}){replay}", file=sys.stderr)
+        return app_code
+    if code is None:
+        print(f"scalemon demo: stopped job {job} (log: {log_path}){replay}")
+        return 0
+    if code == 0:
+        print(f"scalemon demo: job {job} finished (log: {log_path}){replay}")
+        return 0
+    lines = last_lines(log_path)
+    print(f"scalemon demo: job {job} failed: {exit_text(code)}{replay}; "
+          + (f"the last {len(lines)} lines of its log, {log_path}:" if lines else
+             f"its log, {log_path}, is empty"), file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    return code if 0 < code < 256 else 1

@@ -18,8 +18,8 @@ import zmq
 
 from scalemon import protocol
 from scalemon.client import HistoryReset, HubStream, HubUnreachable
-from scalemon.history import history_path, read_messages
-from scalemon.jobs import HubAddress, live_jobs
+from scalemon.history import ID_SUFFIX, history_path, read_messages
+from scalemon.jobs import HubAddress, hub_gone_text, live_jobs
 from scalemon.protocol import ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
 
@@ -53,11 +53,14 @@ class HubFeed(Feed):
         self.attaches = 0  # successful attaches (the first one included)
 
     def _resolve(self) -> HubAddress | None:
+        """The job's live hub (None when it has none: a stale address is no use), or the
+        address given."""
         if self.job is not None:
             for jf in live_jobs(self.home, clean=False):
                 if jf.job == self.job:
                     self.address = jf.hub_address()  # with its control socket on this host
-                    break
+                    return self.address
+            return None
         return self.address
 
     def run(self, data: DashboardData, stop: StopCheck, on_status: StatusHook) -> None:
@@ -68,8 +71,8 @@ class HubFeed(Feed):
         while not stop():
             address = self._resolve()
             if address is None:
-                if data.next_seq == 0 and self._replay_history(data):
-                    status("offline", "no live hub: showing the history file; waiting for one")
+                if data.conn.status != "offline" and self._replay_history(data):
+                    status("offline", self._offline_text(data))
                 elif data.conn.status != "offline":
                     status("waiting", f"no hub for job {self.job} yet")
                 _sleep(self.retry_s, stop)
@@ -101,7 +104,14 @@ class HubFeed(Feed):
                        f"{version_text(exc.theirs)}, this dashboard {version_text(exc.ours)}: "
                        "attach with the scalemon version the job runs")
             except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError) as exc:
-                status("disconnected", _short(exc))
+                job = data.state.job
+                if data.conn.status == "offline":
+                    pass  # the history file is shown already
+                elif (self.job is None and job is not None and hub_gone_text(job, self.home)
+                        and self._replay_history(data, job)):
+                    status("offline", self._offline_text(data, job))  # the hub ended for good
+                else:
+                    status("disconnected", _short(exc))
             finally:
                 stream.close()
             _sleep(self.retry_s, stop)
@@ -122,16 +132,42 @@ class HubFeed(Feed):
         except ProtocolError:
             return False
 
-    def _replay_history(self, data: DashboardData) -> bool:
-        """Fold the job's history file when its hub is gone; True when there was one."""
-        path = history_path(self.job, self.home) if self.job else None
+    def _replay_history(self, data: DashboardData, job: str | None = None) -> bool:
+        """Fold the job's history file when its hub is gone: the records after those already
+        shown (all of them when the file is another history than the one shown); True when
+        there was a file."""
+        job = job or self.job
+        try:
+            path = history_path(job, self.home) if job else None
+        except ValueError:
+            return False
         if path is None or not path.exists():
             return False
-        batch, rejected = read_messages(path, self.job)
+        file_id = _read_id(path)
+        known = data.history_identity
+        if data.next_seq and (known is None or file_id is None or known.get("id") != file_id):
+            data.reset()  # not the history the records came from: show the file's alone
+        batch, rejected = read_messages(path, job)
         with data.lock:
             data.rejected += rejected
-        data.apply_batch(batch)
+        data.apply_batch([(seq, msg) for seq, msg in batch if seq >= data.next_seq])
+        if file_id is not None:
+            data.history_identity = {"id": file_id, "base": data.next_seq}
         return True
+
+    def _offline_text(self, data: DashboardData, job: str | None = None) -> str:
+        """Why the history file is shown: the job ended, or its hub died."""
+        job = job or self.job or ""
+        why = hub_gone_text(job, self.home) or "no live hub"
+        return f"{why}: showing its history file; attaches again when a hub comes"
+
+
+def _read_id(path: Path) -> str | None:
+    """The random id of the history file at `path` (None when it has none)."""
+    try:
+        return path.with_name(path.name + ID_SUFFIX).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _short(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ time. A hung job (`JobState.hang`) says so in the header's state.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from scalemon.tui.flagview import header_note
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
 from scalemon.tui.plotdata import Line, PlotSpec
+from scalemon.tui.safe_text import clean
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
@@ -62,6 +64,7 @@ class Summary:
     conn: ConnState
     flag_note: str = ""  # a flag change under way, or flags that differ across ranks
     flag_style: str = ""
+    failure: str = ""  # which rank failed first and why (JobState.first_failure), or ""
 
 
 @dataclass
@@ -100,15 +103,27 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
     the four overview plots."""
     now = time.time() if now is None else now
     with data.lock:
-        summary = _summary(data, now)
+        summary = _one_line_texts(_summary(data, now))
         straggling = {r for r, _ in summary.stragglers}
         rank_ids = sorted(data.state.ranks)
         shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
         median_step = _median_step_s(data)
-        rows = [_row(data, data.state.ranks[r], now, r in straggling, median_step)
+        failure = data.state.first_failure()
+        first = failure["rank"] if failure else None
+        rows = [_row(data, data.state.ranks[r], now, r in straggling, median_step, first)
                 for r in shown]
         specs = _overview_plots(data) if plots else None
     return Overview(summary, rank_ids, rows, specs)
+
+
+def _one_line_texts(s: Summary) -> Summary:
+    """The summary with its texts (a job id, hang, hub and failure texts, flag values, the
+    receiver's error) fit for the header: one line each, no control character (its segments
+    go to the terminal as they are)."""
+    texts = {f.name: clean(value, one_line=True) for f in dataclasses.fields(s)
+             if isinstance(value := getattr(s, f.name), str)}
+    conn = dataclasses.replace(s.conn, detail=clean(s.conn.detail, one_line=True))
+    return dataclasses.replace(s, **texts, conn=conn)
 
 
 def _median_step_s(data: DashboardData) -> float | None:
@@ -132,6 +147,8 @@ def _summary(data: DashboardData, now: float) -> Summary:
         state_text = "waiting for ranks"
     elif hang is not None:
         job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
+    elif _hub_down(data) and job_state not in ("finished", "ended"):
+        job_state, state_text = "hub down", _hub_down_text(st.last_t, now)
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
         if quiet > max(10.0, 10.0 * (median_step or 0.0)):
@@ -152,6 +169,7 @@ def _summary(data: DashboardData, now: float) -> Summary:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
     stragglers, basis = _stragglers(data, median_step)
     flag_note, flag_style = header_note(st.flags)
+    failure = st.first_failure()
     return Summary(
         job=st.job, world_size=st.world_size, ranks_seen=len(ranks), state=job_state,
         state_text=state_text, step_min=min(steps) if steps else None,
@@ -162,7 +180,24 @@ def _summary(data: DashboardData, now: float) -> Summary:
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
         flag_note=flag_note, flag_style=flag_style,
+        failure=failure["text"] if failure else "",
     )
+
+
+def _hub_down(data: DashboardData) -> bool:
+    """True when records stopped coming because the hub did (not the job): the receiver is
+    not connected and had records before."""
+    return data.conn.status not in ("connected", "connecting") and data.state.last_t is not None
+
+
+def _hub_down_text(last_t: float | None, now: float) -> str:
+    """"hub down: no data since 14:02:11 (35 s ago)": the job may well be training."""
+    if last_t is None:
+        return "hub down: no data yet"
+    clock = time.strftime("%H:%M:%S", time.localtime(last_t))
+    quiet = max(0.0, now - last_t)
+    ago = f"{quiet:.0f} s" if quiet < 120 else display.duration(quiet)
+    return f"hub down: no data since {clock} ({ago} ago)"
 
 
 ARRIVAL_BASIS = "arrival at collectives, vs the first rank"
@@ -199,13 +234,17 @@ def rank_values(data: DashboardData, v: RankView, now: float) -> dict[str, objec
 
 
 def _row(data: DashboardData, v: RankView, now: float, straggler: bool,
-         median_step: float | None) -> Row:
+         median_step: float | None, first_failed: int | None = None) -> Row:
     state, style = v.state, ""
     phase, since = v.metrics["phase"], v.metrics["phase_since_s"]
     if v.state == "lost":
         style = "lost"
     elif v.state == "exited":
         state, style = f"exited {NA if v.exit_code is None else v.exit_code}", "exited"
+        if v.rank == first_failed:
+            state = "failed 1st"
+        elif v.peer_loss:
+            state = "peer lost"
     elif v.state == "finished":
         style = "finished"
     elif since is not None and phase and since > max(10.0, 10.0 * (median_step or 0.0)):
@@ -344,7 +383,8 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
     steps_s, tokens_s = track.rates(now) if track is not None else (None, None)
     m = v.metrics
     facts = [
-        ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")),
+        ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")
+         + _failure_note(data, v)),
         ("host / pid", f"{v.host or NA} / {_opt(v.pid)}"),
         ("device / backend", f"{v.device or NA} / {v.backend or NA}"),
         ("scalemon / torch", f"{v.agent_version or NA} / {v.torch_version or NA}"),
@@ -366,6 +406,14 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
         if v.rank in by_rank:
             facts.append((f"info {key}", display.flat_text(by_rank[v.rank])))
     return facts
+
+
+def _failure_note(data: DashboardData, v: RankView) -> str:
+    """", the first rank to fail" or ", only because a peer went away" for failed ranks."""
+    if v.peer_loss:
+        return ", only because a peer went away"
+    failure = data.state.first_failure()
+    return ", the first rank to fail" if failure and failure["rank"] == v.rank else ""
 
 
 def _opt(value: object) -> str:

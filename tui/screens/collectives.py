@@ -19,6 +19,7 @@ from scalemon.tui.collview import (
     collectives,
 )
 from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import plain
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.widgets.heatmap import HeatMap
 
@@ -67,20 +68,20 @@ class CollectivesScreen(DataScreen):
 
 
 def _table(view: Collectives) -> Table | Text:
-    """The collectives by (group, op, size)."""
+    """The collectives by (group, op, size); group and op names as the ranks sent them."""
     if not view.rows:
         return Text("no collectives yet: the agents send what the Flight Recorder saw about "
                     "once a second (torch >= 2.11; NCCL, or gloo)", style="dim")
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=False,
-                  title=Text("; ".join(view.groups), style="dim"), title_justify="left")
+                  title=plain("; ".join(view.groups), style="dim"), title_justify="left")
     for heading in TABLE_HEADINGS:
         table.add_column(heading, justify="right" if heading in RIGHT else "left",
                          no_wrap=heading != "note")
     for row in view.rows:
         style = "bold" if row.total else ("dim" if row.size else "")
-        cells = [Text(c, style="dim" if c == NA else style) for c in row.cells]
+        cells = [plain(c, style="dim" if c == NA else style) for c in row.cells]
         if row.size:
-            cells[3] = Text("  " + row.cells[3], style=style)
+            cells[3] = plain("  " + row.cells[3], style=style)
         table.add_row(*cells)
     return table
 
@@ -94,7 +95,7 @@ def _ranks(view: Collectives) -> Text | Table:
                          no_wrap=True)
     shown = [h for i, h in enumerate(view.health) if i < RANKING_ROWS or h.lost]
     for h in shown:
-        cells = [Text(str(h.rank)), *(Text(c) for c in h.cells)]
+        cells = [Text(str(h.rank)), *(plain(c) for c in h.cells)]
         cells[2].stylize("yellow")
         if h.lost:
             cells[6].stylize("bold red")

@@ -29,6 +29,7 @@ from scalemon.tui.flagview import (
     values_text,
 )
 from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean, plain
 from scalemon.tui.screens.base import DataScreen
 
 TITLE = "flags  ·  Enter/t: change  ·  R: change with a restart  ·  Esc back"
@@ -69,8 +70,8 @@ class ToggleDialog(ModalScreen[tuple[str, str] | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(Text(self.title_text, style="bold"), id="toggle-title")
-            yield Static(Text(self.notes, style="dim"), id="toggle-notes")
+            yield Static(plain(self.title_text, style="bold"), id="toggle-title")
+            yield Static(plain(self.notes, style="dim"), id="toggle-notes")
             yield Input(self.text, placeholder="NAME=VALUE (NAME= unsets it)",
                         select_on_focus=False, id="toggle-input")
             yield Static(id="toggle-error")
@@ -87,7 +88,7 @@ class ToggleDialog(ModalScreen[tuple[str, str] | None]):
             name, value = parse_assignment(event.value.strip())
             check(name, value)
         except FlagError as exc:
-            text = f"refused: {exc}"
+            text = clean(f"refused: {exc}")
             self.query_one("#toggle-error", Static).update(Text(text))
             self.app.notify(text, severity="error", timeout=8, markup=False)
             if self.on_refused is not None:
@@ -172,7 +173,7 @@ class FlagsScreen(DataScreen):
             status.update(Text("no change asked from this dashboard yet", style="dim"))
         else:
             text, ok = self.status
-            status.update(Text(text, style="green" if ok else "bold red"))
+            status.update(plain(text, style="green" if ok else "bold red"))
 
     def show_status(self, text: str, ok: bool) -> None:
         """What became of a toggle request (the app's answer, or the local check's)."""
@@ -204,7 +205,7 @@ class FlagsScreen(DataScreen):
         name = NAMES[max(0, self.query_one(DataTable).cursor_row)]
         row = self.cursor_row()
         current = row.value if row is not None and not row.mismatch else ""
-        current = "" if current in (UNSET, "?") else current
+        current = "" if current in (UNSET, "?") else clean(current, one_line=True)
         flag = FLAGS[name]
         tier = row.tier if row is not None else flag.tier
         if restart:
@@ -234,14 +235,14 @@ class FlagsScreen(DataScreen):
 
 def _cells(row: FlagRow) -> tuple[Text, Text, Text]:
     bad = "bold red" if row.mismatch else ""
-    name = Text(row.name, style=bad)
+    name = plain(row.name, style=bad, one_line=True)
     tier = Text(tier_text(row.tier), style=TIER_STYLES.get(row.tier, ""))
     if row.mismatch:
-        value = Text("MISMATCH " + row.value, style="bold red")
+        value = plain("MISMATCH " + row.value, style="bold red", one_line=True)
     elif row.value == "?":
         value = Text("not reported", style="dim")
     else:
-        value = Text(row.value, style="dim" if row.value == UNSET else "bold")
+        value = plain(row.value, style="dim" if row.value == UNSET else "bold", one_line=True)
     return name, tier, value
 
 
@@ -249,11 +250,11 @@ def _why(row: FlagRow) -> Text:
     t = Text()
     t.append(row.name, style="bold")
     t.append(f" ({tier_text(row.tier)}): ", style=TIER_STYLES.get(row.tier, ""))
-    t.append(row.why)
+    t.append(clean(row.why))  # "rank 3: <what its agent said>"
     t.append("\nvalues: ", style="dim").append(row.hint, style="dim")
     if row.mismatch:
         t.append("\non the ranks: ", style="bold red")
-        t.append(values_text(row.values), style="bold red")
+        t.append(clean(values_text(row.values)), style="bold red")
     return t
 
 
@@ -284,7 +285,7 @@ def _audit(view: FlagsView) -> Table | Text:
                          justify="right" if heading.endswith("step") else "left")
     for row in view.audit:
         style = STATE_STYLES.get(row.state, "")
-        cells = [Text(c) for c in row.cells]
+        cells = [plain(c) for c in row.cells]
         cells[6].stylize(style)
         if style.endswith("red"):
             cells[7].stylize(style)

@@ -13,6 +13,7 @@ from textual.widgets import Footer, Static
 from scalemon.tui.hangview import HangView, hang_view
 from scalemon.tui.messages import DumpRequested
 from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean, plain
 from scalemon.tui.screens.base import DataScreen
 
 ROLE_STYLES = {"culprit": "bold red", "waiting": "yellow", "": ""}
@@ -63,7 +64,7 @@ class HangScreen(DataScreen):
         headline = self.query_one("#hang-text", Static)
         if view.hung:
             title.update("JOB HUNG  ·  d: Flight Recorder dump  ·  Esc back")
-            headline.update(Text(view.text, style="bold red"))
+            headline.update(plain(view.text, style="bold red"))
             if plots or self.view is None:  # hundreds of rows: at the plots' pace
                 self.query_one("#hang-ranks", Static).update(_table(view))
                 self.query_one("#hang-stacks", Static).update(_stacks(view))
@@ -73,7 +74,7 @@ class HangScreen(DataScreen):
         else:
             title.update("hang view  ·  d: Flight Recorder dump  ·  Esc back")
             last = "; below: the last hang seen" if self.view is not None else ""
-            headline.update(Text(view.text + last, style="bold green"))
+            headline.update(plain(view.text + last, style="bold green"))
         self.query_one("#hang-dump", Static).update(self._dump_text(view))
         if view.hung:
             self.view = view
@@ -81,9 +82,9 @@ class HangScreen(DataScreen):
     def _dump_text(self, view: HangView) -> Text:
         t = Text()
         if self.status:
-            t.append(self.status + "\n", style="bold")
-        for i, (line, style) in enumerate(view.dump):
-            t.append(("\n" if i else "") + line, style=style)
+            t.append(clean(self.status) + "\n", style="bold")
+        for i, (line, style) in enumerate(view.dump):  # paths, torch's analysis
+            t.append(("\n" if i else "") + clean(line), style=style)
         return t
 
     def show_status(self, status: str) -> None:
@@ -102,11 +103,11 @@ class HangScreen(DataScreen):
 
 def _table(view: HangView) -> Table:
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
-    for heading in view.headings:
-        table.add_column(heading, no_wrap=heading != "in flight")
+    for heading in view.headings:  # "<group> issued/done": group names come from ranks
+        table.add_column(plain(heading, one_line=True), no_wrap=heading != "in flight")
     for row in view.rows[:TABLE_ROWS]:
         style = ROLE_STYLES[row.role]
-        table.add_row(*(Text(c, style=style) for c in row.cells))
+        table.add_row(*(plain(c, style=style) for c in row.cells))
     rest = view.rows[TABLE_ROWS:]
     if rest:
         waiting = sum(r.role == "waiting" for r in rest)
@@ -119,8 +120,8 @@ def _table(view: HangView) -> Table:
 def _ras(view: HangView) -> Text:
     t = Text()
     for i, (heading, report) in enumerate(view.ras):
-        t.append(("\n\n" if i else "") + heading, style="bold")
-        t.append("\n" + report.rstrip("\n"))
+        t.append(("\n\n" if i else "") + clean(heading), style="bold")
+        t.append("\n" + clean(report.rstrip("\n")))
     return t
 
 
@@ -128,6 +129,6 @@ def _stacks(view: HangView) -> Text:
     t = Text()
     t.append("Python stacks of the training threads", style="bold underline")
     for heading, role, stack in view.stacks:
-        t.append("\n\n" + heading, style=ROLE_STYLES[role] or "bold")
-        t.append("\n" + stack.rstrip("\n"))
+        t.append("\n\n" + clean(heading), style=ROLE_STYLES[role] or "bold")
+        t.append("\n" + clean(stack.rstrip("\n")))
     return t

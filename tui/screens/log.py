@@ -19,6 +19,7 @@ from scalemon.tui.logview import (
 )
 from scalemon.tui.messages import RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean
 from scalemon.tui.screens.base import DataScreen
 
 TITLE = "log  ·  /: filter  ·  Enter: back to the lines  ·  Esc back"
@@ -113,7 +114,7 @@ def _counts(view: LogView, f: LogFilter) -> Text:
         more = f" (+{len(view.dropped) - 8} ranks)" if len(view.dropped) > 8 else ""
         t.append(f"  ·  dropped by the agents: {ranks}{more}", style="bold yellow")
     if f.error:
-        t.append(f"\nfilter: {f.error}", style="bold red")
+        t.append(clean(f"\nfilter: {f.error}"), style="bold red")
     return t
 
 
@@ -127,7 +128,8 @@ def _lines(view: LogView) -> Text:
         if i:
             t.append("\n")
         t.append(f"{line.rank:>4} ", style="bold")
-        t.append(f"{line.source:<6} ", style=SOURCE_STYLES.get(line.source, "dim"))
+        t.append(f"{clean(line.source, one_line=True):<6} ",
+                 style=SOURCE_STYLES.get(line.source, "dim"))
         style = "bold red" if " WARN " in line.text or "Error" in line.text else ""
-        t.append(line.text, style=style)
+        t.append(clean(line.text), style=style)  # as the rank wrote it: never markup
     return t

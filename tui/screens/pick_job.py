@@ -11,6 +11,7 @@ from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
 from scalemon.jobs import JobFile
+from scalemon.tui.safe_text import plain
 
 
 class PickJobScreen(Screen[str]):
@@ -28,7 +29,9 @@ class PickJobScreen(Screen[str]):
 
     def compose(self) -> ComposeResult:
         yield Static(f"{len(self.jobs)} live jobs: pick one (↑/↓, Enter)", id="pick-title")
-        yield OptionList(*(Option(_label(j), id=j.job) for j in self.jobs))
+        # Text: a str prompt is read as markup, and a host name is none
+        yield OptionList(*(Option(plain(_label(j), one_line=True), id=j.job)
+                           for j in self.jobs))
         yield Footer()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:

@@ -13,18 +13,24 @@ from textual.widgets import Footer, Static
 from scalemon.tui.messages import RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.plotdata import PlotSpec
+from scalemon.tui.safe_text import plain
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.views import DETAIL_PANELS, rank_detail
 from scalemon.tui.widgets.plot import LinePlot
+
+KEYS = "Esc back, ←/→ prev/next rank"
+"""The title's keys: those the footer shows for BINDINGS (`,` and `.` also step)."""
 
 
 class RankDetailScreen(DataScreen):
     """All of one rank. Escape goes back; left/right step through the ranks."""
 
+    # the footer shows one key per action: the arrows, which the title names too (without
+    # key_display it shows "," and ".": the focused scroll view claims left and right first)
     BINDINGS = [
         Binding("escape,backspace", "back", "Back"),
-        Binding("left,comma", "step_rank(-1)", "Prev rank"),
-        Binding("right,full_stop", "step_rank(1)", "Next rank"),
+        Binding("left,comma", "step_rank(-1)", "Prev rank", key_display="←"),
+        Binding("right,full_stop", "step_rank(1)", "Next rank", key_display="→"),
     ]
     DEFAULT_CSS = """
     RankDetailScreen #detail-title { height: 1; padding: 0 1; background: $boost;
@@ -63,12 +69,12 @@ class RankDetailScreen(DataScreen):
         detail = rank_detail(data, self.rank, now)
         title = self.query_one("#detail-title", Static)
         if detail is None:
-            title.update(f"rank {self.rank}: not seen (yet)")
+            title.update(Text(f"rank {self.rank}: not seen (yet)  ·  {KEYS}"))
             return
         # Text, never markup: facts hold what ranks sent (errors, log() extras, config), and a
         # "[/x]" in them must show as typed, not stop the dashboard with a MarkupError
         facts = detail.facts
-        title.update(Text(f"rank {self.rank}  ·  {facts[0][1]}  ·  Esc back, ←/→ other ranks"))
+        title.update(plain(f"rank {self.rank}  ·  {facts[0][1]}  ·  {KEYS}", one_line=True))
         table = Table.grid(padding=(0, 2), expand=True)
         half = (len(facts) + 1) // 2
         for _ in range(2):
@@ -77,7 +83,7 @@ class RankDetailScreen(DataScreen):
         for i in range(half):
             left = facts[i]
             right = facts[half + i] if half + i < len(facts) else ("", "")
-            table.add_row(*(Text(cell) for cell in (*left, *right)))
+            table.add_row(*(plain(cell) for cell in (*left, *right)))
         self.query_one("#facts", Static).update(table)
         if plots:
             for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):

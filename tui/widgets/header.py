@@ -14,6 +14,7 @@ STATE_STYLES = {
     "waiting": "bold yellow",
     "restarting": "bold yellow",
     "stalled": "bold magenta",
+    "hub down": "bold magenta",
     "hung": "bold white on red",
     "degraded": "bold red",
     "ended": "bold red",
@@ -30,7 +31,7 @@ CONN_STYLES = {
 
 def header_text(s: Summary) -> Text:
     """Three lines: identity and state; progress, rates, drops and a flag note; hub link and
-    stragglers."""
+    stragglers. A fourth, once a rank failed: which one failed first, and why."""
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("job ", style="dim").append(s.job or "?", style="bold")
     world = display.NA if s.world_size is None else str(s.world_size)
@@ -71,12 +72,16 @@ def header_text(s: Summary) -> Text:
         t.append(f" ({s.straggler_basis})", style="dim")
     else:
         t.append("none" if s.straggler_basis else display.NA)
+    if s.failure:
+        t.append("\n")
+        t.append(s.failure, style="bold red")
     return t
 
 
 class JobHeader(Widget):
-    """The overview's header: three lines, repainted only when their text changes (a fixed
-    height, so an update never re-lays out the screen)."""
+    """The overview's header: three lines (four once a rank failed), repainted only when their
+    text changes (a fixed height, so an update re-lays out the screen only when a failure
+    line comes or goes)."""
 
     DEFAULT_CSS = """
     JobHeader { height: 3; padding: 0 1; background: $boost; text-wrap: nowrap;
@@ -96,4 +101,7 @@ class JobHeader(Widget):
         text = header_text(summary)
         if text.plain != self._text.plain or text.spans != self._text.spans:
             self._text = text
+            height = 4 if summary.failure else 3
+            if self.styles.height is None or self.styles.height.value != height:
+                self.styles.height = height  # re-lays out once
             self.refresh()

@@ -14,6 +14,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from scalemon.tui.plotdata import PlotSpec
+from scalemon.tui.safe_text import clean
 from scalemon.tui.widgets.braille import data_range, rasterize, tick
 
 PALETTE = ("#4fc3f7", "#ffb74d", "#81c784", "#e57373", "#ba68c8", "#fff176", "#90a4ae",
@@ -75,7 +76,7 @@ class LinePlot(Widget):
         xs = [line.x for line in spec.lines if len(line.x)]
         y_range = data_range([v for line in spec.lines for v in (line.lo, line.hi)], spec.log)
         if not xs or y_range is None:
-            message = spec.empty[: plot_cols].center(plot_cols)
+            message = clean(spec.empty, one_line=True)[: plot_cols].center(plot_cols)
             blank = Strip([Segment(" " * width)], width)
             middle = plot_rows // 2
             for r in range(plot_rows):
@@ -99,19 +100,21 @@ class LinePlot(Widget):
         return [row.adjust_cell_length(width) for row in rows]
 
     def _title_row(self, width: int) -> Strip:
+        """Title, legend and marks; names may be a rank's (`log(**extra)`): segments go to the
+        terminal as they are, so control characters are made harmless."""
         spec = self.spec
-        title = spec.title + (f" ({spec.unit})" if spec.unit else "")
+        title = clean(spec.title + (f" ({spec.unit})" if spec.unit else ""), one_line=True)
         segments = [Segment(title, Style(bold=True))]
         if len(spec.lines) > 1 or (spec.lines and spec.lines[0].band):
             for line in spec.lines:
                 segments.append(Segment(" "))
                 segments.append(Segment("█" if line.band else "━", Style(color=color_of(
                     line.color))))
-                segments.append(Segment(line.label))
+                segments.append(Segment(clean(line.label, one_line=True)))
         if spec.marks is not None and len(spec.marks):
             segments.append(Segment(" "))
             segments.append(Segment(MARK, Style(color="red")))
-            segments.append(Segment(spec.marks_label))
+            segments.append(Segment(clean(spec.marks_label, one_line=True)))
         return Strip(segments).crop(0, width).adjust_cell_length(width)
 
     def _axis_row(self, width: int, plot_cols: int, x0: float, x1: float, axis: Style) -> Strip:

@@ -20,6 +20,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from scalemon.display import NA
+from scalemon.tui.safe_text import clean
 from scalemon.tui.views import COLUMNS, Row
 
 PAD = 1  # blank cells on each side of a column
@@ -215,5 +216,7 @@ class RankTable(ScrollView, can_focus=True):
 
 
 def _pad(text: str, width: int, right: bool) -> str:
-    text = text[:width]
+    """A cell `width` wide; what a rank sent (a host) may hold control characters: made
+    harmless, as segments go to the terminal as they are."""
+    text = clean(text, one_line=True)[:width]
     return " " * PAD + (text.rjust(width) if right else text.ljust(width)) + " " * PAD

@@ -1,0 +1,142 @@
+"""What every `scalemon` command's parser shares: the help layout (descriptions as written,
+defaults shown) and checks of option values that fail with argparse's exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+ENVIRONMENT = """\
+environment variables:
+  SCALEMON_HOME      where hubs keep job files, sockets, histories and the demo's logs
+                     (default ~/.scalemon); ipc socket paths under it must fit in 100 bytes
+  SCALEMON_HUB       the hub address ranks send to (ipc:///dir or tcp://host:port) instead
+                     of the job's own hub that rank 0 starts; ranks on other nodes need it
+  SCALEMON_JOB_ID    the job id the ranks report (default: from SLURM's or torchrun's
+                     variables)
+  SCALEMON_HUB_ARGS  extra `scalemon hub` options for the hub rank 0 starts, e.g.
+                     "--linger 60 --lost-after 10"
+"""
+"""The epilog of `scalemon --help`: each variable scalemon reads, one entry each."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """Descriptions wrapped to the terminal, epilogs (text with line breaks) as written;
+    `(default: X)` after each option that has a default worth saying (not None, not False)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return argparse.RawDescriptionHelpFormatter._fill_text(self, text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        text = action.help or ""
+        if (default is None or default is False or default is argparse.SUPPRESS
+                or "%(default)" in text
+                or not (action.option_strings or action.nargs in ("?", "*"))):
+            return action.help
+        shown = format(default, "g") if isinstance(default, float) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose `--help` has a description: their one-line help, when they do not
+    bring their own."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        text = kwargs.get("help")
+        if kwargs.get("description") is None and text:
+            kwargs["description"] = text[0].upper() + text[1:] + "."
+        return super().add_parser(name, **kwargs)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser with scalemon's help layout, for itself and its subcommands."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
+
+
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer in low..high."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            within = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {within}, not {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def number(low: float = 0.0, *, above: bool = False, unit: str = "") -> Callable[[str], float]:
+    """An argparse `type`: a finite number, at least `low` (more than it when `above`), in
+    `unit` when given ("seconds")."""
+    of_unit = f" {unit}" if unit else ""
+    bound = f"more than {low:g}{of_unit}" if above else f"{low:g}{of_unit} or more"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            what = f"a number of {unit}" if unit else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
+        return value
+
+    parse.__name__ = unit or "number"
+    return parse
+
+
+def seconds(low: float = 0.0, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse `type`: a finite number of seconds, at least `low` (more than it when
+    `above`)."""
+    return number(low, above=above, unit="seconds")
+
+
+def job_id(text: str) -> str:
+    """An argparse `type`: a job id that is safe in file names."""
+    from scalemon.jobs import check_job_id
+
+    try:
+        return check_job_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class LazyChoices(Sequence[str]):
+    """`choices` read when first needed (a check, a help text), so a table that is slow to
+    import (the trainer's presets need torch) costs nothing to the other commands."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
+        self._load = load
+        self._names: list[str] | None = None
+
+    def _all(self) -> list[str]:
+        if self._names is None:
+            self._names = list(self._load())
+        return self._names
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._all()

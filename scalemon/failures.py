@@ -1,0 +1,74 @@
+"""Reading the errors ranks die with: which rank failed first, which only lost a peer.
+
+When one rank of a job dies, its peers fail too, a moment later, in their next collective
+("Connection closed by peer", "NCCL communicator was aborted"...). Every rank then shows
+`exited 1`; what a person needs is the first rank that failed for a reason of its own. These
+rules are shared by the hub, the dashboard and `scalemon snapshot`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PEER_LOSS_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, re.IGNORECASE) for p in (
+    r"connection closed by peer",
+    r"connection reset by peer",
+    r"broken pipe",
+    r"remote worker crash",
+    r"remote process exited",
+    r"remote peer",
+    r"communicator was aborted",
+    r"NCCL communicator .* aborted",
+    r"ncclRemoteError",
+    r"socket timeout",
+    r"DistNetworkError",
+    r"failed to recv, got 0 bytes",
+    r"read error .* connection",
+    r"Rank \d+ .*(died|crashed|exited)",
+))
+"""Error texts of a rank that failed because another one went away."""
+
+CALLBACK_WRAPPER = "Got the following error when running the callback: "
+"""torch's prefix for an error raised inside a Future callback (DDP comm hooks run in one)."""
+
+
+def is_peer_loss(error: str | None) -> bool:
+    """True when `error` reads like the consequence of a peer's death, not a cause."""
+    return bool(error) and any(p.search(error) for p in PEER_LOSS_PATTERNS)
+
+
+def first_line(error: str | None, width: int = 200) -> str:
+    """The first non-blank line of an error, cut to `width` characters."""
+    for line in (error or "").splitlines():
+        if line.strip():
+            line = line.strip()
+            return line if len(line) <= width else line[:width - 1] + "…"
+    return ""
+
+
+def clean_error(text: str, own_dirs: tuple[Path, ...]) -> str:
+    """`text` without what the monitor itself added: torch's callback wrapper around an error
+    that merely passed through scalemon's comm hook, and the `At:` stack lines of frames in
+    `own_dirs` (scalemon's package). Frames of other code are kept."""
+    out = text
+    if CALLBACK_WRAPPER in out:
+        # "RuntimeError: Got the following error ...: RuntimeError: <the real error>"
+        out = out[out.index(CALLBACK_WRAPPER) + len(CALLBACK_WRAPPER):]
+    lines = out.splitlines()
+    roots = tuple(str(d) + "/" for d in own_dirs)
+    kept: list[str] = []
+    for line in lines:
+        frame = line.strip()
+        if roots and frame.startswith(roots) and re.search(r"\(\d+\): \S+$", frame):
+            continue  # "  /path/scalemon/agent/timing.py(209): _done"
+        kept.append(line)
+    # an "At:" heading left with no frame under it goes too
+    result: list[str] = []
+    for i, line in enumerate(kept):
+        if line.strip() == "At:":
+            rest = kept[i + 1:]
+            if not any(r.strip() for r in rest[:1]) or not rest:
+                continue
+        result.append(line)
+    return "\n".join(result).strip() + ("\n" if text.endswith("\n") else "")
