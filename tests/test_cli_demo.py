@@ -16,7 +16,7 @@ from test_tui_snapshots import screen_text
 from conftest import wait_for
 from scalemon.tui import demo
 from scalemon.tui.app import DashboardApp
-from scalemon.tui.jobexit import JobExitScreen, last_lines
+from scalemon.tui.screens.job_exit import JobExitScreen, last_lines
 from scalemon.tui.screens.overview import OverviewScreen
 
 

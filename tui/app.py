@@ -265,7 +265,7 @@ class DashboardApp(App[None]):
             self.notify(f"the job finished (exit code 0){where}", timeout=15, markup=False)
             return
         from scalemon.tui.demo import exit_text
-        from scalemon.tui.jobexit import JobExitScreen
+        from scalemon.tui.screens.job_exit import JobExitScreen
 
         self.push_screen(JobExitScreen(code, self.job_log), callback=lambda _: self.notify(
             f"the job ended: {exit_text(code)}{where}", severity="error", timeout=30,

@@ -224,7 +224,7 @@ def demo(args: argparse.Namespace) -> int:
     from scalemon.history import history_path
     from scalemon.tui.app import DashboardApp, run_app
     from scalemon.tui.feed import HubFeed
-    from scalemon.tui.jobexit import last_lines
+    from scalemon.tui.screens.job_exit import last_lines
 
     job = args.job or default_job_id()
     problem = job_problem(job)
