@@ -5,13 +5,23 @@ foreach=True and fused=True on the same params and grads; workloads GPT-2 124M t
 1000 x 4096, 10000 x 64 and 1 x 1G elements; fp32, and bf16 (ours: bf16 params with fp32
 master/moments; torch: bf16 params and state); >= 20 warm-up and >= 100 timed steps per
 implementation, interleaved, timed with CUDA events; median and p10/p90; GB/s from bytes moved
-and as % of a measured device-to-device copy; time relative to fused=True.
+and as % of a measured device-to-device copy; time relative to fused=True. bf16 adds our two
+lighter modes: lo16 master + bf16 moments (18 B/param) and fp32 master + bf16 moments (20).
+
+--host measures the host side of step() alone: microseconds per call and torch ops per call
+(torch.profiler), for 148 tensors (GPT-2 124M's count) and 10000 tensors, with the same grads
+every step and with new grads every step (zero_grad(set_to_none=True), then fresh grads),
+interleaved in rounds. On a GPU the tensors have GPT-2's shapes (10000 x 64 for the other) and
+the kernels run; without one they are 64-element CPU tensors and our launch is stubbed out
+(torch's CPU optimizers do their math, negligible at 64 elements: a reference, not a rival).
 
     python bench/fused_adam.py            # full run, saves bench/results/fused_adam_<gpu>.{json,md}
     python bench/fused_adam.py --quick    # fewer workloads and steps, no 1G case
     python bench/fused_adam.py --skip-1g  # leave out the 1G-element case
+    python bench/fused_adam.py --host     # host time per step(), saves fused_adam_host-<device>
 
-Without CUDA it runs a tiny sanity check under the Triton interpreter and saves nothing.
+Without CUDA (and without --host) it runs a tiny sanity check under the Triton interpreter and
+saves nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +42,12 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("ours", "torch_foreach=False", "torch_foreach=True", "torch_fused=True")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+# our bf16 modes beyond the default (fp32 master and moments): name -> FusedAdamW options
+OURS_BF16 = {
+    "ours_lo16+bf16m": {"master_weights": "lo16", "moment_dtype": "bf16"},
+    "ours_fp32m+bf16m": {"master_weights": "fp32", "moment_dtype": "bf16"},
+}
+HOST_IMPLS = ("ours", "torch_fused=True", "torch_foreach=True")
 
 
 def gpt2_124m_shapes() -> list[tuple[int, ...]]:
@@ -53,32 +69,44 @@ def workloads(quick: bool, with_1g: bool) -> list[tuple[str, list[tuple[int, ...
 
 
 def bytes_per_param(impl: str, dtype: torch.dtype) -> int:
-    """Bytes moved per parameter: read p,g,m,v and write p,m,v (ours bf16: fp32 master)."""
+    """Bytes moved per parameter: read p,g,m,v and write p,m,v (ours bf16: its master mode)."""
+    from scalemon.demo_train.fused_adam import bytes_per_param as ours_bytes
+
     if dtype == torch.float32:
         return 28
     if impl == "ours":
-        return 2 + 4 * 3 + 2 + 4 * 3  # read g, master, m, v; write p, master, m, v
+        return ours_bytes(dtype, "fp32", torch.float32)
+    if impl in OURS_BF16:
+        mode = OURS_BF16[impl]
+        return ours_bytes(dtype, mode["master_weights"], torch.bfloat16)
     return 2 * 7
 
 
 def bytes_needed(numel: int, dtype: torch.dtype) -> int:
-    """Device memory for shared params/grads, the state of all four implementations and
-    torch foreach's temporaries (about three param-sized buffers)."""
+    """Device memory for shared params/grads, the state of all implementations and torch
+    foreach's temporaries (about three param-sized buffers)."""
     size = torch.tensor([], dtype=dtype).element_size()
     ours = 12 if dtype != torch.float32 else 8
+    if dtype != torch.float32:
+        ours += (2 + 2 * 2) + (4 + 2 * 2)  # lo16 + bf16 moments; fp32 master + bf16 moments
     return numel * (2 * size + ours + 3 * 2 * size + 3 * size)
 
 
 def make_optimizers(params: list[torch.Tensor]) -> dict[str, torch.optim.Optimizer]:
-    """The four implementations on the same (shared) params; each keeps its own state."""
+    """The four implementations (and our bf16 modes for bf16 params) on the same (shared)
+    params; each keeps its own state. lo16 rewrites the params' low rounding at its first
+    step, harmless here: every implementation steps the same shared params."""
     from scalemon.demo_train.fused_adam import FusedAdamW
 
-    return {
+    opts = {
         "ours": FusedAdamW(params, **HYPER),
         "torch_foreach=False": torch.optim.AdamW(params, foreach=False, **HYPER),
         "torch_foreach=True": torch.optim.AdamW(params, foreach=True, **HYPER),
         "torch_fused=True": torch.optim.AdamW(params, fused=True, **HYPER),
     }
+    if params[0].dtype == torch.bfloat16:
+        opts.update({name: FusedAdamW(params, **HYPER, **kw) for name, kw in OURS_BF16.items()})
+    return opts
 
 
 def time_interleaved(opts: dict, warmup: int, iters: int) -> dict[str, dict[str, list[float]]]:
@@ -251,6 +279,145 @@ def cpu_sanity() -> int:
     return 0 if err < 1e-5 else 1
 
 
+def host_workloads(cuda: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """(name, shapes) for --host: GPT-2's 148 tensors (64 elements each on CPU) and 10000."""
+    gpt2 = gpt2_124m_shapes() if cuda else [(64,)] * len(gpt2_124m_shapes())
+    return [(f"{len(gpt2)} tensors", gpt2), ("10000 tensors", [(64,)] * 10000)]
+
+
+def stub_launch() -> None:
+    """CPU: our kernel launch becomes a no-op (the Triton interpreter would time numpy)."""
+    from scalemon.demo_train import fused_adam as fa
+
+    fa._Plan.launch = lambda self, *args: None
+
+
+def new_grads(params: list[torch.Tensor], gen: torch.Generator) -> None:
+    """zero_grad(set_to_none=True) then fresh grads, as autograd allocates them."""
+    for p in params:
+        p.grad = None
+        p.grad = torch.randn(p.shape, device=p.device, generator=gen, dtype=p.dtype)
+
+
+def time_host(opts: dict, params: list[torch.Tensor], set_to_none: bool, rounds: int,
+              iters: int) -> dict[str, list[float]]:
+    """Host microseconds of each step() call, implementations interleaved by rounds (the
+    first round, which builds state and tables, is dropped). The device is synchronised
+    before each timed call so that a full launch queue never blocks it."""
+    cuda = params[0].is_cuda
+    gen = torch.Generator(device=params[0].device).manual_seed(0)
+    names = list(opts)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            for _ in range(iters):
+                if set_to_none:
+                    new_grads(params, gen)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                opts[name].step()
+                if r > 0:
+                    times[name].append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def torch_ops_per_step(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+                       set_to_none: bool) -> int:
+    """torch ops recorded by the profiler in one step() (its own record_function left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if set_to_none:
+        new_grads(params, torch.Generator(device=params[0].device).manual_seed(1))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    return sum(1 for e in prof.events() if not e.name.startswith("Optimizer."))
+
+
+def host_case(shapes: list, set_to_none: bool, args: argparse.Namespace) -> list[dict]:
+    """Rows of one --host case: every implementation on shared params."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
+    new_grads(params, gen)
+    opts = {k: v for k, v in make_optimizers(params).items() if k in HOST_IMPLS}
+    raw = time_host(opts, params, set_to_none, args.rounds, args.iters)
+    rows = []
+    for name, us in raw.items():
+        med = statistics.median(us)
+        rows.append({
+            "impl": name, "set_to_none": set_to_none, "tensors": len(shapes),
+            "median_us": med, "p10_us": percentile(us, 10), "p90_us": percentile(us, 90),
+            "us_per_tensor": med / len(shapes), "calls": len(us),
+            "torch_ops_per_step": torch_ops_per_step(opts[name], params, set_to_none),
+        })
+    return rows
+
+
+def host_header() -> dict[str, str]:
+    """What --host ran on (the CPU without a GPU)."""
+    import triton
+
+    if torch.cuda.is_available():
+        return header()
+    return {"device": f"{cpu_model()} ({os.cpu_count()} CPUs)", "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "launch": "stubbed (TRITON_INTERPRET=1, CPU tensors)"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or what platform knows."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
+    except (OSError, AttributeError):
+        return platform.processor() or "unknown CPU"
+
+
+def host_markdown(head: dict, rows: list[dict]) -> str:
+    """The --host rows as a markdown table."""
+    lines = [f"# FusedAdamW host time per step() on {head.get('gpu', head.get('device'))}", ""]
+    lines += [", ".join(f"{k} {v}" for k, v in head.items()), ""]
+    lines.append("| workload | set_to_none | impl | median us | p10 us | p90 us | us/tensor "
+                 "| torch ops/step |")
+    lines.append("|" + "---|" * 8)
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['set_to_none']} | {r['impl']} | {r['median_us']:.0f} "
+            f"| {r['p10_us']:.0f} | {r['p90_us']:.0f} | {r['us_per_tensor']:.3f} "
+            f"| {r['torch_ops_per_step']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def host_main(args: argparse.Namespace) -> int:
+    """--host: time step() on the host, print and save the table."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        stub_launch()
+    head = host_header()
+    print("  ".join(f"{k}={v}" for k, v in head.items()))
+    rows = []
+    for name, shapes in host_workloads(torch.cuda.is_available()):
+        for set_to_none in (False, True):
+            for row in host_case(shapes, set_to_none, args):
+                rows.append({"workload": name, **row})
+            print("\n".join(host_markdown(head, rows).splitlines()[-len(HOST_IMPLS):]),
+                  flush=True)
+    print(host_markdown(head, rows))
+    if not args.no_save:
+        device = head.get("gpu", "cpu")
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
+        stem = RESULTS / f"fused_adam_host-{slug}"
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        payload = {"header": head, "args": vars(args), "hyper": HYPER, "rows": rows}
+        stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+        stem.with_suffix(".md").write_text(host_markdown(head, rows))
+        print(f"saved {stem}.{{json,md}}")
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -259,15 +426,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 20)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100)")
     ap.add_argument("--no-save", action="store_true", help="print only")
+    ap.add_argument("--host", action="store_true", help="host time per step() (CPU works)")
+    ap.add_argument("--rounds", type=int, default=5, help="--host: interleaved rounds")
     args = ap.parse_args(argv)
     args.warmup = args.warmup or (5 if args.quick else 20)
-    args.iters = args.iters or (20 if args.quick else 100)
+    args.iters = args.iters or (10 if args.host else 20 if args.quick else 100)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (or the CPU sanity check) and print/save the table."""
     args = parse_args(argv)
+    if args.host:
+        return host_main(args)
     if not torch.cuda.is_available():
         return cpu_sanity()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

@@ -73,7 +73,7 @@ from scalemon.demo_train.parallel import (
     setup_distributed,
     wrap_model,
 )
-from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler
+from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler, set_tf32
 
 CANNOT_RESUME = 1  # exit code: --resume found nothing usable, or an incompatible checkpoint
 
@@ -130,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--tf32", default="on", choices=("on", "off"),
+                   help="CUDA: fp32 matmuls on TF32 tensor cores (precision.py)")
     # checkpoints
     p.add_argument("--ckpt-dir", help="save checkpoints here (and on SIGTERM)")
     p.add_argument("--ckpt-every", type=non_negative_int, default=100,
@@ -240,6 +242,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
     """Model, data, parallelism, optimizer, scaler, checkpoint (resumed), monitor, estimate."""
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     amp, opt = resolve_defaults(args, env.device)
+    tf32 = set_tf32(args.tf32 == "on", env.device)
     overrides = {"block_size": args.block_size} if args.block_size else {}
     config = GPTConfig.preset(args.preset, **overrides)
     model = GPT(config, activation_checkpointing=args.activation_checkpointing).to(env.device)
@@ -271,7 +274,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
                 f"{env.world_size} rank(s), {env.device.type}: amp {amp}, ZeRO-{zero}, "
                 f"optimizer {opt}, grad-accum {args.grad_accum}, activation checkpointing "
                 f"{'on' if args.activation_checkpointing else 'off'}, compile "
-                f"{'on' if args.compile else 'off'}; "
+                f"{'on' if args.compile else 'off'}, tf32 {tf32}; "
                 f"{t.tokens_per_step * env.world_size} tokens/step")
     print0(env, memory.describe())
     import scalemon.agent as sm
@@ -357,6 +360,8 @@ def forward_backward(t: Trainer, step: int) -> torch.Tensor:
     all-reduce on the last only; returns the step's mean loss (detached)."""
     device, accum = t.env.device, t.args.grad_accum
     x, y = t.data.next_batch()  # batch_size * grad_accum sequences, cut into micro-batches
+    if device.type == "cuda":  # from pinned memory the copies below do not wait for the GPU
+        x, y = x.pin_memory(), y.pin_memory()
     total = torch.zeros((), device=device)
     for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
         last = i == accum - 1

@@ -178,7 +178,11 @@ def test_one_launch_per_step_and_tables_cached():
     ps[0].grad = torch.randn(ps[0].shape)  # a new allocation while the old one is alive
     opt.step()
     assert fa.launch_count() - start == 5
-    assert opt._plan is not plan and old_grad.data_ptr() != ps[0].grad.data_ptr()
+    assert old_grad.data_ptr() != ps[0].grad.data_ptr()
+    assert opt._plan is plan and plan.gptrs[0] == ps[0].grad.data_ptr()  # only the column
+    ps[1].grad = None  # which params have grads changed: rebuilt
+    opt.step()
+    assert opt._plan is not plan and len(opt._plan.params) == len(ps) - 1
 
 
 @interp
@@ -466,18 +470,21 @@ AOT_COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from scalemon.demo_train import fused_adam as fa
     assert not fa.interpreted()
-    sig = {"tensor_tab": "*i64", "block_tab": "*i64", "hyper_tab": "*fp64", "counters": "*i32",
-           "scale_ptr": "*fp32", "inf_ptr": "*fp32"}
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"tensor_tab": "*i64", "grad_tab": "*i64", "block_tab": "*i64", "hyper_tab": "*fp64",
+           "counters": "*i32", "scale_ptr": "*fp32", "inf_ptr": "*fp32"}
     fixed = dict(P_CODE=0, G_CODE=0, S_CODE=0, MASTER=0, AMS=0, HAS_SCALE=False, HAS_INF=False)
     mixed = dict(P_CODE=-1, G_CODE=-1, S_CODE=-1, MASTER=-1, AMS=-1, HAS_SCALE=True, HAS_INF=True)
-    for consts in (fixed, mixed):
+    bf16 = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=2, AMS=0, HAS_SCALE=False, HAS_INF=False)
+    for consts in (fixed, mixed, bf16):
         consts = dict(consts, ALIGNED=True, NCOL=fa._NCOL, HCOL=fa._HCOL, BLOCK=fa._GPU_BLOCK)
         src = ASTSource(fa._fused_adam_kernel, {**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": fa._GPU_WARPS}).asm["ptx"]
+        ptx = triton.compile(src, target=target, options={"num_warps": fa._GPU_WARPS}).asm["ptx"]
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "full blocks not vectorised"
         assert "div.full" not in ptx and "sqrt.approx" not in ptx, "approximate fp32 math"
+    poke = {"dst": "*i64", **{name: "i64" for name in fa._POKE_ARGS}}
+    triton.compile(ASTSource(fa._poke_kernel, poke), target=target, options={"num_warps": 1})
     print("compiled")
     """
 )

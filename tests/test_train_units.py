@@ -446,3 +446,25 @@ def test_max_steps_minus_5_stops_before_torch_distributed_starts(monkeypatch, ca
         train.main(["--max-steps", "-5"])
     assert exit_.value.code == 2
     assert "must be at least 1, not -5" in capsys.readouterr().err
+
+
+def test_tf32_changes_nothing_off_cuda() -> None:
+    from scalemon.demo_train.precision import set_tf32
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    assert set_tf32(True, torch.device("cpu")) == "n/a"
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tf32_on_cuda_follows_the_flag() -> None:
+    from scalemon.demo_train.precision import set_tf32
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        assert set_tf32(False, torch.device("cuda")) == "off"
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert set_tf32(True, torch.device("cuda")) == "on"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
