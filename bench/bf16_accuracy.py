@@ -31,11 +31,12 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from machine import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -203,16 +204,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def device_name() -> str:
-    """The CPU model (the run is on the CPU)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
-    except (OSError, AttributeError):
-        model = platform.processor() or "unknown CPU"
-    return f"{model} ({os.cpu_count()} CPUs)"
-
-
 def setup(args: argparse.Namespace) -> tuple:
     """Config, initial weights, train batches and validation batches."""
     import torch
@@ -250,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     rows = run_modes(args, lambda line: print(line, flush=True))
-    device = device_name()
+    device = cpu_name()
     print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}, preset "
           f"{args.preset}, {args.steps} steps, batch {args.batch_size}, lr {args.lr} "
           f"({args.schedule})\n{table(rows)}")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("ours", "torch_foreach=False", "torch_foreach=True", "torch_fused=True")
@@ -364,15 +365,6 @@ def host_header() -> dict[str, str]:
     return {"device": f"{cpu_model()} ({os.cpu_count()} CPUs)", "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(),
             "launch": "stubbed (TRITON_INTERPRET=1, CPU tensors)"}
-
-
-def cpu_model() -> str:
-    """The CPU's model name, or what platform knows."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        return re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
-    except (OSError, AttributeError):
-        return platform.processor() or "unknown CPU"
 
 
 def host_markdown(head: dict, rows: list[dict]) -> str:

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TRAIN = str(REPO / "demo_train" / "train.py")
@@ -226,15 +228,6 @@ def table(rows: list[dict]) -> str:
             f"{r['config']:<34} | {r['world_size']:>5} | {r['tokens_per_s_median']:>12,.0f} | "
             f"{r['spread_pct']:>6.1f}% | {vs:>22} | {mfu:>6} | {peak:>8}")
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    """The CPU's model name."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        return re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
-    except (OSError, AttributeError):
-        return platform.processor() or "unknown CPU"
 
 
 def nvidia_driver() -> str | None:

@@ -179,6 +179,18 @@ def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = (),
     ]
 
 
+def job_processes(job: str) -> list[psutil.Process]:
+    """Processes whose environment names this job (torchrun, ranks, hub)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SCALEMON_JOB_ID") == job:
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill a process started with start_new_session=True, its group and every descendant
     (torchrun puts its workers in sessions of their own, out of the group's reach)."""

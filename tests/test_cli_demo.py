@@ -13,7 +13,7 @@ import psutil
 from test_tui_app import until
 from test_tui_snapshots import screen_text
 
-from conftest import wait_for
+from conftest import job_processes, wait_for
 from scalemon.tui import demo
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.screens.job_exit import JobExitScreen, last_lines
@@ -28,18 +28,6 @@ def demo_args(**changes: object) -> argparse.Namespace:
     for key, value in changes.items():
         setattr(args, key, value)
     return args
-
-
-def job_processes(job: str) -> list[psutil.Process]:
-    """Processes whose environment names this job (torchrun, ranks, hub)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SCALEMON_JOB_ID") == job:
-                found.append(proc)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def test_quitting_stops_the_job_and_its_log_ends_with_a_line_not_a_traceback(home: Path):

@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import wait_for
+from conftest import job_processes, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -42,18 +41,6 @@ class Tmux:
     def kill(self) -> None:
         self.run("kill-session", "-t", self.session)
         self.run("kill-server")
-
-
-def job_processes(job: str) -> list[psutil.Process]:
-    """Processes whose environment names this job (torchrun, ranks, hub)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SCALEMON_JOB_ID") == job:
-                found.append(proc)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def ranks_on(screen: str) -> dict[int, tuple[int, str]]:
