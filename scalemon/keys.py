@@ -4,7 +4,7 @@ Layout (`$SCALEMON_HOME/keys`, mode 0700, this user's only)::
 
     keys/user.key  user.key_secret    the user's keypair: clients and agents (secret 0600)
     keys/hub.key   hub.key_secret     the keypair this user's hubs serve TCP with (secret 0600)
-    keys/authorized                   public keys (z85, one a line, '#' comments) a hub admits
+    keys/authorized                   public keys (z85) a hub admits: one a line, '#' comments
 
 Both keypairs are made on first use, in the certificate format `zmq.auth.load_certificate`
 reads; `authorized` is made holding the user's own public key (ssh-style).
@@ -142,9 +142,10 @@ def parse_authorized(text: str, where: str = AUTHORIZED) -> set[bytes]:
     """The z85 public keys of an `authorized` file's text; KeyFileError names a bad line."""
     keys: set[bytes] = set()
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        line = raw.strip()  # '#' is a z85 character: comments start a line or follow a blank
+        if not line or line.startswith("#"):
             continue
+        line = line.split()[0]
         if not valid_z85_key(line):
             raise KeyFileError(
                 f"{where} line {number}: {line[:60]!r} is not a Curve public key (40 z85 "
