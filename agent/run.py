@@ -115,6 +115,7 @@ class Run:
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings,
                              configured_by=configured_by, hub_label=self.address.base,
+                             server_key=self.address.server_key,
                              first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None)
         self.sender.on_command = self._on_command
         self._watch_hub(hub)

@@ -30,6 +30,7 @@ import zmq
 
 import scalemon
 from scalemon import protocol
+from scalemon.keys import secure_client
 
 from .warn import Warnings
 
@@ -55,8 +56,10 @@ class Sender:
         configured_by: str | None = None,
         first_answer_warn_s: float | None = None,
         hub_label: str | None = None,
+        server_key: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.server_key = server_key  # the hub's Curve public key, for tcp endpoints
         self.rpc_endpoint = rpc_endpoint
         self.warnings = warnings or Warnings()
         self.hub_version: tuple[int, int] | None = None  # once the hub answered
@@ -144,6 +147,7 @@ class Sender:
             sock.setsockopt(zmq.LINGER, int(self.close_timeout_s * 1000))
             sock.setsockopt(zmq.RECONNECT_IVL, 200)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            secure_client(sock, self.endpoint, self.server_key)  # tcp: Curve, or refuse
             sock.connect(self.endpoint)
             probe = self._probe(ctx)
             while True:
@@ -173,6 +177,7 @@ class Sender:
         probe = ctx.socket(zmq.DEALER)
         probe.setsockopt(zmq.LINGER, 0)
         probe.setsockopt(zmq.SNDHWM, 4)
+        secure_client(probe, self.rpc_endpoint, self.server_key)
         probe.connect(self.rpc_endpoint)
         return probe
 

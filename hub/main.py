@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
         help="bind here instead of the job's private ipc directory (ipc:///dir or tcp://host:port)",
+    )
+    parser.add_argument(
+        "--listen", metavar="tcp://HOST:PORT", default=os.environ.get("SCALEMON_LISTEN") or None,
+        help="also listen on TCP, always with CurveZMQ, admitting the keys in "
+             "$SCALEMON_HOME/keys/authorized (port 0: free ports; default: $SCALEMON_LISTEN)",
     )
     parser.add_argument("--world-size", type=int_at_least(1), metavar="N",
                         help="expected number of ranks")
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         hub = Hub(
             job=args.job, home=args.home, address=args.address, world_size=args.world_size,
             lost_after_s=args.lost_after, linger_s=args.linger, memory_limit=args.memory_limit,
-            hang_after_s=args.hang_after,
+            hang_after_s=args.hang_after, listen=args.listen,
         )
     except (HubAlreadyRunning, ValueError, OSError) as exc:
         print(f"scalemon hub: {exc}", file=sys.stderr)

@@ -31,8 +31,10 @@ from scalemon import protocol
 from scalemon.history import HISTORY_FILE, RETRY_S, History
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
 from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
+from scalemon.keys import Keypair, hub_keypair, load_authorized, secure_server
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
 
+from .auth import KeyGate, start_gate
 from .frdump import FrDump
 from .toggles import ToggleRefused, Toggles
 
@@ -63,6 +65,7 @@ class Hub:
         linger_s: float = 600.0,
         memory_limit: int = 1_000_000,
         hang_after_s: float = HANG_AFTER_S,
+        listen: str | None = None,
     ) -> None:
         self.job = job
         self.home = home
@@ -70,6 +73,16 @@ class Hub:
         self.address = HubAddress.parse(address) if address else HubAddress.for_directory(
             self.run_dir
         )
+        self.listen = HubAddress.parse(listen) if listen else None
+        if self.listen is not None and not self.listen.ingest.startswith("tcp://"):
+            raise ValueError(f"--listen {listen!r}: expected tcp://HOST:PORT (port 0: any free "
+                             "ports)")
+        self.tcp_endpoints: dict[str, str] | None = None  # bound, with a resolvable host
+        self._keys: Keypair | None = None
+        self._gate: KeyGate | None = None
+        if self.address.ingest.startswith("tcp://") or self.listen is not None:
+            self._keys = hub_keypair(home)  # fail now, with the keys' error, not once serving
+            load_authorized(home)
         self.control_endpoint = HubAddress.for_directory(self.run_dir).control
         self.lost_after_s = lost_after_s
         self.linger_s = linger_s
@@ -153,23 +166,60 @@ class Hub:
         for rank in self.state.ranks:
             self._last_recv[rank] = now
 
-    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, ...]:
+    def _sockets(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        """An unbound ingest PULL, feed PUB and rpc ROUTER with the hub's options."""
         ingest = ctx.socket(zmq.PULL)
         ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         ingest.setsockopt(zmq.RCVHWM, 100_000)
         feed = ctx.socket(zmq.PUB)
         feed.setsockopt(zmq.SNDHWM, 100_000)
         rpc = ctx.socket(zmq.ROUTER)
-        control = ctx.socket(zmq.ROUTER)
-        for sock in (rpc, control):
-            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        for sock in (ingest, feed, rpc, control):
+        rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        for sock in (ingest, feed, rpc):
             sock.setsockopt(zmq.LINGER, 0)
-        ingest.bind(self.address.ingest)
-        feed.bind(self.address.feed)
-        rpc.bind(self.address.rpc)
+        return ingest, feed, rpc
+
+    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, ...]:
+        """Bind the main endpoints, the control socket and, with --listen, the tcp ones. Every
+        tcp socket is a Curve server behind the ZAP handler: TCP is never open."""
+        if self._keys is not None:
+            self.auth, self._gate = start_gate(ctx, self.home)
+        ingest, feed, rpc = self._sockets(ctx)
+        control = ctx.socket(zmq.ROUTER)
+        control.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        control.setsockopt(zmq.LINGER, 0)
+        main = (ingest, feed, rpc)
+        if self.address.ingest.startswith("tcp://"):
+            self.tcp_endpoints = self._bind_tcp(main, self.address)
+        else:
+            ingest.bind(self.address.ingest)
+            feed.bind(self.address.feed)
+            rpc.bind(self.address.rpc)
         control.bind(self.control_endpoint)  # in the 0700 run directory: the owner only
-        return ingest, feed, rpc, control
+        extra: tuple[zmq.Socket, ...] = ()
+        if self.listen is not None:
+            extra = self._sockets(ctx)
+            self.tcp_endpoints = self._bind_tcp(extra, self.listen)
+        return (ingest, feed, rpc, control, *extra)
+
+    def _bind_tcp(self, sockets: tuple[zmq.Socket, ...], where: HubAddress) -> dict[str, str]:
+        """Bind ingest/feed/rpc as Curve servers at `where` (port 0: each a free port);
+        returns the endpoints with a host name other nodes resolve."""
+        assert self._keys is not None
+        host = where.ingest[len("tcp://"):].rpartition(":")[0]
+        public = host in ("*", "0.0.0.0", "[::]", "::") or not host
+        name = _resolvable_host() if public else host.strip("[]")
+        bound = {}
+        for label, sock, endpoint in zip(("ingest", "feed", "rpc"), sockets,
+                                         (where.ingest, where.feed, where.rpc), strict=True):
+            secure_server(sock, self._keys)
+            if endpoint.endswith(":0"):
+                port = sock.bind_to_random_port(endpoint[:-2])
+            else:
+                sock.bind(endpoint)
+                port = int(endpoint.rpartition(":")[2])
+            bound[label] = f"tcp://{name}:{port}"
+        return bound
 
     def _write_job_file(self) -> None:
         self._job_file = JobFile(
@@ -181,6 +231,8 @@ class Hub:
             world_size=self.state.world_size,
             run_dir=str(self.run_dir),
             protocol=list(protocol.PROTOCOL_VERSION),
+            tcp=self.tcp_endpoints,
+            server_key=self._keys.public.decode() if self._keys else None,
         )
         try:
             self._job_file.write(self.home)
@@ -216,20 +268,32 @@ class Hub:
     def serve_forever(self) -> None:
         """Bind, write the job file, and serve until stopped or the job ended and lingered."""
         ctx = zmq.Context()
-        ingest, feed, rpc, control = self._bind(ctx)
+        self.auth = None
+        try:
+            sockets = self._bind(ctx)
+        except BaseException:
+            self._stop_auth()
+            raise
+        ingest, feed_main, rpc, control, *extra = sockets
+        ingests = [ingest, *extra[:1]]
+        rpcs = [rpc, *extra[2:3]]
+        feed = _FanOut([feed_main, *extra[1:2]])
         self._write_job_file()
-        log.info("hub for job %s listening on %s", self.job, self.address.base)
+        log.info("hub for job %s listening on %s%s", self.job, self.address.base,
+                 f" and (CurveZMQ) {self.tcp_endpoints}" if self.tcp_endpoints else "")
         poller = zmq.Poller()
-        for sock in (ingest, rpc, control):
+        for sock in (*ingests, *rpcs, control):
             poller.register(sock, zmq.POLLIN)
         next_housekeeping = 0.0
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=100))
-                if ingest in events:
-                    self._ingest(ingest, feed)
-                if rpc in events:
-                    self._serve_rpc(rpc)
+                for sock in ingests:
+                    if sock in events:
+                        self._ingest(sock, feed)
+                for sock in rpcs:
+                    if sock in events:
+                        self._serve_rpc(sock)
                 if control in events:
                     self._serve_rpc(control, control=True)
                 now = time.monotonic()
@@ -237,12 +301,18 @@ class Hub:
                     next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(feed, now)
         finally:
-            self._shutdown(ctx, (ingest, feed, rpc, control))
+            self._shutdown(ctx, sockets)
+
+    def _stop_auth(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         self.history.close()
         for sock in sockets:
             sock.close(linger=0)
+        self._stop_auth()
         ctx.term()
         if self._job_file is not None:
             self._mark_job_file()
@@ -252,7 +322,7 @@ class Hub:
             self.rejected,
         )
 
-    def _ingest(self, ingest: zmq.Socket, feed: zmq.Socket) -> None:
+    def _ingest(self, ingest: zmq.Socket, feed: _FanOut) -> None:
         accepted: list[bytes] = []
         first_seq = len(self.history)
         now = time.monotonic()
@@ -319,7 +389,7 @@ class Hub:
         if self.rejected <= 20 or self.rejected % 1000 == 0:
             log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size, exc)
 
-    def _record(self, feed: zmq.Socket, mtype: str, body: dict[str, Any]) -> None:
+    def _record(self, feed: _FanOut, mtype: str, body: dict[str, Any]) -> None:
         """Write a hub-originated message into the history and the feed."""
         self._own_seq += 1
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
@@ -346,7 +416,7 @@ class Hub:
         self._error_said = error
 
     # --- rank liveness and lifetime --------------------------------------------------------
-    def _housekeeping(self, feed: zmq.Socket, now: float) -> None:
+    def _housekeeping(self, feed: _FanOut, now: float) -> None:
         self.history.flush()
         self._note_write_error()
         while self._notes:
@@ -390,7 +460,7 @@ class Hub:
         """The rank's pid when it runs on this hub's host, else None."""
         return view.pid if view.host == self._host and view.pid else None
 
-    def _detect_lost(self, feed: zmq.Socket, now: float) -> None:
+    def _detect_lost(self, feed: _FanOut, now: float) -> None:
         for rank, view in list(self.state.ranks.items()):
             if view.state != "running":
                 continue
@@ -484,12 +554,12 @@ class Hub:
         self._pending_dump_record = True
         return {"directory": self._dump.directory, "ranks": ranks}
 
-    def _write_toggle_records(self, feed: zmq.Socket) -> None:
+    def _write_toggle_records(self, feed: _FanOut) -> None:
         """Write the toggles' new states (and refusals) into the history and the feed."""
         while self.toggles.records:
             self._record(feed, "toggle", self.toggles.records.pop(0))
 
-    def _advance_dump(self, feed: zmq.Socket) -> None:
+    def _advance_dump(self, feed: _FanOut) -> None:
         """Record a dump's progress in the history: requested, then analysed."""
         dump = self._dump
         if dump is None:
@@ -518,7 +588,28 @@ class Hub:
             "history_unwritten": len(self.history) - self.history.durable,
             "history_recovery": self.history.recovery,
             "replay_skipped": dict(self.replay_skipped),
+            "tcp": self.tcp_endpoints,
+            "auth_refused": self._gate.counts()["refused"] if self._gate else 0,
+            "auth_refused_keys": self._gate.counts()["refused_keys"] if self._gate else 0,
         }
+
+
+class _FanOut:
+    """The feed: every record goes to each PUB socket (ipc and, with --listen, tcp)."""
+
+    def __init__(self, sockets: list[zmq.Socket]) -> None:
+        self.sockets = sockets
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """Publish `frames` on every feed socket."""
+        for sock in self.sockets:
+            sock.send_multipart(frames)
+
+
+def _resolvable_host() -> str:
+    """This host's name as other nodes resolve it: the FQDN where it has one."""
+    fqdn = socket.getfqdn()
+    return fqdn if fqdn and fqdn != "localhost" else socket.gethostname()
 
 
 def _reason(exc: ProtocolError) -> str:

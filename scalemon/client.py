@@ -14,6 +14,7 @@ import zmq
 
 from scalemon import protocol
 from scalemon.jobs import HubAddress
+from scalemon.keys import secure_client
 from scalemon.protocol import Message, ProtocolError
 
 PAGE = 10_000
@@ -56,6 +57,11 @@ class HubClient:
         if self._sock is None:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            try:  # tcp: a Curve client, or no connection at all
+                secure_client(self._sock, self.address.rpc, self.address.server_key)
+            except BaseException:
+                self.close()
+                raise
             self._sock.connect(self.address.rpc)
         return self._sock
 
@@ -102,6 +108,11 @@ class HubStream:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, protocol.FEED_TOPIC)
+        try:
+            secure_client(self.sub, address.feed, address.server_key)
+        except BaseException:
+            self.close()
+            raise
         self.sub.connect(address.feed)
         self.next_seq = since
         self.rejected = 0

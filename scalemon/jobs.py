@@ -92,6 +92,8 @@ class HubAddress:
     feed: str
     rpc: str
     control: str | None = None
+    server_key: str | None = None
+    """The hub's Curve public key for tcp endpoints (from its job file), where known."""
 
     @classmethod
     def parse(cls, address: str) -> HubAddress:
@@ -157,6 +159,11 @@ class JobFile:
     "abandoned") once the hub exited after it, so readers can tell an ended job from a hub
     that died (its file still says "running" and its pid is gone)."""
     ended: float | None = None
+    tcp: dict[str, str] | None = None
+    """The hub's CurveZMQ tcp endpoints {"ingest", "feed", "rpc"} with a host name other nodes
+    resolve; None for an ipc-only hub."""
+    server_key: str | None = None
+    """The hub's Curve public key (z85), which tcp clients must know; None without tcp."""
 
     def write(self, home: Path | None = None) -> Path:
         """Atomically (re)write the job file."""
@@ -172,19 +179,23 @@ class JobFile:
         """Parse a job file; raises ValueError naming the file when it is unreadable."""
         try:
             data = json.loads(path.read_text())
-            optional = {"state", "ended"}  # not in job files of older hubs
+            optional = {"state", "ended", "tcp", "server_key"}  # not in older hubs' files
             return cls(**{k: data[k] for k in cls.__dataclass_fields__
                           if k not in optional or k in data})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable job file {path}: {exc}") from None
 
     def hub_address(self) -> HubAddress:
-        """The hub's endpoints; its control socket where the hub runs on this host."""
+        """The hub's endpoints: ipc on the hub's host, else its Curve tcp ones; its control
+        socket where the hub runs on this host."""
         address = HubAddress.parse(self.address)
-        if address.control is None and self.host == socket.gethostname():
+        local = self.host == socket.gethostname()
+        if self.tcp and (not local or not address.ingest.startswith("ipc://")):
+            address = HubAddress(self.tcp["ingest"], self.tcp["feed"], self.tcp["rpc"])
+        control = address.control
+        if control is None and local:
             control = f"ipc://{Path(self.run_dir) / 'control.sock'}"
-            address = HubAddress(address.ingest, address.feed, address.rpc, control)
-        return address
+        return HubAddress(address.ingest, address.feed, address.rpc, control, self.server_key)
 
     def is_alive(self) -> bool:
         """True when the hub process still runs (always assumed for another host)."""

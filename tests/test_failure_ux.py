@@ -190,7 +190,9 @@ def test_crashed_job_snapshot_names_the_first_rank_and_no_scalemon_frames(home: 
 
 def test_tcp_errors_name_the_address_typed_and_its_ports(home: Path) -> None:
     from conftest import free_port
+    from scalemon.keys import hub_keypair
 
+    hub_keypair(home)  # a tcp client needs a server key (this home's hub key) to try at all
     port = free_port()
     out = subprocess.run([sys.executable, "-m", "scalemon", "snapshot",
                           f"tcp://127.0.0.1:{port}", "--timeout", "0.5"],
@@ -228,7 +230,9 @@ def _trainer_stderr_until(env: dict, text: str, steps: int = 400) -> tuple[str, 
 
 def test_a_dead_scalemon_hub_is_reported_within_seconds_naming_the_variable(home: Path) -> None:
     from conftest import free_port
+    from scalemon.keys import hub_keypair
 
+    hub_keypair(home)  # the agent's server key for a tcp hub: this home's hub key
     address = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "SCALEMON_HUB": address, "SCALEMON_JOB_ID": "deadhub",
            "OMP_NUM_THREADS": "1"}
