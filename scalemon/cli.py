@@ -224,7 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
-    from scalemon.cli_args import ENVIRONMENT, Parser, seconds
+    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, seconds
     from scalemon.hub.main import add_arguments as add_hub_arguments
 
     parser = Parser(
@@ -240,10 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot", help="print the current state of a job",
         description="Print the current state of a job: a row per rank, its extras, flags, "
                     "collectives and hang. With the job's hub gone, replay its history file.")
-    snap.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
-    snap.add_argument("--json", action="store_true", help="machine-readable JSON")
-    snap.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
-                      help="seconds to wait for the hub")
+    add_query_arguments(snap)
     snap.set_defaults(func=cmd_snapshot)
 
     jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user",

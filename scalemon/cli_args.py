@@ -106,6 +106,20 @@ def seconds(low: float = 0.0, *, above: bool = False) -> Callable[[str], float]:
     return number(low, above=above, unit="seconds")
 
 
+def add_hub_timeout(parser: argparse.ArgumentParser) -> None:
+    """`--timeout S`: how long a command waits for the hub's answer."""
+    parser.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
+                        help="seconds to wait for the hub")
+
+
+def add_query_arguments(parser: argparse.ArgumentParser) -> None:
+    """`[TARGET] [--json] [--timeout S]` of the commands that ask a job's hub for its state."""
+    parser.add_argument("target", nargs="?",
+                        help="job id or hub address (default: the live job)")
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON")
+    add_hub_timeout(parser)
+
+
 def job_id(text: str) -> str:
     """An argparse `type`: a job id that is safe in file names."""
     from scalemon.jobs import check_job_id

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from scalemon import display, protocol
-from scalemon.cli_args import seconds
+from scalemon.cli_args import add_hub_timeout, add_query_arguments, seconds
 from scalemon.client import HubClient, HubUnreachable
 from scalemon.control import ControlError, Controller
 from scalemon.flags import FlagError, check, parse_assignment, tier_text
@@ -25,10 +25,7 @@ def add_parsers(sub: Any) -> None:
         "flags", help="the job's NCCL/torch flags: tier and value per rank",
         description="The job's NCCL and torch flags: each one's tier (when a change takes "
                     "effect), its value on every rank, mismatches; then the last toggles.")
-    flags.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
-    flags.add_argument("--json", action="store_true", help="machine-readable JSON")
-    flags.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
-                       help="seconds to wait for the hub")
+    add_query_arguments(flags)
     flags.set_defaults(func=cmd_flags)
 
     toggle = sub.add_parser(
@@ -45,8 +42,7 @@ def add_parsers(sub: Any) -> None:
                              "whatever the flag's tier: every group gets it")
     toggle.add_argument("--wait", type=seconds(0.0), default=180.0, metavar="S",
                         help="seconds to wait for every rank to apply it")
-    toggle.add_argument("--timeout", type=seconds(0.0, above=True), default=5.0, metavar="S",
-                        help="seconds to wait for the hub")
+    add_hub_timeout(toggle)
     toggle.set_defaults(func=cmd_toggle)
 
 

@@ -55,20 +55,11 @@ def clean_error(text: str, own_dirs: tuple[Path, ...]) -> str:
     if CALLBACK_WRAPPER in out:
         # "RuntimeError: Got the following error ...: RuntimeError: <the real error>"
         out = out[out.index(CALLBACK_WRAPPER) + len(CALLBACK_WRAPPER):]
-    lines = out.splitlines()
     roots = tuple(str(d) + "/" for d in own_dirs)
-    kept: list[str] = []
-    for line in lines:
-        frame = line.strip()
-        if roots and frame.startswith(roots) and re.search(r"\(\d+\): \S+$", frame):
-            continue  # "  /path/scalemon/agent/timing.py(209): _done"
-        kept.append(line)
+    kept = [line for line in out.splitlines()  # "  /path/scalemon/agent/timing.py(209): _done"
+            if not (roots and line.strip().startswith(roots)
+                    and re.search(r"\(\d+\): \S+$", line.strip()))]
     # an "At:" heading left with no frame under it goes too
-    result: list[str] = []
-    for i, line in enumerate(kept):
-        if line.strip() == "At:":
-            rest = kept[i + 1:]
-            if not any(r.strip() for r in rest[:1]) or not rest:
-                continue
-        result.append(line)
-    return "\n".join(result).strip() + ("\n" if text.endswith("\n") else "")
+    kept = [line for line, after in zip(kept, [*kept[1:], ""], strict=True)
+            if not (line.strip() == "At:" and not after.strip())]
+    return "\n".join(kept).strip() + ("\n" if text.endswith("\n") else "")

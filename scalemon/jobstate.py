@@ -288,12 +288,11 @@ class JobState:
             return None
         first = failed[0]
         why = first_line(first.error) or first.state_reason or first.state
+        peer_loss = sorted(v.rank for v in failed[1:] if v.peer_loss)
         return {
             "rank": first.rank, "state": first.state, "exit_code": first.exit_code,
-            "step": first.step, "t": first.ended_t, "error": why,
-            "peer_loss": sorted(v.rank for v in failed if v.peer_loss and v is not first),
-            "text": failure_text(first.rank, first.step, why,
-                                 [v.rank for v in failed if v.peer_loss and v is not first]),
+            "step": first.step, "t": first.ended_t, "error": why, "peer_loss": peer_loss,
+            "text": failure_text(first.rank, first.step, why, peer_loss),
         }
 
     @property

@@ -71,10 +71,11 @@ class HubFeed(Feed):
         while not stop():
             address = self._resolve()
             if address is None:
-                if data.conn.status != "offline" and self._replay_history(data):
-                    status("offline", self._offline_text(data))
-                elif data.conn.status != "offline":
-                    status("waiting", f"no hub for job {self.job} yet")
+                if data.conn.status != "offline":  # else the history file is shown already
+                    if self._replay_history(data):
+                        status("offline", _offline_text(hub_gone_text(self.job, self.home)))
+                    else:
+                        status("waiting", f"no hub for job {self.job} yet")
                 _sleep(self.retry_s, stop)
                 continue
             stream = HubStream(address, since=data.next_seq, timeout_s=self.timeout_s,
@@ -104,14 +105,12 @@ class HubFeed(Feed):
                        f"{version_text(exc.theirs)}, this dashboard {version_text(exc.ours)}: "
                        "attach with the scalemon version the job runs")
             except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError) as exc:
-                job = data.state.job
-                if data.conn.status == "offline":
-                    pass  # the history file is shown already
-                elif (self.job is None and job is not None and hub_gone_text(job, self.home)
-                        and self._replay_history(data, job)):
-                    status("offline", self._offline_text(data, job))  # the hub ended for good
-                else:
-                    status("disconnected", _short(exc))
+                if data.conn.status != "offline":  # else the history file is shown already
+                    gone = self._ended_hub_of_address(data)
+                    if gone is not None and self._replay_history(data, data.state.job):
+                        status("offline", _offline_text(gone))  # the hub ended for good
+                    else:
+                        status("disconnected", _short(exc))
             finally:
                 stream.close()
             _sleep(self.retry_s, stop)
@@ -155,11 +154,18 @@ class HubFeed(Feed):
             data.history_identity = {"id": file_id, "base": data.next_seq}
         return True
 
-    def _offline_text(self, data: DashboardData, job: str | None = None) -> str:
-        """Why the history file is shown: the job ended, or its hub died."""
-        job = job or self.job or ""
-        why = hub_gone_text(job, self.home) or "no live hub"
-        return f"{why}: showing its history file; attaches again when a hub comes"
+    def _ended_hub_of_address(self, data: DashboardData) -> str | None:
+        """For a feed attached by address: why the hub of the job shown is gone for good (its
+        job file here says so), else None (a job-id feed finds that out in `_resolve`)."""
+        job = data.state.job
+        if self.job is not None or job is None:
+            return None
+        return hub_gone_text(job, self.home)
+
+
+def _offline_text(why: str | None) -> str:
+    """Why the history file is shown (the job ended, or its hub died), and what comes next."""
+    return f"{why or 'no live hub'}: showing its history file; attaches again when a hub comes"
 
 
 def _read_id(path: Path) -> str | None:

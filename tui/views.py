@@ -13,6 +13,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -103,12 +104,12 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
     the four overview plots."""
     now = time.time() if now is None else now
     with data.lock:
-        summary = _one_line_texts(_summary(data, now))
+        median_step = _median_step_s(data)
+        failure = data.state.first_failure()
+        summary = _one_line_texts(_summary(data, now, median_step, failure))
         straggling = {r for r, _ in summary.stragglers}
         rank_ids = sorted(data.state.ranks)
         shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
-        median_step = _median_step_s(data)
-        failure = data.state.first_failure()
         first = failure["rank"] if failure else None
         rows = [_row(data, data.state.ranks[r], now, r in straggling, median_step, first)
                 for r in shown]
@@ -132,7 +133,10 @@ def _median_step_s(data: DashboardData) -> float | None:
     return statistics.median(times) if times else None
 
 
-def _summary(data: DashboardData, now: float) -> Summary:
+def _summary(data: DashboardData, now: float, median_step: float | None,
+             failure: dict[str, Any] | None) -> Summary:
+    """The header's figures; `median_step` and `failure` (`JobState.first_failure`) as the
+    rows use them."""
     st = data.state
     ranks = list(st.ranks.values())
     steps = [v.step for v in ranks if v.step is not None]
@@ -141,14 +145,14 @@ def _summary(data: DashboardData, now: float) -> Summary:
     running = [v for v in ranks if v.state == "running"]
     lost = [v.rank for v in ranks if v.state == "lost"]
     exited = [v.rank for v in ranks if v.state == "exited"]
-    median_step = _median_step_s(data)
     hang = current_hang(data, now) if running else None
+    hub_down = _hub_down_text(data, now)
     if job_state == "waiting":
         state_text = "waiting for ranks"
     elif hang is not None:
         job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
-    elif _hub_down(data) and job_state not in ("finished", "ended"):
-        job_state, state_text = "hub down", _hub_down_text(st.last_t, now)
+    elif hub_down is not None and job_state not in ("finished", "ended"):
+        job_state, state_text = "hub down", hub_down
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
         if quiet > max(10.0, 10.0 * (median_step or 0.0)):
@@ -169,7 +173,6 @@ def _summary(data: DashboardData, now: float) -> Summary:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
     stragglers, basis = _stragglers(data, median_step)
     flag_note, flag_style = header_note(st.flags)
-    failure = st.first_failure()
     return Summary(
         job=st.job, world_size=st.world_size, ranks_seen=len(ranks), state=job_state,
         state_text=state_text, step_min=min(steps) if steps else None,
@@ -184,16 +187,13 @@ def _summary(data: DashboardData, now: float) -> Summary:
     )
 
 
-def _hub_down(data: DashboardData) -> bool:
-    """True when records stopped coming because the hub did (not the job): the receiver is
-    not connected and had records before."""
-    return data.conn.status not in ("connected", "connecting") and data.state.last_t is not None
-
-
-def _hub_down_text(last_t: float | None, now: float) -> str:
-    """"hub down: no data since 14:02:11 (35 s ago)": the job may well be training."""
-    if last_t is None:
-        return "hub down: no data yet"
+def _hub_down_text(data: DashboardData, now: float) -> str | None:
+    """"hub down: no data since 14:02:11 (35 s ago)" when records stopped coming because the
+    hub did (the receiver is not connected and had records before): the job may well be
+    training. None while connected."""
+    last_t = data.state.last_t
+    if data.conn.status in ("connected", "connecting") or last_t is None:
+        return None
     clock = time.strftime("%H:%M:%S", time.localtime(last_t))
     quiet = max(0.0, now - last_t)
     ago = f"{quiet:.0f} s" if quiet < 120 else display.duration(quiet)
