@@ -1,4 +1,5 @@
-"""Finding the job's hub, and starting one on rank 0 when none is configured or running."""
+"""Finding the job's hub, and starting one on rank 0 when none is configured or running; on the
+other nodes of a job that spans several, starting each node's relay on its local rank 0."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scalemon.jobs import HubAddress, private_dir, run_dir, scalemon_home
+from scalemon.jobs import HubAddress, private_dir, relay_dir, run_dir, scalemon_home
 
 from .env import RankEnv
 
@@ -20,10 +21,16 @@ HUB_ARGS_ENV = "SCALEMON_HUB_ARGS"
 
 
 def hub_address(env: RankEnv, configured: str | None = None) -> HubAddress:
-    """The hub this rank sends to: `configured`, else $SCALEMON_HUB, else the job's own hub
-    (started here when this is rank 0 and none runs yet)."""
+    """The hub this rank sends to: `configured`, else (on a node other than rank 0's) its node's
+    relay, else $SCALEMON_HUB, else the job's own hub (started here when this is rank 0 and
+    none runs yet; listening on CurveZMQ tcp too when the job spans several nodes)."""
     if configured:
         return HubAddress.parse(configured)
+    if env.multi_node and env.node_rank != 0:
+        directory = relay_dir(env.job)
+        if env.local_rank == 0:
+            start_relay_if_needed(env, directory)
+        return HubAddress.for_directory(directory)
     from_env = os.environ.get("SCALEMON_HUB")
     if from_env:
         try:
@@ -32,20 +39,14 @@ def hub_address(env: RankEnv, configured: str | None = None) -> HubAddress:
             raise ValueError(f"SCALEMON_HUB={from_env!r} is not a hub address: {exc}") from None
     directory = private_dir(run_dir(env.job))
     address = HubAddress.for_directory(directory)
-    group_rank = os.environ.get("GROUP_RANK", "0")
     if env.rank == 0:
         start_hub_if_needed(env, directory)
-    elif group_rank != "0":
-        log.warning(
-            "scalemon: rank %d is not on rank 0's node, so it cannot reach the job's ipc hub; "
-            "set SCALEMON_HUB to a hub address reachable from every node", env.rank,
-        )
     return address
 
 
-def hub_is_running(directory: Path) -> bool:
-    """True when a hub holds the lock of this run directory."""
-    lock_path = directory / "hub.lock"
+def hub_is_running(directory: Path, lock: str = "hub.lock") -> bool:
+    """True when a hub (or, with lock="relay.lock", a relay) holds this directory's lock."""
+    lock_path = directory / lock
     if not lock_path.exists():
         return False
     with open(lock_path, "a+") as f:
@@ -68,10 +69,28 @@ def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
         "--home", str(scalemon_home()),
         *os.environ.get(HUB_ARGS_ENV, "").split(),
     ]
-    with open(directory / "hub.log", "ab") as out:
+    if env.multi_node and not os.environ.get("SCALEMON_LISTEN"):
+        cmd += ["--listen", "tcp://*:0"]  # the other nodes' relays and the login node
+    pid = _spawn(cmd, directory / "hub.log")
+    log.info("scalemon: started hub pid %d for job %s", pid, env.job)
+    return pid
+
+
+def start_relay_if_needed(env: RankEnv, directory: Path) -> int | None:
+    """Start this node's relay for the job in its own session; returns its pid or None."""
+    if hub_is_running(directory, "relay.lock"):
+        return None
+    cmd = [sys.executable, "-m", "scalemon.hub.relay", "--job", env.job,
+           "--home", str(scalemon_home())]
+    pid = _spawn(cmd, directory / "relay.log")
+    log.info("scalemon: started relay pid %d for job %s on this node", pid, env.job)
+    return pid
+
+
+def _spawn(cmd: list[str], log_path: Path) -> int:
+    with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
         )
-    log.info("scalemon: started hub pid %d for job %s", proc.pid, env.job)
     return proc.pid

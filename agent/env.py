@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from scalemon.jobs import node_name
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class RankEnv:
     restart_count: int
     host: str
     launcher: str  # "torchrun", "slurm" or "single"
+    node_rank: int = 0
+    """This node's index in the job (torchrun's GROUP_RANK, SLURM_NODEID); rank 0 is on 0."""
+    nodes: int = 1
+    """How many nodes the job spans (torchrun's GROUP_WORLD_SIZE, SLURM_NNODES)."""
+
+    @property
+    def multi_node(self) -> bool:
+        """True when the job spans more than one node."""
+        return self.nodes > 1
 
 
 def _int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -48,6 +58,10 @@ def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
         return "tr-" + re.sub(r"[^A-Za-z0-9]", "", run_id)[:12]
     if env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}"
+    if launcher == "torchrun" and env.get("GROUP_WORLD_SIZE", "1") not in ("", "1"):
+        # several nodes, default run id: only the rendezvous' master is common to all
+        master = re.sub(r"[^A-Za-z0-9]", "", env.get("MASTER_ADDR", "").split(".")[0])[:40]
+        return f"{master or 'master'}-{env.get('MASTER_PORT', '0')}"
     if launcher == "torchrun":
         # static rendezvous with the default run id: the local torchrun agent is our parent
         return f"{host.split('.')[0]}-{os.getppid()}-{env.get('MASTER_PORT', '0')}"
@@ -57,21 +71,26 @@ def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
 def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     """Read the identity from torchrun's variables, else SLURM's, else a single process."""
     env = os.environ if env is None else env
-    host = socket.gethostname()
+    host = env.get("SCALEMON_NODE") or node_name()
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun"
         rank = _int(env, "RANK", default=0)
         world = _int(env, "WORLD_SIZE", default=1)
         local = _int(env, "LOCAL_RANK", default=0)
+        per_node = max(1, _int(env, "LOCAL_WORLD_SIZE", default=world))
+        node_rank = _int(env, "GROUP_RANK", default=0)
+        nodes = _int(env, "GROUP_WORLD_SIZE", default=-(-world // per_node))
     elif "SLURM_PROCID" in env:
         launcher = "slurm"
         rank = _int(env, "SLURM_PROCID", default=0)
         world = _int(env, "SLURM_NTASKS", default=1)
         local = _int(env, "SLURM_LOCALID", default=0)
+        node_rank = _int(env, "SLURM_NODEID", default=0)
+        nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
     else:
-        launcher, rank, world, local = "single", 0, 1, 0
+        launcher, rank, world, local, node_rank, nodes = "single", 0, 1, 0, 0, 1
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside world size {world}: check RANK/WORLD_SIZE")
     job = re.sub(r"[^A-Za-z0-9._-]", "-", job_id_from_env(env, host, launcher))[:100]
     restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", default=0)
-    return RankEnv(rank, world, local, job, restarts, host, launcher)
+    return RankEnv(rank, world, local, job, restarts, host, launcher, node_rank, max(1, nodes))

@@ -26,9 +26,9 @@ import torch
 
 import scalemon
 from scalemon.failures import clean_error
-from scalemon.jobs import run_dir
+from scalemon.jobs import relay_dir, run_dir
 
-from .autostart import hub_address, start_hub_if_needed
+from .autostart import hub_address, start_hub_if_needed, start_relay_if_needed
 from .env import RankEnv, read_rank_env
 from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
@@ -114,7 +114,7 @@ class Run:
                          "SCALEMON_HUB" if os.environ.get("SCALEMON_HUB") else None)
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings,
-                             configured_by=configured_by, hub_label=self.address.base,
+                             configured_by=configured_by, hub_label=self._hub_label(hub),
                              server_key=self.address.server_key,
                              first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None)
         self.sender.on_command = self._on_command
@@ -406,19 +406,30 @@ class Run:
                 "clock_offset_s": self.sender.clock_offset_s,
                 **self.recorder.heartbeat_fields()}
 
+    def _hub_label(self, configured: str | None) -> str:
+        """The hub as warnings name it: on other nodes of a multi-node job, the node's relay."""
+        if not configured and self.env.multi_node and self.env.node_rank != 0:
+            return f"{self.address.base} (this node's relay; see relay.log there)"
+        return self.address.base
+
     def _watch_hub(self, configured: str | None) -> None:
-        """On the hub's node, with the job's own (auto-started) hub: when it stops answering,
-        start a new one on the same history. Local rank k tries after 3 + k seconds, so the
-        lowest live one does; the hub's lock makes a second start a no-op."""
-        if configured or os.environ.get("SCALEMON_HUB") or os.environ.get("GROUP_RANK", "0") != "0":
+        """With the job's own (auto-started) hub or relay: when it stops answering, start a new
+        one (on the same history, for a hub). Local rank k tries after 3 + k seconds, so the
+        lowest live one does; the lock makes a second start a no-op."""
+        if configured:
             return
-        directory = run_dir(self.env.job)
+        if self.env.multi_node and self.env.node_rank != 0:
+            directory, start, what = relay_dir(self.env.job), start_relay_if_needed, "relay"
+        elif os.environ.get("SCALEMON_HUB") or self.env.node_rank != 0:
+            return
+        else:
+            directory, start, what = run_dir(self.env.job), start_hub_if_needed, "hub"
 
         def replace() -> None:
-            pid = start_hub_if_needed(self.env, directory)
+            pid = start(self.env, directory)
             if pid is not None:
-                log.warning("scalemon: the job's hub stopped answering; rank %d started a new "
-                            "one (pid %d) on the same history", self.env.rank, pid)
+                log.warning("scalemon: the job's %s stopped answering; rank %d started a new "
+                            "one (pid %d)", what, self.env.rank, pid)
 
         self.sender.on_hub_silent = replace
         self.sender.replace_after_s = 3.0 + self.env.local_rank

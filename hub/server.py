@@ -29,18 +29,27 @@ import zmq
 import scalemon
 from scalemon import protocol
 from scalemon.history import HISTORY_FILE, RETRY_S, History
-from scalemon.jobs import HubAddress, JobFile, jobs_dir, pid_alive, private_dir, run_dir
+from scalemon.jobs import (
+    HubAddress,
+    JobFile,
+    jobs_dir,
+    node_name,
+    pid_alive,
+    private_dir,
+    run_dir,
+)
 from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.keys import Keypair, hub_keypair, load_authorized, secure_server
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
 
 from .auth import KeyGate, start_gate
 from .frdump import FrDump
+from .relays import RelayBook
 from .toggles import ToggleRefused, Toggles
 
 log = logging.getLogger("scalemon.hub")
 
-INGEST_BATCH = 5000
+INGEST_BATCH = 1000  # frames per turn, so requests (syncs, pings) wait at most ~30 ms
 FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
@@ -104,7 +113,7 @@ class Hub:
         self._own_seq = 0
         self._last_recv: dict[int, float] = {}
         self._seen_alive: set[int] = set()
-        self._host = socket.gethostname()
+        self._host = node_name()
         self._last_any_recv = time.monotonic()
         self._ended_since = 0.0
         self._ending_state: str | None = None
@@ -112,6 +121,7 @@ class Hub:
         self._job_file: JobFile | None = None
         self._replay_history()
         self.toggles = Toggles(self.run_dir, self.state)
+        self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
 
     # --- setup ---------------------------------------------------------------------------
     def _take_lock(self):  # noqa: ANN202 - file object
@@ -225,7 +235,7 @@ class Hub:
         self._job_file = JobFile(
             job=self.job,
             address=self.address.base,
-            host=socket.gethostname(),
+            host=node_name(),
             pid=os.getpid(),
             started=self.started,
             world_size=self.state.world_size,
@@ -323,26 +333,31 @@ class Hub:
         )
 
     def _ingest(self, ingest: zmq.Socket, feed: _FanOut) -> None:
+        """Take what arrived: ranks send one frame per message, a node's relay a batch of them
+        as one multipart message."""
         accepted: list[bytes] = []
         first_seq = len(self.history)
         now = time.monotonic()
-        for _ in range(INGEST_BATCH):
+        taken = 0
+        while taken < INGEST_BATCH:
             try:
-                frame = ingest.recv(zmq.NOBLOCK, copy=True)
+                frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
-            self.received += 1
-            try:
-                msg = self._accept(frame)
-            except ProtocolError as exc:
-                self._reject(exc, len(frame))
-                continue
-            self.history.append(frame)
-            accepted.append(frame)
-            self._last_recv[msg.rank] = self._last_any_recv = now
-            self._apply(msg)
-            if msg.type == "hello":
-                self._note_pid(msg.rank)
+            taken += len(frames)
+            for frame in frames:
+                self.received += 1
+                try:
+                    msg = self._accept(frame)
+                except ProtocolError as exc:
+                    self._reject(exc, len(frame))
+                    continue
+                self.history.append(frame)
+                accepted.append(frame)
+                self._last_recv[msg.rank] = self._last_any_recv = now
+                self._apply(msg)
+                if msg.type == "hello":
+                    self._note_pid(msg.rank)
         if accepted:
             self.history.flush()  # published only once written: a hub crash cannot unsay it
             feed.send_multipart([self._topic, protocol.pack_seq(first_seq), *accepted])
@@ -425,6 +440,9 @@ class Hub:
         self._advance_dump(feed)
         self.toggles.advance(now)
         self._write_toggle_records(feed)
+        self.relays.advance(now)
+        while self.relays.records:
+            self._record(feed, "relay", self.relays.records.pop(0))
         self._detect_lost(feed, now)
         if self._job_file and self._job_file.world_size != self.state.world_size:
             self._write_job_file()
@@ -467,6 +485,10 @@ class Hub:
             silent = now - self._last_recv.get(rank, now)
             if silent > self.lost_after_s:
                 reason = f"no message for {silent:.1f} s"
+                relay_silent = self.relays.silent_for(view.host, now)
+                if relay_silent is not None and relay_silent > 3.0:
+                    reason += (f" (its node's relay has not reported for {relay_silent:.1f} s: "
+                               "see relay.log on that node)")
             elif (pid := self._local_pid(view)) and self._process_gone(pid):
                 reason = f"process {pid} is gone without reporting an exit (killed?)"
             else:
@@ -518,6 +540,9 @@ class Hub:
             rank = args["rank"]
             return {"t0": args["t"], "t": time.time(),
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
+        if op == "relay":
+            self.relays.report(args["node"], args["pid"], args["stats"])
+            return {"t0": args["t"], "t": time.time()}
         if op == "command":
             return self._command(args["name"])
         if op == "toggle":
@@ -575,7 +600,7 @@ class Hub:
         """Hub counters, as reported in `state` replies."""
         return {
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": node_name(),
             "address": self.address.base,
             "uptime_s": time.time() - self.started,
             "received": self.received,
@@ -589,6 +614,7 @@ class Hub:
             "history_recovery": self.history.recovery,
             "replay_skipped": dict(self.replay_skipped),
             "tcp": self.tcp_endpoints,
+            "relays": len(self.relays.relays),
             "auth_refused": self._gate.counts()["refused"] if self._gate else 0,
             "auth_refused_keys": self._gate.counts()["refused_keys"] if self._gate else 0,
         }

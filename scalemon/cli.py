@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import __version__, display, protocol
-from scalemon.jobs import JobLookupError, hub_gone_text, live_jobs, resolve_hub
+from scalemon.jobs import (
+    JobFile,
+    JobLookupError,
+    hub_gone_text,
+    live_jobs,
+    node_name,
+    resolve_hub,
+)
 from scalemon.jobstate import JobState
 
 
@@ -105,9 +112,20 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
     ]
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
+    if len(state["ranks"]) >= display.AGGREGATE_AT:  # a line per node, not per rank
+        lines.extend(display.node_snapshot_lines(state["ranks"], width))
+    else:
+        lines.extend(_rank_lines(state["ranks"], width))
+    lines.extend(_info_lines(state, width))
+    return "\n".join(lines)
+
+
+def _rank_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
+    """A row per rank, then each rank's `extra` values."""
+    lines: list[str] = []
     columns = display.rank_columns(dashboard=False)
     cells = []
-    for rank in state["ranks"]:
+    for rank in ranks:
         values = {**rank, **rank.get("extra", {})}
         cells.append([display.metric_text(c.metric, values) if c.metric else
                       _frame_cell(c.key, rank) for c in columns])
@@ -123,10 +141,16 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
 
     lines.append(line([c.heading for c in columns]))
     lines.extend(line(row) for row in cells)
-    for rank in state["ranks"]:
+    for rank in ranks:
         if rank.get("extra"):
             text = _short(display.flat_text(rank["extra"]), width)
             lines.append(f"rank {rank['rank']} extra: {text}")
+    return lines
+
+
+def _info_lines(state: dict[str, Any], width: int) -> list[str]:
+    """The run's info facts, hub notes, flag mismatches, toggles, collectives, the hang."""
+    lines: list[str] = []
     for key, by_rank in sorted(state.get("info", {}).items()):
         if key in ("fr_dump", "nccl_ras"):
             continue  # shown with the hang
@@ -134,6 +158,7 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
     for note in state.get("hub_notes") or []:
         lines.append(f"hub: {note['text']}")
+    lines.extend(_relay_lines(state.get("relays") or {}))
     for row in state.get("flags") or []:
         if row["mismatch"]:
             values = " ".join(f"{r}:{v}" for r, v in row["values"].items())
@@ -144,7 +169,31 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
         lines.extend("toggle " + toggle_line(t) for t in state["toggles"][-5:])
     lines.extend(_collectives_lines(state.get("collectives") or []))
     lines.extend(_hang_lines(state.get("hang")))
-    return "\n".join(lines)
+    return lines
+
+
+def _relay_lines(relays: dict[str, dict[str, Any]], most: int = 8) -> list[str]:
+    """One line for the nodes' relays, then one per relay in trouble (lost, dropping or
+    replaced), the worst first."""
+    if not relays:
+        return []
+    trouble = sorted(((r["state"] == "lost", r.get("dropped") or 0, r.get("gaps") or 0, node)
+                      for node, r in relays.items()
+                      if r["state"] == "lost" or r.get("dropped") or r.get("gaps")),
+                     reverse=True)
+    offsets = [abs(r["clock_offset_s"]) for r in relays.values()
+               if r.get("clock_offset_s") is not None]
+    clock = f", clock offsets up to {max(offsets) * 1e3:.1f} ms" if offsets else ""
+    lines = [f"relays: {len(relays)} nodes, {len(trouble)} in trouble{clock}"]
+    for lost, dropped, gaps, node in trouble[:most]:
+        r = relays[node]
+        what = ["lost" if lost else "up", f"{dropped} dropped"]
+        if gaps:
+            what.append(f"replaced {gaps}x, {r.get('gap_total_s', 0.0):.1f} s without a relay")
+        lines.append(f"  relay {node} (pid {r.get('pid')}): {', '.join(what)}")
+    if len(trouble) > most:
+        lines.append(f"  +{len(trouble) - most} more")
+    return lines
 
 
 def _collectives_lines(rows: list[dict[str, Any]], most: int = 8) -> list[str]:
@@ -195,9 +244,27 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         print("no live scalemon hubs")
     for j in jobs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started))
+        address = j.hub_address()
+        where = address.base + (" (CurveZMQ)" if address.rpc.startswith("tcp://") else "")
         print(f"{j.job}  world size {_fmt(j.world_size)}  hub pid {j.pid} on {j.host}"
-              f"  since {started}  {j.address}")
+              f"  since {started}  {where}{_reachability(j)}")
     return 0
+
+
+def _reachability(job: JobFile) -> str:
+    """"" for a hub of this node or one that answers a ping within a second; else why not."""
+    if job.host == node_name():
+        return ""
+    from scalemon.client import HubClient, HubUnreachable
+
+    client = HubClient(job.hub_address(), timeout_s=1.0)
+    try:
+        client.request("ping")
+        return ""
+    except (HubUnreachable, ValueError) as exc:
+        return f"\n  unreachable from here: {exc}"
+    finally:
+        client.close()
 
 
 def cmd_hub(args: argparse.Namespace) -> int:

@@ -41,6 +41,17 @@ def _where(address: HubAddress) -> str:
     return f"{base} (socket {address.rpc.rpartition('/')[2]})"
 
 
+def _what_to_check(address: HubAddress) -> str:
+    """What to check when a hub does not answer, for its kind of address."""
+    if not address.rpc.startswith("tcp://"):
+        return "is the job's hub running? (`scalemon jobs` lists live hubs)"
+    host = address.rpc[len("tcp://"):].rpartition(":")[0]
+    return (f"check that the hub still runs on {host} (its job ended? `scalemon jobs` there), "
+            f"that this machine reaches {host} on that port (a firewall?), and that your key "
+            "is in the hub's $SCALEMON_HOME/keys/authorized (a refused key gets no answer; "
+            "the hub's log names it)")
+
+
 class HubClient:
     """Request/reply with one hub. Not thread-safe: use one per thread."""
 
@@ -73,9 +84,7 @@ class HubClient:
             self.close()  # a late reply must not be taken for the next request's
             raise HubUnreachable(
                 f"no answer from the hub at {_where(self.address)} within "
-                f"{self.timeout_s:g} s: is the job's hub running? (`scalemon jobs` lists live "
-                "hubs)"
-            )
+                f"{self.timeout_s:g} s: {_what_to_check(self.address)}")
         reply = protocol.decode_reply(sock.recv_multipart()[-1])
         if isinstance(reply.get("history"), dict):
             self.history = reply["history"]

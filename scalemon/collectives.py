@@ -205,6 +205,7 @@ class ArrivalTracker:
 
     def __init__(self) -> None:
         self.members: dict[str, tuple[int, ...]] = {}
+        self._member_sets: dict[str, frozenset[int]] = {}  # membership tests in O(1)
         self.pending: dict[str, dict[int, dict[int, float]]] = {}
         self.lateness: dict[int, deque[float]] = {}
         self.heat: dict[int, deque[tuple[float, float]]] = {}
@@ -214,10 +215,11 @@ class ArrivalTracker:
         """The global ranks of `group` (every rank sends them; the first word stands)."""
         if group not in self.members:
             self.members[group] = tuple(sorted(ranks))
+            self._member_sets[group] = frozenset(self.members[group])
 
     def issued(self, group: str, seq: int, rank: int, t: float) -> None:
         """Rank `rank` issued collective `seq` of `group` at hub-clock time `t`."""
-        members = self.members.get(group)
+        members = self._member_sets.get(group)
         if members is None or len(members) < 2 or rank not in members:
             return
         pending = self.pending.setdefault(group, {})

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import getpass
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from scalemon.client import HubClient, HubUnreachable
-from scalemon.jobs import HubAddress
+from scalemon.jobs import HubAddress, node_name
 
 
 class ControlError(RuntimeError):
@@ -41,7 +40,7 @@ class Controller:
         tier and the step it is planned for. Raises ProtocolError (refused) or
         HubUnreachable."""
         return self.client.request("toggle", name=name, value=value, restart=restart,
-                                   user=getpass.getuser(), host=socket.gethostname())
+                                   user=getpass.getuser(), host=node_name())
 
     def command(self, name: str) -> dict[str, Any]:
         """A command for every rank (`dump_fr`)."""

@@ -10,6 +10,7 @@ read it when the hub is gone (`read_messages`, `history_path`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -204,7 +205,7 @@ class History:
             return []
         if since >= self._memory_base:
             start = since - self._memory_base
-            return [self._memory[i] for i in range(start, start + stop - since)]
+            return list(itertools.islice(self._memory, start, start + stop - since))
         self.flush()
         stop = min(stop, self.durable)  # older than memory and not on disk: cannot be read
         return list(self._read_file(since, stop)) if since < stop else []

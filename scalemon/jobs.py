@@ -2,14 +2,18 @@
 
 Layout (all directories mode 0700, since ipc sockets are reachable by whoever can open them)::
 
-    $SCALEMON_HOME/                       default ~/.scalemon
+    $SCALEMON_HOME/                       default ~/.scalemon (often on the cluster's shared home)
         jobs/<job>.json                   one per live hub: endpoints, host, pid, world size
+        keys/                             CurveZMQ keys (scalemon.keys)
         run/<job>/ingest.sock  feed.sock  rpc.sock  hub.lock  history.smlog  hub.log
+    $SCALEMON_RUNTIME_DIR/                default /tmp/scalemon-<uid>: on the node's own disk
+        relay/<node>/<job>/ingest.sock  rpc.sock  relay.lock  relay.log
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -31,6 +35,29 @@ class JobLookupError(RuntimeError):
 def scalemon_home() -> Path:
     """`$SCALEMON_HOME`, default `~/.scalemon`."""
     return Path(os.environ.get("SCALEMON_HOME") or Path.home() / ".scalemon")
+
+
+def node_name() -> str:
+    """This node's name as ranks, hubs and relays report it: `$SCALEMON_NODE` (to stand for
+    several nodes on one machine: tests, the simulator), else the host name."""
+    return os.environ.get("SCALEMON_NODE") or socket.gethostname()
+
+
+def runtime_dir() -> Path:
+    """The node-local directory of relays' sockets, `$SCALEMON_RUNTIME_DIR` (default
+    /tmp/scalemon-<uid>): ipc sockets belong on the node's own disk, not on a shared home."""
+    return Path(os.environ.get("SCALEMON_RUNTIME_DIR") or f"/tmp/scalemon-{os.getuid()}")
+
+
+def relay_dir(job: str, node: str | None = None) -> Path:
+    """The private node-local directory of job `job`'s relay on `node` (default: this one),
+    made short enough for ipc socket paths."""
+    node = re.sub(r"[^A-Za-z0-9._-]", "-", node or node_name())[:64] or "node"
+    path = runtime_dir() / "relay" / node / check_job_id(job)
+    if len(str(path / "control.sock")) > _IPC_PATH_MAX:
+        digest = hashlib.sha1(f"{node}/{job}".encode()).hexdigest()[:16]
+        path = runtime_dir() / "r" / digest
+    return private_dir(path)
 
 
 def check_job_id(job: str) -> str:
@@ -97,7 +124,8 @@ class HubAddress:
 
     @classmethod
     def parse(cls, address: str) -> HubAddress:
-        """From `ipc:///dir` (sockets inside dir) or `tcp://host:port` (ports port..port+2)."""
+        """From `ipc:///dir` (sockets inside dir) or `tcp://host:port` (ports port..port+2;
+        port 0 stays 0 for all three: each binds a free port)."""
         if address.startswith("ipc://"):
             base = address[len("ipc://") :].rstrip("/")
             if not base:
@@ -108,7 +136,7 @@ class HubAddress:
             if not host or not port.isdigit():
                 raise ValueError(f"{address!r}: expected tcp://HOST:PORT")
             p = int(port)
-            return cls(*(f"tcp://{host}:{p + i}" for i in range(3)))
+            return cls(*(f"tcp://{host}:{p + i if p else 0}" for i in range(3)))
         raise ValueError(f"hub address {address!r} must start with ipc:// or tcp://")
 
     @classmethod
@@ -189,7 +217,7 @@ class JobFile:
         """The hub's endpoints: ipc on the hub's host, else its Curve tcp ones; its control
         socket where the hub runs on this host."""
         address = HubAddress.parse(self.address)
-        local = self.host == socket.gethostname()
+        local = self.host == node_name()
         if self.tcp and (not local or not address.ingest.startswith("ipc://")):
             address = HubAddress(self.tcp["ingest"], self.tcp["feed"], self.tcp["rpc"])
         control = address.control
@@ -201,7 +229,7 @@ class JobFile:
         """True when the hub process still runs (always assumed for another host)."""
         if self.state != "running":
             return False
-        return self.host != socket.gethostname() or pid_alive(self.pid)
+        return self.host != node_name() or pid_alive(self.pid)
 
 
 def pid_alive(pid: int) -> bool:
@@ -250,7 +278,7 @@ def hub_gone_text(job: str, home: Path | None = None) -> str | None:
     if jf.state != "running":
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(jf.ended or jf.started))
         return f"the job {jf.state} (its hub exited at {when})"
-    if jf.host == socket.gethostname() and not pid_alive(jf.pid):
+    if jf.host == node_name() and not pid_alive(jf.pid):
         return (f"its hub (pid {jf.pid}) died while the job was running: the job may still be "
                 "running unmonitored, or have ended since")
     return None

@@ -127,6 +127,8 @@ class JobState:
     """What the hub said about itself (history repaired, records skipped), newest last."""
     flags: FlagState = field(default_factory=FlagState, repr=False)
     """Flags in effect per rank, the toggles asked for, NCCL's and torch's log lines."""
+    relays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each node's relay as the hub last recorded it (state, counts, clock offset, gaps)."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -249,6 +251,14 @@ class JobState:
 
     def _on_toggle(self, msg: Message) -> None:
         self.flags.on_toggle(msg)
+
+    def _on_relay(self, msg: Message) -> None:
+        b = msg.body
+        seen = self.relays.get(b["node"], {})
+        gaps = seen.get("gaps", 0) + (1 if b["state"] == "up" and seen else 0)
+        gap_total = seen.get("gap_total_s", 0.0) + (b.get("gap_s") or 0.0)
+        self.relays[b["node"]] = {**seen, **{k: v for k, v in b.items() if v is not None},
+                                  "t": msg.t, "gaps": gaps, "gap_total_s": gap_total}
 
     def _on_hub_note(self, msg: Message) -> None:
         self.hub_notes = [*self.hub_notes[-19:], {"t": msg.t, **msg.body}]
@@ -497,6 +507,7 @@ class JobState:
             "hang_after_s": self.hang_after_s,
             "fr_dumps": list(self.fr_dumps),
             "hub_notes": list(self.hub_notes),
+            "relays": {node: dict(r) for node, r in sorted(self.relays.items())},
         }
 
 

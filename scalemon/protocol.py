@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -148,6 +148,20 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "ranks": (_OPT_DICT, False),
         "text": (_OPT_STR, False),
     },
+    # Written by the hub: what a node's relay reported (`state`: "up" for a new relay, with
+    # `gap_s` since the node's previous relay last reported; "report" for its counts; "lost"
+    # when it stopped reporting). `clock_offset_s` is the hub's clock minus the node's.
+    "relay": {
+        "node": ((str,), True),
+        "state": ((str,), True),
+        "pid": (_OPT_INT, False),
+        "received": (_OPT_INT, False),
+        "forwarded": (_OPT_INT, False),
+        "dropped": (_OPT_INT, False),
+        "clock_offset_s": ((float, int, type(None)), False),
+        "gap_s": ((float, int, type(None)), False),
+        "text": (_OPT_STR, False),
+    },
     # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
     "rank_state": {
         "target": ((int,), True),
@@ -158,7 +172,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 RANK_STATES = ("running", "lost", "exited", "finished")
-HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle")
+HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
 
 
@@ -358,6 +372,9 @@ RPC_OPS = {
     # an agent's periodic round trip: its clock `t` (Unix s); the reply carries the hub's `t`
     # (clock offset) and the commands queued for that rank
     "sync": {"rank": int, "t": float},
+    # a node's relay reports itself (its clock `t`, and `stats`: received, forwarded and
+    # dropped message counts since it started); the reply carries the hub's `t`, as for sync
+    "relay": {"node": str, "pid": int, "t": float, "stats": dict},
     # a dashboard asks the hub to have every rank do something (see hub.COMMANDS)
     "command": {"name": str},
     # change a flag on every rank (`scalemon.flags`); only on the hub's private control

@@ -31,6 +31,22 @@ def test_rank_env_from_torchrun_slurm_and_single():
     assert read_rank_env({"SCALEMON_JOB_ID": "mine", "RANK": "0", "WORLD_SIZE": "1"}).job == "mine"
 
 
+def test_rank_env_knows_its_node_and_how_many_nodes_the_job_spans():
+    one = read_rank_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert (one.node_rank, one.nodes, one.multi_node) == (0, 1, False)
+    tr = read_rank_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "GROUP_RANK": "2",
+                        "GROUP_WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                        "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "gpu-a01.cluster",
+                        "MASTER_PORT": "29500", "SCALEMON_NODE": "gpu-a03"})
+    assert (tr.node_rank, tr.nodes, tr.multi_node, tr.host) == (2, 4, True, "gpu-a03")
+    assert tr.job == "gpua01-29500"  # the same on every node, without a --rdzv-id
+    no_group = read_rank_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+    assert no_group.nodes == 2
+    slurm = read_rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
+                           "SLURM_NNODES": "2", "SLURM_JOB_ID": "7"})
+    assert (slurm.node_rank, slurm.nodes, slurm.job) == (1, 2, "slurm-7")
+
+
 def test_rank_env_rejects_nonsense_with_a_clear_message():
     with pytest.raises(ValueError, match="RANK='x' is not an integer"):
         read_rank_env({"RANK": "x", "WORLD_SIZE": "2"})

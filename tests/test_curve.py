@@ -155,3 +155,25 @@ def test_an_agent_with_a_key_the_hub_does_not_admit_changes_nothing(
     reply = client.state()
     assert reply["head"] == 0 and not reply["state"]["ranks"]
     client.close()
+
+
+def test_a_key_added_to_authorized_gets_in_on_its_next_try(start_hub, zctx: zmq.Context,
+                                                           home: Path) -> None:
+    address, jf = _tcp_hub(start_hub, "jobK")
+    colleague = zmq.curve_keypair()
+
+    def ping() -> bool:
+        dealer = _curve(zctx.socket(zmq.DEALER), jf.server_key, colleague)
+        dealer.connect(address.rpc)
+        dealer.send(protocol.encode_request("ping"))
+        answered = bool(dealer.poll(int(QUIET_S * 1000)))
+        dealer.close(linger=0)
+        return answered
+
+    assert not ping()
+    with open(authorized_file(home), "a") as f:  # no hub restart
+        f.write(f"{colleague[0].decode()}  # a colleague\n")
+    wait_for(ping, timeout=15)
+    client = HubClient(address)
+    assert client.state()["hub"]["auth_refused_keys"] == 1
+    client.close()

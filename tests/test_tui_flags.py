@@ -88,6 +88,8 @@ def test_flags_screen_shows_tiers_values_a_mismatch_and_the_audit():
         async with app.run_test(size=(140, 50)) as pilot:
             await until(pilot, lambda: "toggle NCCL_DEBUG=INFO: requested" in header(app))
             await open_flags(pilot, app)
+            # the table's columns take their widths at a later layout pass than its first rows
+            await until(pilot, lambda: "MISMATCH 0-1: Ring · 2: Tree" in screen_text(app))
             text = screen_text(app)
             assert line_with(text, "NCCL_DEBUG ", "live", "WARN")
             assert line_with(text, "TORCH_DISTRIBUTED_DEBUG", "live", "unset")

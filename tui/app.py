@@ -38,8 +38,9 @@ from scalemon.jobs import HubAddress, JobFile
 from scalemon.protocol import ProtocolError
 from scalemon.tui import views
 from scalemon.tui.feed import Feed, HubFeed
+from scalemon.tui.gcpause import FreezeSurvivors
 from scalemon.tui.hangview import current_hang
-from scalemon.tui.messages import DumpRequested, OpenRank, RedrawNeeded
+from scalemon.tui.messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.safe_text import clean
 from scalemon.tui.screens.base import DataScreen
@@ -48,6 +49,7 @@ from scalemon.tui.screens.flags import FlagsScreen, ToggleRequested
 from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.help import HelpScreen
 from scalemon.tui.screens.log import LogScreen
+from scalemon.tui.screens.node import NodeScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
@@ -147,11 +149,13 @@ class DashboardApp(App[None]):
         self.dump_status: str | None = None  # what became of the last dump request
         self.toggle_status: tuple[str, bool] | None = None  # of the last flag change request
         self.send_toggle: ToggleSender = self._send_toggle_to_hub
+        self._gc: FreezeSurvivors | None = None  # while mounted
 
     # ---- start-up ------------------------------------------------------------------------
 
     def on_mount(self) -> None:
         """Pick a job if needed, show the overview, start the receiver and the redraw timer."""
+        self._gc = FreezeSurvivors()
         self.set_interval(TICK_S, self._tick)
         if self.job_process is not None:
             self.set_interval(1.0, self._watch_job)
@@ -204,6 +208,8 @@ class DashboardApp(App[None]):
             self._plots_at = 0.0
 
     def _tick(self) -> None:
+        if self._gc is not None:
+            self._gc.tick()  # between redraws: a freeze costs one walk of the young objects
         if not self.screen_stack:
             return  # the timer fired while the app shuts down
         screen = self.screen
@@ -280,6 +286,14 @@ class DashboardApp(App[None]):
     def on_open_rank(self, message: OpenRank) -> None:
         """A screen asked for a rank's detail."""
         self.open_rank(message.rank)
+
+    def open_node(self, host: str | None) -> None:
+        """Show the ranks of node `host` (it asks for its first draw when shown)."""
+        self.push_screen(NodeScreen(host))
+
+    def on_open_node(self, message: OpenNode) -> None:
+        """A screen asked for a node's ranks."""
+        self.open_node(message.host)
 
     def on_redraw_needed(self, message: RedrawNeeded) -> None:
         """A screen needs a redraw (rows scrolled into view, another rank shown)."""
@@ -436,11 +450,18 @@ class DashboardApp(App[None]):
             host = escape(clean(hosts[rank], one_line=True)) if hosts[rank] else "an unknown host"
             yield SystemCommand(f"rank {rank}", f"open the detail of rank {rank} on {host}",
                                 lambda rank=rank: self.open_rank(rank), discover=False)
+        for node in sorted({h for h in hosts.values() if h}):
+            name = escape(clean(node, one_line=True))
+            yield SystemCommand(f"node {name}", f"the ranks of node {name}",
+                                lambda node=node: self.open_node(node), discover=False)
 
     # ---- shutting down -------------------------------------------------------------------
 
     def on_unmount(self) -> None:
-        """Write the redraw statistics when asked to (benchmarks)."""
+        """Write the redraw statistics when asked to (benchmarks); thaw what froze."""
+        if self._gc is not None:
+            self._gc.close()
+            self._gc = None
         if self.stats_path is not None:
             self.stats_path.write_text(json.dumps(self.stats(), indent=1))
 

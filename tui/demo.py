@@ -27,6 +27,7 @@ from scalemon.jobs import (
     JobFile,
     jobs_dir,
     live_jobs,
+    node_name,
     private_dir,
     run_dir,
     scalemon_home,
@@ -194,7 +195,7 @@ def stop_hub(job: str) -> None:
         jf = JobFile.read(path)
     except ValueError:
         return
-    if jf.job == job and jf.host == socket.gethostname():
+    if jf.job == job and jf.host == node_name():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(jf.pid, signal.SIGTERM)
 

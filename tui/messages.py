@@ -24,3 +24,11 @@ class RedrawNeeded(Message):
 
 class DumpRequested(Message):
     """Ask the hub for a Flight Recorder dump of every rank."""
+
+
+class OpenNode(Message):
+    """Show the ranks of node `host` (None: the ranks whose host is not known yet)."""
+
+    def __init__(self, host: str | None) -> None:
+        super().__init__()
+        self.host = host

@@ -28,6 +28,8 @@ STEP_WINDOW = 32
 EMA = 0.3
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
+HOLD_S = 0.02
+"""Longest the receiver holds the lock at a time, whatever the records cost to fold."""
 
 AGGREGATED = ("loss", "loss_scale", "compute_s", "allreduce_time_s", "optimizer_time_s",
               "mem_allocated_bytes")
@@ -51,7 +53,8 @@ class ConnState:
 class RankTrack:
     """The per-rank history the reducer does not keep."""
 
-    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "compute_ema", "cap")
+    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "compute_ema", "cap",
+                 "_rates", "_rates_of")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -61,6 +64,8 @@ class RankTrack:
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
         self.tokens = 0
         self.compute_ema: float | None = None
+        self._rates: tuple[float | None, float | None] = (None, None)
+        self._rates_of: tuple[float, int, int] | None = None  # the sample they end with
 
     def add(self, name: str, x: float, value: float) -> None:
         """Append to series `name`, made on first use."""
@@ -79,16 +84,64 @@ class RankTrack:
         series.add(x, value)
 
     def rates(self, now: float) -> tuple[float | None, float | None]:
-        """(steps/s, tokens/s) over the last 10 s of samples; 0 when nothing came for 5 s."""
+        """(steps/s, tokens/s) over the last 10 s of samples; 0 when nothing came for 5 s.
+        Kept until the next sample: the header asks every rank at every redraw."""
         if len(self.samples) < 2:
             return None, None
-        t1, s1, k1 = self.samples[-1]
+        last = self.samples[-1]
+        t1, s1, k1 = last
         if now - t1 > 5.0:
             return 0.0, 0.0
-        t0, s0, k0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
-        if t1 <= t0:
-            return None, None
-        return (s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+        if last is not self._rates_of:  # a new sample since: recount (else: as before)
+            self._rates_of = last
+            t0, s0, k0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
+            self._rates = ((None, None) if t1 <= t0 else
+                           ((s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)))
+        return self._rates
+
+
+class LatenessMedians:
+    """Each rank's median arrival lateness (`RankView.value("arrival_lateness_s")`), kept
+    between redraws: a median sorts up to 100 samples, too much to redo for thousands of
+    ranks at every redraw. Recomputed when a collective settled since (`ArrivalTracker.
+    complete` moved): every rank at once up to `per_call` ranks, else `per_call` ranks a call
+    in turn, so a redraw of a 4096-rank job redoes an eighth of them (values up to 8 redraws
+    old) and never all at once."""
+
+    def __init__(self, per_call: int = 512) -> None:
+        self.per_call = per_call
+        self.values: dict[int, float | None] = {}
+        self._samples: dict[int, object] = {}  # the deque each value was computed from
+        self._complete = -1  # ArrivalTracker.complete when the pass under way started
+        self._pending: list[int] = []  # ranks of that pass still to recompute
+
+    def get(self, state: JobState) -> dict[int, float | None]:
+        """rank -> median lateness in seconds (None: no sample yet), for every known rank;
+        call under the data's lock."""
+        views = state.ranks
+        for rank, view in views.items():  # new ranks, or a deque replaced: at once
+            if self._samples.get(rank, self) is not view.lateness:
+                self._compute(rank, view)
+        if len(self.values) != len(views):
+            for rank in [r for r in self.values if r not in views]:
+                del self.values[rank], self._samples[rank]
+        if not self._pending and state.arrival.complete != self._complete:
+            self._complete = state.arrival.complete
+            self._pending = sorted(views, reverse=True)
+        if len(self._pending) <= self.per_call:
+            todo, self._pending = self._pending, []
+        else:
+            todo, self._pending = self._pending[-self.per_call:], self._pending[:-self.per_call]
+        for rank in todo:
+            view = views.get(rank)
+            if view is not None:
+                self._compute(rank, view)
+        return self.values
+
+    def _compute(self, rank: int, view: RankView) -> None:
+        samples = view.lateness
+        self._samples[rank] = samples
+        self.values[rank] = statistics.median(samples) if samples else None
 
 
 class _StepAcc:
@@ -184,6 +237,7 @@ class DashboardData:
         self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
         self._expected: int | None = None  # ranks expected at each step; None = recount
         self.last_step_t: float | None = None
+        self.lateness = LatenessMedians()
 
     # ---- receiver side -------------------------------------------------------------------
 
@@ -210,15 +264,24 @@ class DashboardData:
             return True
 
     def apply_batch(self, batch: Iterable[tuple[int, Message]]) -> None:
-        """Fold (record number, message) pairs in, a few thousand per lock hold."""
+        """Fold (record number, message) pairs in, up to CHUNK per lock hold and for at
+        most HOLD_S at a time (thousands of ranks: a few hundred records), so a redraw
+        waiting for the lock waits little; between holds the thread lets others run."""
         batch = list(batch)
-        for start in range(0, len(batch), CHUNK):
+        start = 0
+        while start < len(batch):
             with self.lock:
+                until = time.perf_counter() + HOLD_S
                 for seq, msg in batch[start:start + CHUNK]:
                     self._apply(msg)
                     self.next_seq = seq + 1
                     self.last_key = record_key(msg)
+                    start += 1
+                    if time.perf_counter() > until:
+                        break
                 self.version += 1
+            if start < len(batch):
+                time.sleep(0)  # let a thread waiting for the lock (the UI) take it
 
     def apply_messages(self, messages: Iterable[Message]) -> None:
         """Fold messages that carry no record numbers (a replay)."""

@@ -1,5 +1,6 @@
 """What the screens draw, built from `DashboardData` under its lock: the header summary, the
-rank table's rows (formatted text, only for the rows on screen), plot data and a rank's facts.
+rank table's rows (formatted text, only for the rows on screen) or, for a big job, the node
+overview (`nodeview`), plot data and a rank's facts.
 
 Stragglers are named by how late each rank issues the collectives of its groups against the
 first rank (`arrival_lateness_s`: a collective makes every rank's step equally long, so step
@@ -12,25 +13,26 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from scalemon import display, metrics
-from scalemon.display import NA, Column
+from scalemon.display import AGGREGATE_AT, NA, Column
 from scalemon.jobstate import RankView
 from scalemon.metrics import Metric
+from scalemon.tui import nodeview
 from scalemon.tui.flagview import header_note
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
+from scalemon.tui.nodeview import NodeView
 from scalemon.tui.plotdata import Line, PlotSpec
 from scalemon.tui.safe_text import clean
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
-STRAGGLER_MIN_S = 0.010
-"""A rank must arrive this much later than the first rank (and 10% of a step) to be named."""
 
 COLUMNS: tuple[Column, ...] = display.rank_columns()
 """The rank table: rank, state, step, one column per metric of the table that has one, host."""
@@ -83,8 +85,9 @@ class Overview:
 
     summary: Summary
     rank_ids: list[int]  # every known rank, in order
-    rows: list[Row]  # the rows asked for (all by default), in rank order
+    rows: list[Row]  # the rows asked for (all by default), in rank order; none for nodes
     plots: dict[str, PlotSpec] | None  # None when plots were not asked for
+    nodes: NodeView | None = None  # a row per node instead of per rank, when asked for
 
 
 @dataclass
@@ -98,23 +101,40 @@ class RankDetail:
 
 
 def overview(data: DashboardData, now: float | None = None, plots: bool = True,
-             visible: tuple[int, int] | None = None) -> Overview:
+             visible: tuple[int, int] | None = None, *, nodes: bool | None = False,
+             ranks: Collection[int] | None = None) -> Overview:
     """Header figures, the table rows at positions `visible` (start, stop) of the sorted
     ranks (all when None: only what is on screen needs formatting) and, when `plots`,
-    the four overview plots."""
+    the four overview plots. `ranks`: only these ranks in the table (a node's). `nodes`:
+    a row per node instead (`Overview.nodes`, `visible` then counts node rows); None: when
+    the job has `AGGREGATE_AT` ranks or more."""
     now = time.time() if now is None else now
     with data.lock:
         median_step = _median_step_s(data)
         failure = data.state.first_failure()
-        summary = _one_line_texts(_summary(data, now, median_step, failure))
+        measure = straggler_measure(data)
+        summary = _one_line_texts(_summary(data, now, median_step, failure, measure))
         straggling = {r for r, _ in summary.stragglers}
         rank_ids = sorted(data.state.ranks)
-        shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
+        if nodes is None:
+            nodes = len(rank_ids) >= AGGREGATE_AT
+        if ranks is not None:
+            wanted = set(ranks)
+            rank_ids = [r for r in rank_ids if r in wanted]
         first = failure["rank"] if failure else None
-        rows = [_row(data, data.state.ranks[r], now, r in straggling, median_step, first)
-                for r in shown]
+        node_view = None
+        rows: list[Row] = []
+        if nodes:
+            late = data.lateness.values
+            node_view = nodeview.node_view(
+                data, measure[0], MEASURE_NAMES.get(measure[1], ""), median_step, first,
+                lambda v: rank_values(data, v, now, late), visible)
+        else:
+            shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
+            rows = [_row(data, data.state.ranks[r], now, r in straggling, median_step, first)
+                    for r in shown]
         specs = _overview_plots(data) if plots else None
-    return Overview(summary, rank_ids, rows, specs)
+    return Overview(summary, rank_ids, rows, specs, node_view)
 
 
 def _one_line_texts(s: Summary) -> Summary:
@@ -134,9 +154,10 @@ def _median_step_s(data: DashboardData) -> float | None:
 
 
 def _summary(data: DashboardData, now: float, median_step: float | None,
-             failure: dict[str, Any] | None) -> Summary:
-    """The header's figures; `median_step` and `failure` (`JobState.first_failure`) as the
-    rows use them."""
+             failure: dict[str, Any] | None,
+             measure: tuple[dict[int, float], str] | None = None) -> Summary:
+    """The header's figures; `median_step`, `failure` (`JobState.first_failure`) and the
+    straggler `measure` (`straggler_measure`) as the rows use them."""
     st = data.state
     ranks = list(st.ranks.values())
     steps = [v.step for v in ranks if v.step is not None]
@@ -171,7 +192,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     elapsed = None
     if st.started_t is not None:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
-    stragglers, basis = _stragglers(data, median_step)
+    stragglers, basis = _stragglers(data, median_step, measure)
     flag_note, flag_style = header_note(st.flags)
     return Summary(
         job=st.job, world_size=st.world_size, ranks_seen=len(ranks), state=job_state,
@@ -202,34 +223,50 @@ def _hub_down_text(data: DashboardData, now: float) -> str | None:
 
 ARRIVAL_BASIS = "arrival at collectives, vs the first rank"
 COMPUTE_BASIS = "compute time, vs the median rank"
+MEASURE_NAMES = {ARRIVAL_BASIS: "late ms", COMPUTE_BASIS: "compute ms over the median"}
+"""The straggler measure of each basis, as the node overview names it."""
 
 
-def _stragglers(data: DashboardData, median_step: float | None
+def straggler_measure(data: DashboardData) -> tuple[dict[int, float], str]:
+    """Each running rank's straggler measure in seconds, and its basis: how much later than
+    the first rank it issues its collectives (median over its last 100,
+    `DashboardData.lateness`); before any rank has that, how much longer than the median
+    rank's its compute time is (smoothed). Call under the lock."""
+    late = data.lateness.get(data.state)
+    running = [v.rank for v in data.state.ranks.values() if v.state == "running"]
+    measure = {r: value for r in running if (value := late.get(r)) is not None}
+    if measure:
+        return measure, ARRIVAL_BASIS
+    ids = set(running)
+    measure = {r: t.compute_ema for r, t in data.tracks.items()
+               if r in ids and t.compute_ema is not None}
+    return measure, COMPUTE_BASIS if measure else ""
+
+
+def _stragglers(data: DashboardData, median_step: float | None,
+                measure: tuple[dict[int, float], str] | None = None
                 ) -> tuple[list[tuple[int, float]], str]:
-    """Running ranks that issue their collectives at least 10 ms and 10% of a step later than
-    the first rank (median over their last 100 collectives); before any rank has that, ranks
-    whose compute time is that much above the median rank's (smoothed). Largest first."""
-    bar = max(STRAGGLER_MIN_S, 0.1 * (median_step or 0.0))
-    running = [v for v in data.state.ranks.values() if v.state == "running"]
-    late = [(v.rank, value) for v in running
-            if (value := v.value("arrival_lateness_s")) is not None]
-    basis = ARRIVAL_BASIS
-    if not late:
-        ids = {v.rank for v in running}
-        late = [(r, t.compute_ema) for r, t in data.tracks.items()
-                if r in ids and t.compute_ema is not None]
-        basis = COMPUTE_BASIS if late else ""
-    found = sorted(((r, v) for r, v in late if v > bar), key=lambda rv: (-rv[1], rv[0]))
+    """Running ranks whose straggler measure (`straggler_measure`) is at least 10 ms and 10%
+    of a step (`display.straggler_bar`). Largest first."""
+    values, basis = measure if measure is not None else straggler_measure(data)
+    bar = display.straggler_bar(median_step)
+    found = sorted(((r, v) for r, v in values.items() if v > bar),
+                   key=lambda rv: (-rv[1], rv[0]))
     return found, basis
 
 
-def rank_values(data: DashboardData, v: RankView, now: float) -> dict[str, object]:
+def rank_values(data: DashboardData, v: RankView, now: float,
+                late: dict[int, float | None] | None = None) -> dict[str, object]:
     """Every metric of the table for one rank, by name: from the messages, the well-known
-    extras, and what the reducer computes (heartbeat age, arrival lateness)."""
+    extras, and what the reducer computes (heartbeat age, arrival lateness: from `late`,
+    `DashboardData.lateness`, when given)."""
     values: dict[str, object] = dict(v.metrics)
     for m in metrics.KEPT:
         if m.source != "step" and m.source != "heartbeat":
-            values[m.name] = v.value(m.name, now)
+            if late is not None and m.name == "arrival_lateness_s":
+                values[m.name] = late.get(v.rank)
+            else:
+                values[m.name] = v.value(m.name, now)
     return values
 
 

@@ -8,6 +8,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
+from scalemon.display import AGGREGATE_AT
 from scalemon.tui.views import COLUMNS
 
 HELP_TEMPLATE = """\
@@ -16,6 +17,8 @@ HELP_TEMPLATE = """\
 - `↑` `↓` `PgUp` `PgDn` `Home` `End`, mouse: move in the rank table; `←` `→` scroll it sideways
 - `Enter`, or a click on the highlighted row: that rank's detail, every series over the steps;
   there `←` `→` go to the previous / next rank and `Esc` comes back
+- `n`: a row per node (host) instead of per rank, the default from {aggregate_at} ranks on;
+  `Enter` on a node shows its ranks (`Esc` comes back), `n` goes back to a row per rank
 - `l`: loss and memory plots as one line per rank, or mean with a min..max band
 - `c`: collectives: durations and bus bandwidth by group, op and size, a rank x time heat map
   of arrival lateness, the ranks by lateness and the Flight Recorder's health on each rank
@@ -28,7 +31,8 @@ HELP_TEMPLATE = """\
   it by restarting the job
 - `L`: log: NCCL's debug lines and torch's stderr of every rank; `/` edits the filter
   (`rank:0,2 src:nccl sub:WARN` and words the line must hold)
-- `Ctrl+P`: command palette (type `rank 3` to open rank 3; theme; screenshot)
+- `Ctrl+P`: command palette (type `rank 3` to open rank 3, `node` and a host name for that
+  node's ranks; theme; screenshot)
 - `?`: this help, `q`: quit (the job keeps running; only `scalemon demo` stops its own job)
 
 **Columns.** *rank*, *state* (see below), *step*: the last step the rank logged, *host*.
@@ -42,6 +46,17 @@ collectives, from the Flight Recorder's issue times on the hub's clock). A slow 
 last and then waits least, so the time spent in collectives cannot name it. Before any
 collective was seen by every rank, ranks whose compute time is that much above the median
 rank's are named instead. They are named in the header, largest first, and drawn in yellow.
+
+**Nodes.** From {aggregate_at} ranks on the overview has a row per node: its ranks, its worst
+state (failed, lost, restarting, stuck, straggler, running, finished) and how many ranks run,
+are lost, failed or finished; the step range; *min*, *med* and *max* over the node's ranks of
+step time, arrival lateness, loss and GPU memory, and of every other column the node's worst
+value (the *min* of tokens/s, MFU, GPU % and the loss scale, else the *max*). Nodes with a
+lost or failed rank come first, then nodes with a straggling, stuck or restarting rank or a
+slow median step, slowest first; the others keep their order. Above the table, always: the
+slowest ranks (stragglers in yellow), the lost or failed ranks, and a histogram of the
+straggler measure over the running ranks (bar length: log of the count, so one rank shows
+next to thousands). Ranks whose host is not known yet are on node *?*.
 
 **Collectives.** busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n,
 all_gather/reduce_scatter/all_to_all (n-1)/n, broadcast/reduce 1; S is the whole buffer, t the
@@ -85,7 +100,7 @@ def columns_help() -> str:
                    for c in COLUMNS if c.metric is not None)
 
 
-HELP = HELP_TEMPLATE.format(columns=columns_help())
+HELP = HELP_TEMPLATE.format(columns=columns_help(), aggregate_at=AGGREGATE_AT)
 
 
 class HelpScreen(ModalScreen[None]):

@@ -1,32 +1,64 @@
-"""The overview screen: job header, per-rank table and four plots."""
+"""The overview screen: job header, per-rank table and four plots.
+
+A job of `AGGREGATE_AT` ranks or more shows a row per node instead of per rank, under the
+slowest ranks, the lost or failed ones and a histogram of how late the ranks are; `n` switches
+between the two at any size. Enter on a node shows its ranks (`OpenNode`).
+"""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.containers import Grid
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
-from scalemon.tui.messages import OpenRank, RedrawNeeded
+from scalemon.tui.messages import OpenNode, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.nodeview import NodeView
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.views import overview
 from scalemon.tui.widgets.header import JobHeader
+from scalemon.tui.widgets.node_table import NodeTable
 from scalemon.tui.widgets.plot import LinePlot
 from scalemon.tui.widgets.rank_table import RankTable
+from scalemon.tui.widgets.watch import (
+    HistogramPanel,
+    TextPanel,
+    failed_text,
+    slowest_text,
+)
 
 PLOTS = ("loss", "scale", "time", "memory")
+MODES = ("auto", "ranks", "nodes")
+"""auto: a row per node from `AGGREGATE_AT` ranks on; `n` picks the other one by hand."""
 
 
 class OverviewScreen(DataScreen):
     """Everything about the job on one screen."""
 
+    BINDINGS = [Binding("n", "toggle_nodes", "Per node/rank", show=False)]
     DEFAULT_CSS = """
     OverviewScreen { layout: vertical; }
     OverviewScreen #plots { grid-size: 2 2; grid-gutter: 0 1; height: 1fr; min-height: 8; }
+    OverviewScreen #watch { height: 9; display: none; }
+    OverviewScreen #slowest { width: 34; }
+    OverviewScreen #nodes { display: none; }
+    OverviewScreen.nodes #watch { display: block; }
+    OverviewScreen.nodes #nodes { display: block; }
+    OverviewScreen.nodes #ranks { display: none; }
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "auto"
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
+        with Horizontal(id="watch"):
+            yield TextPanel(id="slowest")
+            yield TextPanel(id="failed")
+            yield HistogramPanel(id="spread")
+        yield NodeTable(id="nodes")
         yield RankTable(id="ranks")
         with Grid(id="plots"):
             for name in PLOTS:
@@ -38,25 +70,67 @@ class OverviewScreen(DataScreen):
         self.query_one(RankTable).tooltip = (
             "Enter: this rank's detail.  late ms = how much later the rank issues its "
             "collectives than the first rank (median of its last 100); allred ms (gloo) "
-            "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log.")
+            "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log, "
+            "n: a row per node.")
+        self.query_one(NodeTable).tooltip = (
+            "A row per node, trouble first: lost or failed ranks, then stragglers and slow "
+            "nodes.  min / med / max over the node's ranks; one value: the node's worst.  "
+            "Enter: the node's ranks.  n: a row per rank.")
         self.query_one("#plot-time", LinePlot).tooltip = (
             "compute = step - all-reduce - optimizer (at least 0). Under DDP the all-reduce "
             "overlaps backward, so compute is a lower bound and the three need not add up.")
 
+    @property
+    def showing_nodes(self) -> bool:
+        """True while the table has a row per node."""
+        return self.has_class("nodes")
+
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from the data (plots only when `plots`)."""
-        table = self.query_one(RankTable)
-        view = overview(data, now, plots=plots, visible=table.visible())
+        table, nodes = self.query_one(RankTable), self.query_one(NodeTable)
+        visible = nodes.visible() if self.showing_nodes else table.visible()
+        view = overview(data, now, plots=plots, visible=visible,
+                        nodes=None if self.mode == "auto" else self.mode == "nodes")
         self.query_one(JobHeader).show(view.summary)
-        table.show_rows(view.rank_ids, view.rows)
+        if (view.nodes is not None) != self.showing_nodes:
+            self._switch(view.nodes is not None)
+        if view.nodes is not None:
+            self._show_nodes(view.nodes)
+        else:
+            table.show_rows(view.rank_ids, view.rows)
         if view.plots is not None:
             for name in PLOTS:
                 self.query_one(f"#plot-{name}", LinePlot).update_spec(view.plots[name])
 
+    def _switch(self, nodes: bool) -> None:
+        """Show the other table (focused), and format its rows on screen at the next tick."""
+        self.set_class(nodes, "nodes")
+        (self.query_one(NodeTable) if nodes else self.query_one(RankTable)).focus()
+        self.post_message(RedrawNeeded(plots=False))
+
+    def _show_nodes(self, view: NodeView) -> None:
+        self.query_one(NodeTable).show_nodes(view.hosts, view.rows)
+        self.query_one("#slowest", TextPanel).show(slowest_text(view.watch))
+        self.query_one("#failed", TextPanel).show(failed_text(view.watch))
+        self.query_one(HistogramPanel).show_histogram(view.histogram)
+
+    def action_toggle_nodes(self) -> None:
+        """A row per node <-> a row per rank."""
+        self.mode = "ranks" if self.showing_nodes else "nodes"
+        self.post_message(RedrawNeeded(plots=False))
+
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:
+        """Format the rows that came into view at the next tick."""
+        self.post_message(RedrawNeeded(plots=False))
+
+    def on_node_table_scrolled(self, event: NodeTable.Scrolled) -> None:
         """Format the rows that came into view at the next tick."""
         self.post_message(RedrawNeeded(plots=False))
 
     def on_rank_table_selected(self, event: RankTable.Selected) -> None:
         """Enter (or a click on the highlighted row) opens the rank's detail."""
         self.post_message(OpenRank(event.rank))
+
+    def on_node_table_selected(self, event: NodeTable.Selected) -> None:
+        """Enter (or a click on the highlighted row) shows the node's ranks."""
+        self.post_message(OpenNode(event.host))

@@ -1,0 +1,235 @@
+"""What the overview draws for a big job: a row per node (host), the slowest ranks and the lost
+or failed ones, and the spread of the straggler measure over the ranks as a histogram.
+
+From `display.AGGREGATE_AT` ranks on the overview shows this instead of a row per rank. No
+textual import. Built under the data's lock from `JobState` in one pass over the ranks
+(O(ranks) per redraw, nothing per rank's history: the lateness medians come from
+`DashboardData.lateness`); only the node rows on screen are formatted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+
+from scalemon import display
+from scalemon.display import NO_HOST, NODE_STATES, Column
+from scalemon.jobstate import RankView
+from scalemon.tui.model import DashboardData
+
+NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
+"""The node table: node, counts, worst state, step range, metric spreads (display.py)."""
+TOP_K = display.TOP_STRAGGLERS
+"""The slowest ranks always listed above the node table."""
+FAILED_SHOWN = 7
+"""Lost or failed ranks listed above the node table; the others are counted ("+N more")."""
+BINS = 8
+"""Bars of the histogram (as many lines as the straggler list)."""
+WORST_STYLES = {"failed": "exited", "lost": "lost", "restarting": "stuck", "stuck": "stuck",
+                "straggler": "straggler", "running": "", "finished": "finished"}
+"""A node row's style key (the rank table's styles) by its worst state."""
+
+
+@dataclass
+class NodeRow:
+    """One node's table row: text cells in NODE_COLUMNS order and a style key."""
+
+    host: str | None  # None: ranks whose host is not known yet (shown as "?")
+    cells: tuple[str, ...]
+    style: str
+
+
+@dataclass
+class WatchedRank:
+    """A rank named above the node table."""
+
+    rank: int
+    host: str  # as the rank sent it (NO_HOST when unknown): clean it before showing
+    text: str  # "+24.2 ms", or "lost (no message for 30 s)"
+    flagged: bool  # a straggler (over the bar), or a rank that failed for a reason of its own
+
+
+@dataclass
+class Watch:
+    """The slowest ranks by the straggler measure and the lost or failed ranks."""
+
+    measure: str  # what the ranks are ranked by ("late ms"), "" before any has a measure
+    bar_s: float  # from this measure on a rank is a straggler
+    slowest: list[WatchedRank]  # up to TOP_K, slowest first
+    failed: list[WatchedRank]  # up to FAILED_SHOWN, in the order that explains the job
+    failed_total: int
+
+
+@dataclass
+class Histogram:
+    """How many running ranks fall in each of `counts` equal bins from `lo` to `hi`."""
+
+    title: str
+    lo: float  # in display units (ms)
+    hi: float
+    counts: list[int]
+    bar: float  # the straggler bar, in display units: bins past it hold stragglers
+
+    def edges(self) -> list[float]:
+        """The bins' edges, len(counts) + 1 of them."""
+        width = (self.hi - self.lo) / len(self.counts)
+        return [self.lo + i * width for i in range(len(self.counts) + 1)]
+
+
+@dataclass
+class NodeView:
+    """The node overview: every node in table order, the rows asked for, the watch list and
+    the histogram."""
+
+    hosts: list[str | None]  # every node, in table order (trouble first)
+    rows: list[NodeRow]  # the rows at the positions asked for
+    watch: Watch
+    histogram: Histogram | None  # None before any rank has a straggler measure
+
+
+class _Node:
+    """One node's facts gathered in the pass over the ranks."""
+
+    __slots__ = ("members", "worst", "step_times", "late_max", "first")
+
+    def __init__(self, rank: int) -> None:
+        self.members: list[RankView] = []
+        self.worst = len(NODE_STATES) - 1  # index into NODE_STATES
+        self.step_times: list[float] = []  # of its running ranks
+        self.late_max: float | None = None  # the largest straggler measure
+        self.first = rank  # its lowest rank
+
+
+_INDEX = {state: i for i, state in enumerate(NODE_STATES)}
+_STUCK, _STRAGGLER, _RUNNING = _INDEX["stuck"], _INDEX["straggler"], _INDEX["running"]
+
+
+def rank_status(v: RankView, straggler: bool, stuck_after_s: float) -> str:
+    """The `NODE_STATES` entry of one rank (the rank table's row style, in words)."""
+    kind = display.rank_kind(v.state, v.exit_code)
+    if kind != "running":
+        return kind
+    if v.state == "restarting":
+        return "restarting"
+    since = v.metrics["phase_since_s"]
+    if v.metrics["phase"] and since is not None and since > stuck_after_s:
+        return "stuck"
+    return "straggler" if straggler else "running"
+
+
+def node_view(data: DashboardData, measure: dict[int, float], what: str,
+              median_step: float | None, first_failed: int | None,
+              values_of: Callable[[RankView], Mapping[str, Any]],
+              visible: tuple[int, int] | None = None) -> NodeView:
+    """The node overview (call under the data's lock): `measure` is each running rank's
+    straggler measure in seconds (`views.straggler_measure`; `what` names it, "late ms"),
+    `values_of` a rank's metric values by name; rows only for the nodes at positions
+    `visible` (all when None)."""
+    bar = display.straggler_bar(median_step)
+    nodes = _gather(data, measure, bar, max(10.0, 10.0 * (median_step or 0.0)))
+    hosts = _order(nodes, median_step, bar)
+    rows = []
+    for host in hosts if visible is None else hosts[visible[0]:visible[1]]:
+        members = sorted(nodes[host].members, key=lambda v: v.rank)
+        worst = NODE_STATES[nodes[host].worst]
+        cells = display.node_cells(NODE_COLUMNS, host, [display.rank_kind(v.state, v.exit_code)
+                                                        for v in members], worst,
+                                   [v.step for v in members], [values_of(v) for v in members])
+        rows.append(NodeRow(host, cells, WORST_STYLES[worst]))
+    watch = _watch(data, measure, what, bar, first_failed)
+    return NodeView(hosts, rows, watch, histogram(measure, what, bar))
+
+
+def _gather(data: DashboardData, measure: dict[int, float], bar: float, stuck_after: float
+            ) -> dict[str | None, _Node]:
+    """The ranks by node, with each node's worst state, running ranks' step times and
+    largest straggler measure: one pass over the ranks, kept lean (4096 of them)."""
+    nodes: dict[str | None, _Node] = {}
+    for rank, v in data.state.ranks.items():
+        host = v.host or None
+        node = nodes.get(host)
+        if node is None:
+            node = nodes[host] = _Node(rank)
+        elif rank < node.first:
+            node.first = rank
+        node.members.append(v)
+        if v.state == "running":  # rank_status's common case, inline
+            m = v.metrics
+            value = measure.get(rank)
+            since = m["phase_since_s"]
+            if since is not None and since > stuck_after and m["phase"]:
+                worst = _STUCK
+            elif value is not None and value > bar:
+                worst = _STRAGGLER
+            else:
+                worst = _RUNNING
+            if m["step_time_s"] is not None:
+                node.step_times.append(m["step_time_s"])
+            if value is not None and (node.late_max is None or value > node.late_max):
+                node.late_max = value
+        else:
+            worst = _INDEX[rank_status(v, False, stuck_after)]
+        if worst < node.worst:
+            node.worst = worst
+    return nodes
+
+
+def _order(nodes: dict[str | None, _Node], median_step: float | None, bar: float
+           ) -> list[str | None]:
+    """The nodes in table order (`display.node_order_key`: trouble first)."""
+    keyed = []
+    for host, node in nodes.items():
+        spread = display.spread(node.step_times)
+        med = spread[1] if spread else None
+        slow = med is not None and median_step is not None and med > median_step + bar
+        keyed.append((display.node_order_key(NODE_STATES[node.worst], med, slow,
+                                             node.late_max, node.first), host))
+    keyed.sort(key=lambda kh: kh[0])
+    return [host for _, host in keyed]
+
+
+def _watch(data: DashboardData, measure: dict[int, float], what: str, bar: float,
+           first_failed: int | None) -> Watch:
+    ranks = data.state.ranks
+    top = sorted(heapq.nlargest(TOP_K, measure.items(), key=itemgetter(1)),
+                 key=lambda rv: (-rv[1], rv[0]))
+    slowest = [WatchedRank(r, ranks[r].host or NO_HOST, f"{value * 1e3:+.1f} ms", value > bar)
+               for r, value in top]
+    failed = data.state.failed()  # own failures first, each kind earliest first
+    shown = []
+    for v in failed[:FAILED_SHOWN]:
+        if v.state == "lost":
+            text = "lost" + (f" ({v.state_reason})" if v.state_reason else "")
+        else:
+            code = display.NA if v.exit_code is None else v.exit_code
+            text = f"exited {code}" + (", peer lost" if v.peer_loss else
+                                       ", failed 1st" if v.rank == first_failed else "")
+        shown.append(WatchedRank(v.rank, v.host or NO_HOST, text, not v.peer_loss))
+    return Watch(what if measure else "", bar, slowest, shown, len(failed))
+
+
+def histogram(measure: dict[int, float], what: str, bar_s: float,
+              bins: int = BINS) -> Histogram | None:
+    """The straggler measure (`what`) of the running ranks in `bins` equal bins (ms), from
+    the lowest (at most 0) to the highest value; None without values."""
+    values = np.fromiter(measure.values(), dtype=float, count=len(measure)) * 1e3
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return None
+    lo, hi = min(0.0, float(values.min())), float(values.max())
+    if hi <= lo:
+        hi = lo + 1.0
+    counts, _ = np.histogram(values, bins=bins, range=(lo, hi))
+    return Histogram(f"{what}, {len(values)} ranks", lo, hi, [int(c) for c in counts],
+                     bar_s * 1e3)
+
+
+def node_ranks(data: DashboardData, host: str | None) -> list[int]:
+    """The ranks of node `host` (None: those whose host is not known yet), in order."""
+    with data.lock:
+        return sorted(r for r, v in data.state.ranks.items() if (v.host or None) == host)
