@@ -1,5 +1,5 @@
 """Thousands of ranks through relays into one hub: delivery, hub CPU and memory, the
-dashboard's redraw time and CPU, and a late attach's history replay (no torch needed).
+dashboard's redraw time and CPU, and a late attach (no torch needed).
 
 For each size, on this one machine: a real hub (`python -m scalemon.hub --listen
 tcp://127.0.0.1:0`, a private SCALEMON_HOME and runtime directory under /tmp), and simulated
@@ -9,8 +9,9 @@ file, keys made on first use) with its ranks, which send real protocol messages 
 it: `hello`, `step`s at `--rate` per second, a `heartbeat` a second, a `sync` round trip a
 second, and `exit` at the end. The real dashboard (`scalemon attach JOB` in a tmux pane, as
 bench/dashboard_load.py runs it) follows the job while it runs. Afterwards a fresh client
-attaches late, as the dashboard does (HubStream, folded into DashboardData), and is timed from
-connecting to having folded the whole history.
+attaches late, as the dashboard does (`HubFeed`: the hub's fold of the history, `seed`, then
+the records since, into DashboardData), and is timed from connecting to holding everything the
+hub held; with `--replay` also without the seed (the whole history replayed), to compare.
 
 Every message is accounted for: the ranks' `seq` numbers (sent, and dropped by a full socket),
 the relays' counts (received, forwarded, dropped), the hub's `received` and per-rank `seq_gaps`.
@@ -21,7 +22,7 @@ the hub and the dashboard get the CPU first and the simulator the rest; a worker
 behind its schedule says so (`tick_lag_*`, `achieved_msgs_per_s`). Other users' processes
 that competed during a run are listed in its `busiest_other_processes`.
 
-    python bench/scale.py --wait-quiet 900 --quiet-pct 15      # 512-4096 ranks at 5 steps/s
+    python bench/scale.py --replay --wait-quiet 900 --quiet-pct 15   # 512-4096 ranks, 5 steps/s
     python bench/scale.py --no-dashboard --wait-quiet 900 --quiet-pct 15 \
         --out bench/results/scale-nodash-cpu.json                # the hub without a dashboard
     python bench/scale.py --ranks 4096 --rate 1 2 3 --wait-quiet 900 --quiet-pct 15 \
@@ -48,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from scalemon.client import HubClient, HubStream
+from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules
@@ -276,8 +277,11 @@ class Case:
         state = client.state()
         self.sample(client)
         dash = self.stop_dashboard()
-        attach = late_attach(address)
-        self.log(f"late attach: {attach['records']} records folded in {attach['seconds']:.2f} s")
+        attach = late_attach(address, self.args.replay)
+        self.log(f"late attach: {attach['records']} records, {attach['note']}, in "
+                 f"{attach['seconds']:.2f} s (seed {attach['seed_bytes'] / 2**20:.1f} MiB)"
+                 + (f"; replaying them all instead: {attach['replay_s']:.2f} s"
+                    if attach["replay_s"] is not None else ""))
         return self.figures(results, state, dash, attach, start_t, load_end_wall,
                             drained_at - load_end, rss_idle, jf)
 
@@ -411,10 +415,9 @@ class Case:
             "dashboard_delivery": (dash_received / hub["received"]
                                    if dash_received is not None and hub["received"] else None),
             "attach_records": attach["records"], "attach_s": attach["seconds"],
-            "attach_fetch_decode_s": attach["fetch_decode_s"], "attach_fold_s": attach["fold_s"],
-            "attach_raw_fetch_s": attach["raw_fetch_s"],
-            "attach_records_per_s": attach["records"] / attach["seconds"]
-            if attach["seconds"] else None,
+            "attach_seeded_at": attach["seeded_at"], "attach_seed_s": attach["seed_s"],
+            "attach_seed_bytes": attach["seed_bytes"], "attach_how": attach["note"],
+            "attach_replay_s": attach["replay_s"],
             "attach_rss_mb": attach["rss_mb"],
             "hub_tcp": bool(jf.tcp),
             "home": str(self.home),
@@ -518,49 +521,52 @@ def _ms(seconds: float | None) -> float | None:
 
 # ---- a late attach ---------------------------------------------------------------------------
 
-def _late_attach(address: HubAddress, conn: Any) -> None:
-    """In its own process: what `scalemon attach` does first, timed from connecting to having
-    folded every record the hub held when it answered (HubStream into DashboardData)."""
+def _late_attach(address: HubAddress, replay: bool, conn: Any) -> None:
+    """In its own process: what `scalemon attach` does first (`HubFeed.run` into
+    DashboardData: the hub's fold, `seed`, then the records since), timed from connecting to
+    having everything the hub held when it answered; then, with `replay`, the same by
+    replaying the whole history, as a dashboard without a seed would."""
+    import threading
+
+    from scalemon.tui.feed import HubFeed
     from scalemon.tui.model import DashboardData
 
-    client = HubClient(address, timeout_s=60)  # first the bare pages: the hub's share
-    t0 = time.perf_counter()
-    since, head = 0, 1
-    while since < head:
-        records, head = client.fetch(since)
-        if not records:
-            break
-        since += len(records)
-    raw_s = time.perf_counter() - t0
-    client.close()
-
-    t0 = time.perf_counter()
-    data = DashboardData()
-    stream = HubStream(address, timeout_s=60)
-    fetch = fold = 0.0
-    try:
-        head = stream.client.request("ping")["head"]  # as HubFeed checks the hub first
+    def attach(use_seed: bool) -> dict[str, Any]:
+        head = HubClient(address, timeout_s=60).request("ping")["head"]
+        data, stop = DashboardData(), threading.Event()
+        feed = HubFeed(address=address, timeout_s=60, use_seed=use_seed)
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=feed.run, args=(data, stop.is_set, lambda *_: None),
+                                  daemon=True)
+        thread.start()
+        seeded_s = None
         end = time.monotonic() + 300
         while data.next_seq < head and time.monotonic() < end:
-            a = time.perf_counter()
-            batch = stream.poll(0.1)
-            b = time.perf_counter()
-            data.apply_batch(batch)
-            fetch, fold = fetch + b - a, fold + time.perf_counter() - b
+            if seeded_s is None and data.seeded_at is not None:
+                seeded_s = time.perf_counter() - t0
+            time.sleep(0.005)
         seconds = time.perf_counter() - t0
-        conn.send({"records": data.next_seq, "head": head, "seconds": seconds,
-                   "fetch_decode_s": fetch, "fold_s": fold, "raw_fetch_s": raw_s,
-                   "rss_mb": psutil.Process().memory_info().rss / 2**20,
-                   "ranks": len(data.state.ranks)})
+        stop.set()
+        thread.join(timeout=30)
+        return {"records": data.next_seq, "head": head, "seconds": seconds,
+                "seeded_at": data.seeded_at, "seed_s": seeded_s, "note": feed.seed_note,
+                "ranks": len(data.state.ranks)}
+
+    try:
+        out = attach(use_seed=True)
+        out["rss_mb"] = psutil.Process().memory_info().rss / 2**20
+        reply = HubClient(address, timeout_s=60).request("seed")
+        out["seed_bytes"] = len(reply["seed"] or b"")
+        out["replay_s"] = attach(use_seed=False)["seconds"] if replay else None
+        conn.send(out)
     finally:
-        stream.close()
         conn.close()
 
 
-def late_attach(address: HubAddress) -> dict[str, Any]:
+def late_attach(address: HubAddress, replay: bool) -> dict[str, Any]:
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
-    proc = spawn.Process(target=_late_attach, args=(address, child), daemon=True)
+    proc = spawn.Process(target=_late_attach, args=(address, replay, child), daemon=True)
     proc.start()
     child.close()
     try:
@@ -589,7 +595,8 @@ COLUMNS = [
     ("others_cpu_pct", "other %", "{:>7.0f}"),
     ("dashboard_cpu_pct", "dash %", "{:>6.0f}"), ("redraw_ms_p50", "p50 ms", "{:>6.0f}"),
     ("redraw_ms_p99", "p99 ms", "{:>6.0f}"), ("dashboard_delivery", "dash dlv", "{:>8.3f}"),
-    ("attach_records", "attach rec", "{:>10,}"), ("attach_s", "attach s", "{:>8.2f}"),
+    ("attach_records", "attach rec", "{:>10,}"), ("attach_seed_bytes", "seed B", "{:>10,}"),
+    ("attach_s", "attach s", "{:>8.2f}"), ("attach_replay_s", "replay s", "{:>8.2f}"),
     ("sustained", "sustained", "{!s:>9}"),
 ]
 
@@ -613,7 +620,7 @@ def growth(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     keys = ("target_msgs_per_s", "achieved_msgs_per_s", "hub_cpu_pct", "hub_main_thread_cpu_pct",
             "hub_rss_peak_mb", "hub_cpu_us_per_msg", "workers_cpu_pct", "dashboard_cpu_pct",
             "dashboard_cpu_us_per_msg", "redraw_ms_p50", "redraw_ms_p99", "attach_records",
-            "attach_s")
+            "attach_seed_bytes", "attach_s", "attach_replay_s")
     return {k: (b[k] / a[k] if a.get(k) and b.get(k) is not None else None) for k in keys}
 
 
@@ -651,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-pct", type=float, default=25.0, metavar="PCT",
                    help="idle enough: CPU in use by others, in %% of one core")
     p.add_argument("--keep", action="store_true", help="keep each run's home (logs, history)")
+    p.add_argument("--replay", action="store_true",
+                   help="also time a late attach that replays the whole history (no seed)")
     p.add_argument("--hub-profile", action="store_true",
                    help="run the hub under cProfile (hub.prof in the run's home; with --keep)")
     args = p.parse_args(argv)

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from typing import Any
 import zmq
 
 import scalemon
-from scalemon import protocol
+from scalemon import protocol, seed
+from scalemon.fold import JobFold
 from scalemon.history import HISTORY_FILE, RETRY_S, History
 from scalemon.jobs import (
     HubAddress,
@@ -38,7 +40,7 @@ from scalemon.jobs import (
     private_dir,
     run_dir,
 )
-from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
+from scalemon.jobstate import HANG_AFTER_S, RankView
 from scalemon.keys import Keypair, hub_keypair, load_authorized, secure_server
 from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
 
@@ -50,6 +52,10 @@ from .toggles import ToggleRefused, Toggles
 log = logging.getLogger("scalemon.hub")
 
 INGEST_BATCH = 1000  # frames per turn, so requests (syncs, pings) wait at most ~30 ms
+RANK_RECORDS_KEPT = 4096
+"""Record numbers kept per rank for `rank_records` (a big job's rank detail): its latest."""
+SEED_REUSE_S = 1.0
+"""A seed made this recently serves the next dashboard too, while no record came since."""
 FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
@@ -98,7 +104,13 @@ class Hub:
         self._lock_file = self._take_lock()
         self.history = History(self.run_dir / HISTORY_FILE, memory_limit)
         self._topic = protocol.feed_topic(self.history.identity)
-        self.state = JobState(job=job, world_size=world_size, hang_after_s=hang_after_s)
+        # the dashboards' fold of the history, kept as records come: a late dashboard starts
+        # from it (`seed`) instead of replaying the history; its JobState is the hub's state
+        self.fold = JobFold(job=job, world_size=world_size, hang_after_s=hang_after_s)
+        self.state = self.fold.state
+        self._rank_records: dict[int, array] = {}  # each rank's latest record numbers
+        self._ranks_trimmed: set[int] = set()  # ranks whose first records left that list
+        self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
         self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
         self._dump: FrDump | None = None
         self._pending_dump_record = False
@@ -149,13 +161,13 @@ class Hub:
         """Rebuild the state from a history left by an earlier hub of this job, validating
         every record as live ingest does (schema, job id, bounds) and counting what it skips."""
         n = len(self.history)
-        for record in self.history.get(0, n):
+        for seq, record in enumerate(self.history.get(0, n)):
             try:
                 msg = self._accept(record, hub_records=True)
             except ProtocolError as exc:
                 self.replay_skipped[_reason(exc)] += 1
                 continue
-            self._apply(msg)
+            self._apply(seq, msg)
         if n:
             log.info("resumed history of job %s: %d records", self.job, n)
         recovery = self.history.recovery
@@ -352,10 +364,10 @@ class Hub:
                 except ProtocolError as exc:
                     self._reject(exc, len(frame))
                     continue
-                self.history.append(frame)
+                seq = self.history.append(frame)
                 accepted.append(frame)
                 self._last_recv[msg.rank] = self._last_any_recv = now
-                self._apply(msg)
+                self._apply(seq, msg)
                 if msg.type == "hello":
                     self._note_pid(msg.rank)
         if accepted:
@@ -382,12 +394,22 @@ class Hub:
             raise ProtocolError(f"rank {msg.rank} is outside world size {world}")
         return msg
 
-    def _apply(self, msg: protocol.Message) -> None:
+    def _apply(self, seq: int, msg: protocol.Message) -> None:
+        """Fold record `seq` into the state, and note it among its rank's records."""
+        if msg.rank >= 0:
+            seqs = self._rank_records.get(msg.rank)
+            if seqs is None:
+                seqs = self._rank_records[msg.rank] = array("q")
+            seqs.append(seq)
+            if len(seqs) >= 2 * RANK_RECORDS_KEPT:
+                del seqs[:len(seqs) - RANK_RECORDS_KEPT]
+                self._ranks_trimmed.add(msg.rank)
         try:
-            self.state.apply(msg)
+            self.fold.apply(seq, msg)
         except Exception:  # a bug in the reducer must not take the hub down
             log.exception("could not fold %s message of rank %d into the state", msg.type,
                           msg.rank)
+            self.fold.next_seq = seq + 1
 
     def _reject(self, exc: ProtocolError, size: int) -> None:
         self.rejected += 1
@@ -409,7 +431,7 @@ class Hub:
         self._own_seq += 1
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
         seq = self.history.append(frame)
-        self._apply(protocol.decode(frame))
+        self._apply(seq, protocol.decode(frame))
         self.history.flush()
         feed.send_multipart([self._topic, protocol.pack_seq(seq), frame])
 
@@ -554,6 +576,10 @@ class Hub:
             return reply
         if op == "state":
             return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
+        if op == "seed":
+            return self._seed()
+        if op == "rank_records":
+            return self._records_of(args["rank"], args["before"], args["limit"])
         since = max(0, args["since"])
         limit = min(max(0, args["limit"]), FETCH_LIMIT)
         records, size = [], 0
@@ -563,6 +589,37 @@ class Hub:
                 break
             records.append(record)
         return {"records": records, "head": len(self.history)}
+
+    def _seed(self) -> dict[str, Any]:
+        """The fold of the whole history so far, for a dashboard that attaches (`seed`):
+        {"seed": bytes, "seq": the record it continues from}, or {"seed": None, "why": ...}."""
+        head = len(self.history)
+        cached = self._seed_cache
+        if cached is not None and cached[0] == head and time.monotonic() - cached[1] < SEED_REUSE_S:
+            return cached[2]
+        started = time.perf_counter()
+        self.fold.next_seq = head  # every record below was folded, or skipped as invalid
+        blob = seed.dump(self.fold)
+        took = time.perf_counter() - started
+        if len(blob) > seed.MAX_SEED_BYTES:
+            reply: dict[str, Any] = {"seed": None, "seq": head, "why": (
+                f"the fold holds {len(blob) >> 20} MiB, over {seed.MAX_SEED_BYTES >> 20} MiB: "
+                "replay the history")}
+        else:
+            reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
+        log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
+        self._seed_cache = (head, time.monotonic(), reply)
+        return reply
+
+    def _records_of(self, rank: int, before: int, limit: int) -> dict[str, Any]:
+        """Rank `rank`'s latest records numbered below `before` (at most `limit`, among the
+        latest RANK_RECORDS_KEPT it sent), oldest first; `complete` when they reach back to
+        its first record."""
+        seqs = self._rank_records.get(rank, array("q"))
+        older = [seq for seq in seqs if seq < before]
+        chosen = older[len(older) - min(max(0, limit), FETCH_LIMIT, len(older)):]
+        return {"records": self.history.pick(chosen), "head": len(self.history),
+                "complete": rank not in self._ranks_trimmed and len(chosen) == len(older)}
 
     # --- commands to the ranks -------------------------------------------------------------
     def _command(self, name: str) -> dict[str, Any]:

@@ -210,6 +210,24 @@ class History:
         stop = min(stop, self.durable)  # older than memory and not on disk: cannot be read
         return list(self._read_file(since, stop)) if since < stop else []
 
+    def pick(self, seqs: list[int]) -> list[bytes]:
+        """The records numbered `seqs` (ascending), those that can still be read: in memory,
+        or written to the file."""
+        out = []
+        memory, base = self._memory, self._memory_base
+        on_file = [seq for seq in seqs if seq < base]
+        if on_file:
+            self.flush()
+            durable = self.durable
+            for seq in on_file:
+                if seq < durable:
+                    self._reader.seek(self._offsets[seq])
+                    out.append(self._reader.read(
+                        int.from_bytes(self._reader.read(_LEN), "big")))
+        top = len(self._offsets)
+        out.extend(memory[seq - base] for seq in seqs if base <= seq < top)
+        return out
+
     def _read_file(self, since: int, stop: int) -> Iterator[bytes]:
         self._reader.seek(self._offsets[since])
         for _ in range(since, stop):

@@ -135,6 +135,14 @@ class JobState:
         self._handlers = {name[4:]: getattr(self, name) for name in dir(self)
                           if name.startswith("_on_")}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the handler table (bound methods), made again on load."""
+        return {k: v for k, v in self.__dict__.items() if k != "_handlers"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
     def rank(self, rank: int) -> RankView:
         """The view of `rank`, created on first sight."""
         view = self.ranks.get(rank)

@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -383,6 +383,12 @@ RPC_OPS = {
     "toggle": {"name": str, "value": str, "restart": bool, "user": str, "host": str},
     "state": {},
     "fetch": {"since": int, "limit": int},
+    # the hub's fold of its whole history (`scalemon.seed`), for a dashboard that attaches:
+    # {"seed": bytes, "seq": the record to follow from} or {"seed": null, "why": str}
+    "seed": {},
+    # rank `rank`'s latest records numbered below `before`, at most `limit`, oldest first
+    # (a big job's rank detail): {"records": [bytes], "head": int, "complete": bool}
+    "rank_records": {"rank": int, "before": int, "limit": int},
 }
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from scalemon import display, metrics, protocol
+from scalemon import fold as model
 from scalemon.cli import format_snapshot
 from scalemon.jobstate import JobState
 from scalemon.metrics import BY_NAME, METRICS, fields_of
 from scalemon.protocol import Message
-from scalemon.tui import model
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views import COLUMNS, DETAIL_PANELS

@@ -13,8 +13,8 @@ import pytest
 from scalemon import display as fmt
 from scalemon import metrics
 from scalemon.protocol import Message
+from scalemon.series import Series
 from scalemon.tui.model import DashboardData, step_values
-from scalemon.tui.series import Series
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
 from scalemon.tui.widgets.braille import column_envelope, line_mask, pack, rasterize

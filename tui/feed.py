@@ -1,10 +1,12 @@
 """Where the dashboard's records come from. `Feed.run` is the body of the receiver thread.
 
 `HubFeed` owns its `HubStream` (SUB + DEALER sockets, used on that thread only): it attaches
-from the record after the last one folded (0 at first: the whole history), polls with a short
-timeout, folds each batch into `DashboardData`, and when the hub stops answering it reports
-"disconnected", waits and attaches again, resuming at the same record number. A hub restarted
-for the same job keeps its numbering; one whose history restarted at 0 makes it start over.
+from the record after the last one folded (at first from the hub's own fold of its history,
+`seed`, else from record 0: the whole history), polls with a short timeout, folds each batch
+into `DashboardData`, and when the hub stops answering it reports "disconnected", waits and
+attaches again, resuming at the same record number. A hub restarted for the same job keeps its
+numbering; one whose history restarted at 0 makes it start over. Between batches it fetches the
+earlier records of a big job's rank the screen asks for (`rank_records`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from pathlib import Path
 
 import zmq
 
-from scalemon import protocol
+from scalemon import protocol, seed
 from scalemon.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.history import ID_SUFFIX, history_path, read_messages
 from scalemon.jobs import HubAddress, hub_gone_text, live_jobs
 from scalemon.protocol import ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
+
+SEED_TIMEOUT_S = 30.0
+"""Longest wait for the hub's fold (a big job's is megabytes, pickled on the hub's thread)."""
+RANK_RECORDS = 4096
+"""A big job's rank's records fetched when it is first shown (the hub keeps its latest 4096)."""
 
 StopCheck = Callable[[], bool]
 StatusHook = Callable[[str, str], None]
@@ -41,7 +48,8 @@ class HubFeed(Feed):
     """A live hub, by job id (looked up in the job files on every attempt) or by address."""
 
     def __init__(self, job: str | None = None, address: HubAddress | None = None,
-                 home: Path | None = None, timeout_s: float = 2.0, retry_s: float = 1.0) -> None:
+                 home: Path | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
+                 use_seed: bool = True) -> None:
         if job is None and address is None:
             raise ValueError("HubFeed needs a job id or an address")
         self.job = job
@@ -51,6 +59,8 @@ class HubFeed(Feed):
         self.retry_s = retry_s
         self.label = job or (address.base if address else "")
         self.attaches = 0  # successful attaches (the first one included)
+        self.use_seed = use_seed
+        self.seed_note = ""  # how the last attach from scratch started (seed or replay)
 
     def _resolve(self) -> HubAddress | None:
         """The job's live hub (None when it has none: a stale address is no use), or the
@@ -69,6 +79,8 @@ class HubFeed(Feed):
                 on_status(state, detail)
 
         while not stop():
+            if data.conn.status == "offline":
+                self._watch_from_file(data)
             address = self._resolve()
             if address is None:
                 if data.conn.status != "offline":  # else the history file is shown already
@@ -84,6 +96,8 @@ class HubFeed(Feed):
                 if not self._same_history(stream, data):
                     data.reset()  # a new (or shortened) history under the same name
                     stream.next_seq = 0
+                if stream.next_seq == 0 and self.use_seed:
+                    self._start_from_seed(stream, data)
                 self.attaches += 1
                 status("connected", address.base)
                 while not stop():
@@ -91,6 +105,8 @@ class HubFeed(Feed):
                     if batch:
                         data.apply_batch(batch)
                     data.history_identity = stream.identity
+                    for rank in data.take_watch():
+                        self._watch(stream, data, rank)
                     if stream.rejected:
                         with data.lock:
                             data.rejected += stream.rejected
@@ -115,6 +131,54 @@ class HubFeed(Feed):
                 stream.close()
             _sleep(self.retry_s, stop)
 
+
+    def _start_from_seed(self, stream: HubStream, data: DashboardData) -> bool:
+        """Start from the hub's fold of its history (`seed`) instead of replaying it; False
+        (and `seed_note` says why) when the hub offers none, so the history is replayed."""
+        client = stream.client
+        timeout, client.timeout_s = client.timeout_s, max(client.timeout_s, SEED_TIMEOUT_S)
+        try:
+            reply = client.request("seed")
+        except ProtocolError as exc:  # a hub of protocol 1.3 does not know the op
+            self.seed_note = f"replayed the history: {exc}"
+            return False
+        finally:
+            client.timeout_s = timeout
+        blob = reply.get("seed")
+        if not isinstance(blob, bytes):
+            self.seed_note = f"replayed the history: {reply.get('why') or 'no seed'}"
+            return False
+        try:
+            fold = seed.load(blob)
+        except seed.SeedError as exc:
+            self.seed_note = f"replayed the history: {exc}"
+            return False
+        stream.check_identity(client.history)
+        data.load_seed(fold, client.history)
+        stream.next_seq = data.next_seq
+        self.seed_note = f"started from the hub's fold at record {data.next_seq:,}"
+        return True
+
+    def _watch(self, stream: HubStream, data: DashboardData, rank: int) -> None:
+        """Fetch a big job's rank's earlier records and keep its series from them on (called
+        between two batches, so they end where the live records begin)."""
+        try:
+            reply = stream.client.request("rank_records", rank=rank, before=data.next_seq,
+                                          limit=RANK_RECORDS)
+        except ProtocolError:  # a 1.3 hub: the series start now
+            data.watch_with(rank, None)
+            return
+        except BaseException:
+            with data.lock:
+                data.to_watch.add(rank)  # asked again once attached again
+            raise
+        messages = []
+        for record in reply.get("records") or ():
+            try:
+                messages.append(protocol.decode(record))
+            except ProtocolError:
+                continue
+        data.watch_with(rank, messages)
 
     @staticmethod
     def _same_history(stream: HubStream, data: DashboardData) -> bool:
@@ -153,6 +217,21 @@ class HubFeed(Feed):
         if file_id is not None:
             data.history_identity = {"id": file_id, "base": data.next_seq}
         return True
+
+    def _watch_from_file(self, data: DashboardData) -> None:
+        """While the history file is shown: the series of a big job's ranks asked for, from
+        their records in the file."""
+        ranks = data.take_watch()
+        job = data.state.job or self.job
+        if not ranks or job is None:
+            return
+        try:
+            batch, _ = read_messages(history_path(job, self.home), job)
+        except (OSError, ValueError):
+            batch = []
+        for rank in ranks:
+            mine = [m for seq, m in batch if m.rank == rank and seq < data.next_seq]
+            data.watch_with(rank, mine[-RANK_RECORDS:])
 
     def _ended_hub_of_address(self, data: DashboardData) -> str | None:
         """For a feed attached by address: why the hub of the job shown is gone for good (its

@@ -1,44 +1,36 @@
 """`DashboardData`: everything the dashboard knows about one job, folded from hub records.
 
-The receiver thread calls `apply_batch`; the UI thread reads through `views`, which copies what
-a redraw needs while holding `lock`. Besides the shared `JobState` reducer it keeps, per rank,
-bounded series of every metric (x = step; a rank's arrival lateness at collectives after
-each `collectives` message), job-wide min/mean/max per step, each rank's compute time against
-the median rank (smoothed) and samples for step and token rates.
+The receiver thread calls `apply_batch` (or `load_seed`, the hub's own fold of the history up to
+some record, when it attaches); the UI thread reads through `views`, which copies what a
+redraw needs while holding `lock`. The fold itself (`scalemon.fold.JobFold`: the `JobState`
+reducer, per-rank series and rates, job-wide min/mean/max per step) is shared with the hub.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from scalemon import metrics
+from scalemon.fold import (  # noqa: F401 - the dashboard's names for the fold's parts
+    AGGREGATED,
+    JobFold,
+    RankTrack,
+    SeriesBackfill,
+    record_key,
+    step_values,
+)
 from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import Message
-from scalemon.tui.series import Marks, Series
 
-STEP_WINDOW = 32
-"""Steps whose cross-rank aggregate is still open; older ones are closed with what arrived."""
-EMA = 0.3
+FOLD_ATTRIBUTES = frozenset(JobFold().__dict__)
+"""What a seed may set: the attributes of the fold, none of the dashboard's own."""
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
 HOLD_S = 0.02
 """Longest the receiver holds the lock at a time, whatever the records cost to fold."""
-
-AGGREGATED = ("loss", "loss_scale", "compute_s", "allreduce_time_s", "optimizer_time_s",
-              "mem_allocated_bytes")
-"""Metrics whose min/mean/max over ranks the overview plots draw."""
-STEP_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "step")
-EXTRA_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "extra")
-HEARTBEAT_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "heartbeat")
-MAX_EXTRA_SERIES = 16
-"""Numeric `log(**extra)` names plotted per rank (the first ones seen) besides the table's."""
 
 
 @dataclass
@@ -48,56 +40,6 @@ class ConnState:
     status: str = "connecting"
     detail: str = ""
     since: float = field(default_factory=time.time)
-
-
-class RankTrack:
-    """The per-rank history the reducer does not keep."""
-
-    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "compute_ema", "cap",
-                 "_rates", "_rates_of")
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.series: dict[str, Series] = {}  # by metric name, values in the metric's wire unit
-        self.extras: dict[str, Series] = {}  # numeric log(**extra) names not in the table
-        self.skipped = Marks()
-        self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
-        self.tokens = 0
-        self.compute_ema: float | None = None
-        self._rates: tuple[float | None, float | None] = (None, None)
-        self._rates_of: tuple[float, int, int] | None = None  # the sample they end with
-
-    def add(self, name: str, x: float, value: float) -> None:
-        """Append to series `name`, made on first use."""
-        series = self.series.get(name)
-        if series is None:
-            series = self.series[name] = Series(self.cap)
-        series.add(x, value)
-
-    def add_extra(self, name: str, x: float, value: float) -> None:
-        """Append to the series of extra value `name` (up to MAX_EXTRA_SERIES names)."""
-        series = self.extras.get(name)
-        if series is None:
-            if len(self.extras) >= MAX_EXTRA_SERIES:
-                return
-            series = self.extras[name] = Series(self.cap)
-        series.add(x, value)
-
-    def rates(self, now: float) -> tuple[float | None, float | None]:
-        """(steps/s, tokens/s) over the last 10 s of samples; 0 when nothing came for 5 s.
-        Kept until the next sample: the header asks every rank at every redraw."""
-        if len(self.samples) < 2:
-            return None, None
-        last = self.samples[-1]
-        t1, s1, k1 = last
-        if now - t1 > 5.0:
-            return 0.0, 0.0
-        if last is not self._rates_of:  # a new sample since: recount (else: as before)
-            self._rates_of = last
-            t0, s0, k0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
-            self._rates = ((None, None) if t1 <= t0 else
-                           ((s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)))
-        return self._rates
 
 
 class LatenessMedians:
@@ -144,107 +86,52 @@ class LatenessMedians:
         self.values[rank] = statistics.median(samples) if samples else None
 
 
-class _StepAcc:
-    """Cross-rank min/max/sum of each metric at one step, plus each rank's compute time."""
-
-    __slots__ = ("ranks", "lo", "hi", "sum", "n", "compute")
-
-    def __init__(self) -> None:
-        self.ranks = 0
-        self.lo: dict[str, float] = {}
-        self.hi: dict[str, float] = {}
-        self.sum: dict[str, float] = {}
-        self.n: dict[str, int] = {}
-        self.compute: dict[int, float] = {}
-
-
-def record_key(msg: Message) -> tuple:
-    """What identifies a record across hub restarts: sender, its seq, type and time."""
-    return (msg.rank, msg.seq, msg.type, msg.t)
-
-
-def _number(value: Any) -> float | None:
-    """A finite-or-not float from a body field; None for absent, null or non-numbers."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
-    """The numeric ones among `values[name]` for `names`, as floats; others left out."""
-    out: dict[str, float] = {}
-    for name in names:
-        value = _number(values.get(name))
-        if value is not None:
-            out[name] = value
-    return out
-
-
-def step_values(body: dict[str, Any]) -> dict[str, float]:
-    """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
-    with the well-known extras and the dashboard's `compute_s`; absent ones left out."""
-    out = _numbers(body, STEP_PLOTTED)
-    extra = body.get("extra")
-    if extra:
-        out.update(_numbers(extra, EXTRA_PLOTTED))
-    step_time = out.get("step_time_s")
-    if step_time is not None:
-        busy = out.get("allreduce_time_s", 0.0) + out.get("optimizer_time_s", 0.0)
-        out["compute_s"] = max(0.0, step_time - busy)
-    return out
-
-
-def extra_values(body: dict[str, Any]) -> dict[str, float]:
-    """The numeric `log(**extra)` values of a `step` body that the table does not name."""
-    extra = body.get("extra")
-    if not extra:
-        return {}
-    return _numbers(extra, tuple(name for name in extra if name not in metrics.BY_NAME))
-
-
-def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
-    """The plotted numbers of one `heartbeat` body by metric name, in wire units."""
-    return _numbers(body, HEARTBEAT_PLOTTED)
-
-
-class DashboardData:
+class DashboardData(JobFold):
     """Thread-safe fold of one job's records for the dashboard. `hang_after_s`: a job where no
     rank completed a step for this long is hung (`JobState.hang`)."""
 
     def __init__(self, job: str | None = None, cap: int | None = None,
                  hang_after_s: float = HANG_AFTER_S) -> None:
         self.lock = threading.Lock()
-        self._job = job
-        self._cap = cap
-        self._hang_after_s = hang_after_s
         self.version = 0  # bumped on every change the screen may show
         self.conn = ConnState()
         self.rejected = 0  # records the receiver could not decode
         self.loss_mode = "auto"  # "auto", "ranks" or "band"
-        self._reset()
+        self.seeded_at: int | None = None
+        """The record the hub's fold (`load_seed`) started this one at; None: replayed."""
+        self.to_watch: set[int] = set()  # ranks the screen asked for, the receiver fetches
+        super().__init__(job, cap, hang_after_s)
 
-    def _reset(self) -> None:
-        self.state = JobState(job=self._job, hang_after_s=self._hang_after_s)
-        self.next_seq = 0  # record number of the next record expected from the hub
+    def clear(self) -> None:
+        """Forget every record folded (under the lock, or before the data is shared)."""
+        super().clear()
         self.history_identity: dict | None = None  # of the history the records came from
-        self.last_key: tuple | None = None  # identity of the last record folded
-        self.records = 0
-        self.by_type: dict[str, int] = {}
-        self.tracks: dict[int, RankTrack] = {}
-        self.agg: dict[str, Series] = {name: Series(1024) for name in AGGREGATED}
-        self.skipped = Marks()
-        self._open: dict[int, _StepAcc] = {}
-        self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
-        self._expected: int | None = None  # ranks expected at each step; None = recount
-        self.last_step_t: float | None = None
         self.lateness = LatenessMedians()
+        self.seeded_at = None
 
     # ---- receiver side -------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget everything (the hub's history was recreated)."""
         with self.lock:
-            self._reset()
+            self.clear()
+            self.version += 1
+
+    def load_seed(self, fold: JobFold, identity: dict | None) -> None:
+        """Start over from `fold`, the hub's fold of its history up to `fold.next_seq`
+        (`identity`: that history's); what this dashboard watches stays watched."""
+        with self.lock:
+            self.clear()
+            own = {"_job": self._job or fold._job, "_cap": self._cap or fold._cap,
+                   "_hang_after_s": self._hang_after_s}
+            self.to_watch |= self.watched  # their series come again from the hub
+            self.__dict__.update({k: v for k, v in fold.__getstate__().items()
+                                  if k in FOLD_ATTRIBUTES})
+            self.__dict__.update(own)
+            self.state.hang_after_s = self._hang_after_s
+            self.watched = set()
+            self.history_identity = identity
+            self.seeded_at = self.next_seq
             self.version += 1
 
     def set_hang_after(self, seconds: float) -> None:
@@ -273,9 +160,7 @@ class DashboardData:
             with self.lock:
                 until = time.perf_counter() + HOLD_S
                 for seq, msg in batch[start:start + CHUNK]:
-                    self._apply(msg)
-                    self.next_seq = seq + 1
-                    self.last_key = record_key(msg)
+                    self.apply(seq, msg)
                     start += 1
                     if time.perf_counter() > until:
                         break
@@ -287,109 +172,31 @@ class DashboardData:
         """Fold messages that carry no record numbers (a replay)."""
         self.apply_batch((self.next_seq + i, m) for i, m in enumerate(messages))
 
-    def _cap_now(self) -> int:
-        if self._cap:
-            return self._cap
-        world = self.state.world_size or len(self.state.ranks)
-        return 512 if world <= 64 else 256
+    # ---- a rank's series in a big job ----------------------------------------------------
 
-    def _track(self, rank: int) -> RankTrack:
-        track = self.tracks.get(rank)
-        if track is None:
-            track = self.tracks[rank] = RankTrack(self._cap_now())
-            self._expected = None
-        return track
+    def show_rank(self, rank: int) -> bool:
+        """The screen shows `rank`'s series: True when they must first come from the hub
+        (a big job's rank not watched yet; the receiver fetches them, `take_watch`)."""
+        with self.lock:
+            if not self.needs_backfill(rank):
+                self.watched.add(rank)
+                return False
+            self.to_watch.add(rank)
+            self.version += 1
+            return True
 
-    def _apply(self, msg: Message) -> None:
-        self.records += 1
-        self.by_type[msg.type] = self.by_type.get(msg.type, 0) + 1
-        before = self.state.ranks.get(msg.rank)
-        old_state = before.state if before is not None else None
-        view = self.state.apply(msg)
-        if view is None:  # hub record (rank_state)
-            self._expected = None
-            return
-        if view.state != old_state:
-            self._expected = None
-        if msg.type == "step":
-            self._on_step(msg, view)
-        elif msg.type == "heartbeat":
-            track = self._track(msg.rank)
-            x = msg.body.get("step")
-            x = float(x if isinstance(x, int) else (view.step or 0))
-            for name, value in heartbeat_values(msg.body).items():
-                track.add(name, x, value)
-        elif msg.type == "collectives":
-            late = view.value("arrival_lateness_s")
-            if late is not None:
-                x = msg.body.get("step")
-                x = x if isinstance(x, int) else view.step
-                if x is not None:
-                    self._track(msg.rank).add("arrival_lateness_s", float(x), late)
+    def take_watch(self) -> list[int]:
+        """The ranks whose series the receiver is to fetch (each returned once)."""
+        with self.lock:
+            ranks, self.to_watch = sorted(self.to_watch), set()
+            return ranks
 
-    def _on_step(self, msg: Message, view: RankView) -> None:
-        track = self._track(msg.rank)
-        step = msg.body["step"]
-        values = step_values(msg.body)
-        for name, value in values.items():
-            track.add(name, step, value)
-        for name, value in extra_values(msg.body).items():
-            track.add_extra(name, step, value)
-        if msg.body.get("skipped"):
-            track.skipped.add(step)
-            self.skipped.add(step)
-        tokens = msg.body.get("tokens")
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
-            track.tokens += tokens
-        if not track.samples or msg.t - track.samples[-1][0] >= 0.5:
-            track.samples.append((msg.t, step, track.tokens))
-        self.last_step_t = msg.t if self.last_step_t is None else max(self.last_step_t, msg.t)
-        if view.steps_received == 1:
-            self._expected = None
-        self._accumulate(msg.rank, step, values)
-
-    def _accumulate(self, rank: int, step: int, values: dict[str, float]) -> None:
-        if step in self._closed and step not in self._open:
-            return  # arrived after its step was closed: kept per rank only
-        acc = self._open.get(step)
-        if acc is None:
-            acc = self._open[step] = _StepAcc()
-        acc.ranks += 1
-        for name in AGGREGATED:
-            value = values.get(name)
-            if value is None or not math.isfinite(value):
-                continue
-            if name in acc.n:
-                acc.lo[name] = min(acc.lo[name], value)
-                acc.hi[name] = max(acc.hi[name], value)
-                acc.sum[name] += value
-                acc.n[name] += 1
-            else:
-                acc.lo[name] = acc.hi[name] = acc.sum[name] = value
-                acc.n[name] = 1
-        if "compute_s" in values:
-            acc.compute[rank] = values["compute_s"]
-        if self._expected is None:
-            self._expected = sum(1 for v in self.state.ranks.values()
-                                 if v.state == "running" and v.steps_received)
-        if acc.ranks >= max(1, self._expected):
-            self._close(step)
-        if len(self._open) > STEP_WINDOW:
-            for old in sorted(self._open)[: len(self._open) - STEP_WINDOW]:
-                self._close(old)
-
-    def _close(self, step: int) -> None:
-        acc = self._open.pop(step)
-        self._closed.append(step)
-        for name, n in acc.n.items():
-            self.agg[name].add(step, acc.lo[name], acc.hi[name], acc.sum[name] / n)
-        if len(acc.compute) >= 2:
-            median = statistics.median(acc.compute.values())
-            for rank, c in acc.compute.items():
-                track = self._track(rank)
-                slower = c - median
-                track.compute_ema = slower if track.compute_ema is None else (
-                    (1 - EMA) * track.compute_ema + EMA * slower)
+    def watch_with(self, rank: int, messages: list[Message] | None) -> SeriesBackfill:
+        """Keep `rank`'s series from `messages` (its records before `next_seq`) on."""
+        with self.lock:
+            done = self.watch(rank, messages)
+            self.version += 1
+            return done
 
     def rank_ids(self) -> list[int]:
         """Known ranks in order."""

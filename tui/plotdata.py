@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scalemon.tui.series import Series
+from scalemon.series import Series
 
 
 @dataclass

@@ -90,6 +90,10 @@ class Overview:
     nodes: NodeView | None = None  # a row per node instead of per rank, when asked for
 
 
+FETCHING = "fetching rank {rank}'s series from the hub…"
+"""What a big job's rank's plots say until its earlier records came (`DashboardData.show_rank`)."""
+
+
 @dataclass
 class RankDetail:
     """What the rank detail screen draws."""
@@ -345,9 +349,12 @@ def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
                                                    ("all-red", "allreduce_time_s"),
                                                    ("optim", "optimizer_time_s")))
         ) if line])
-    has_gpu_mem = any("mem_allocated_bytes" in t.series for t in data.tracks.values())
+    has_gpu_mem = len(data.agg["mem_allocated_bytes"]) > 0 or any(
+        "mem_allocated_bytes" in t.series for t in data.tracks.values())
     if has_gpu_mem:
         mem_title, mem_name = "GPU alloc", "mem_allocated_bytes"
+    elif data.big():  # no per-rank series but those of the ranks opened
+        mem_title, mem_name = "RSS of the ranks opened, no GPU", "rss_bytes"
     else:
         mem_title, mem_name = "RSS, no GPU", "rss_bytes"
     if per_rank:
@@ -380,6 +387,7 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
             return None
         track = data.tracks.get(rank)
         series = track.series if track is not None else {}
+        fetching = rank in data.to_watch  # a big job's rank: its series come from the hub
         plots = []
         for title, group in DETAIL_PANELS:
             show = group[0].show
@@ -388,7 +396,8 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
                 m.show.plot if m.show else m.name, series.get(m.name), color=i,
                 scale=m.show.scale if m.show else 1.0))]
             spec = PlotSpec(title, unit=show.unit, lines=lines, log=show.log,
-                            empty=_why_empty(group[0], view))
+                            empty=FETCHING.format(rank=rank) if fetching
+                            else _why_empty(group[0], view))
             if group[0].name == "loss_scale" and track is not None:
                 spec.marks, spec.marks_label = track.skipped.array(), "skipped step"
             plots.append(spec)

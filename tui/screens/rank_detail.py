@@ -66,6 +66,7 @@ class RankDetailScreen(DataScreen):
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from the data (plots only when `plots`)."""
         self.rank_ids = data.rank_ids() or [self.rank]
+        data.show_rank(self.rank)  # a big job's rank: its series are fetched, then kept
         detail = rank_detail(data, self.rank, now)
         title = self.query_one("#detail-title", Static)
         if detail is None:
