@@ -11,6 +11,8 @@ Results go to bench/results/.
     python bench/dashboard_load.py                  # 8, 64, 512 ranks, 20 s each
     python bench/dashboard_load.py --ranks 512 --seconds 30
     python bench/dashboard_load.py --ranks 4096 --rate 2 --seconds 20
+    python bench/dashboard_load.py --ranks 512 1024 2048 4096 --rate 5 --seconds 25 --pin \
+        --out bench/results/dashboard_load-pinned-cpu.json  # the dashboard on a core of its own
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgpack
 import psutil
 import zmq
 
+from scalemon import protocol
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 from scalemon.tui.sim import SimJob
@@ -39,46 +43,91 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 RANK_TYPES = ("hello", "step", "heartbeat")
+ALL_CPUS = sorted(os.sched_getaffinity(0))
 
 
 RANKS_PER_SOCKET = 64
 """Simulated ranks share PUSH sockets (the hub does not care which socket a message comes
-by): one socket per rank hit ZeroMQ's 1023-socket limit of a context at 1024 ranks."""
+by): one socket per rank hit ZeroMQ's 1023-socket limit of a context at 1024 ranks. Each step
+of a socket's ranks goes as one multipart message, as a node's relay forwards them (the hub
+takes each part as one message)."""
+
+
+class QuietSim(SimJob):
+    """SimJob's step and heartbeat bodies without its Flight Recorder bookkeeping (no
+    `collectives` messages are sent here, so it would only grow)."""
+
+    def _startup_collectives(self, t: float) -> None:
+        pass
+
+    def _step_collectives(self, step: int, start: float, compute: float, end: float) -> None:
+        pass
+
+
+class Framer:
+    """Frames of one rank assembled from a packed body: the header's constant part is packed
+    once, `seq` and `t` at send time (the bodies are packed before the run, so that making
+    thousands of ranks' messages costs the sender little). `frame` gives the bytes
+    `protocol.encode` gives, up to the order of the map's keys."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        pack = msgpack.packb
+        self.head = {mtype: (b"\x87" + pack("v") + pack(list(protocol.PROTOCOL_VERSION))
+                             + pack("type") + pack(mtype) + pack("job") + pack(job)
+                             + pack("rank") + pack(rank) + pack("seq"))
+                     for mtype in RANK_TYPES}
+        self.seq = 0
+
+    def frame(self, mtype: str, t: float, body: bytes) -> bytes:
+        seq, self.seq = self.seq, self.seq + 1
+        pack = msgpack.packb
+        return b"".join((self.head[mtype], pack(seq), b"\xa1t", pack(t), b"\xa4body", body))
 
 
 def send_ranks(address: str, job: str, ranks: int, seconds: float, rate: float,
-               go: mp.Event, sent: mp.Value) -> None:
-    """Simulated ranks: hello, then `rate` steps/s per rank and a heartbeat per second."""
+               ready: mp.Event, go: mp.Event, sent: mp.Value, late: mp.Value) -> None:
+    """Simulated ranks: hello, then `rate` steps/s per rank and a heartbeat per second, their
+    bodies packed before `ready` is set, sent from `go` on at the planned times."""
     ctx = zmq.Context()
-    sim = SimJob(job=job, ranks=ranks, straggler=ranks // 2, step_s=1.0 / rate)
+    sim = QuietSim(job=job, ranks=ranks, straggler=ranks // 2, step_s=1.0 / rate)
+    groups = [range(g, min(ranks, g + RANKS_PER_SOCKET)) for g in range(0, ranks,
+                                                                       RANKS_PER_SOCKET)]
     shared = []
-    for _ in range(-(-ranks // RANKS_PER_SOCKET)):
+    for _ in groups:
         s = ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.LINGER, 5000)
         s.connect(HubAddress.parse(address).ingest)
         shared.append(s)
-    socks = [shared[r // RANKS_PER_SOCKET] for r in range(ranks)]
+    framers = [Framer(job, r) for r in range(ranks)]
+    steps = int(seconds * rate)
+    every = max(1, int(rate))  # a heartbeat a second
+    pack = msgpack.packb
+    bodies = [[pack(b) for b in sim.step_bodies(step, 0.0)] for step in range(1, steps + 1)]
+    beats = {step: [pack(sim.heartbeat(r, step)) for r in range(ranks)]
+             for step in range(every, steps + 1, every)}
+    hellos = [pack(sim.hello(r)) for r in range(ranks)]
+    ready.set()
     count = 0
     go.wait()
-    for r, s in enumerate(socks):
-        s.send(sim.frame(r, "hello", sim.hello(r), time.time()))
-        count += 1
+    now = time.time()
+    for group, s in zip(groups, shared, strict=True):
+        s.send_multipart([framers[r].frame("hello", now, hellos[r]) for r in group])
+        count += len(group)
     start = time.monotonic()
-    step = 0
-    while time.monotonic() - start < seconds:
-        step += 1
-        now = time.time()
-        for r, body in enumerate(sim.step_bodies(step, now)):
-            socks[r].send(sim.frame(r, "step", body, now))
-            count += 1
-        if step % int(rate) == 0:
-            for r, s in enumerate(socks):
-                s.send(sim.frame(r, "heartbeat", sim.heartbeat(r, step), now))
-                count += 1
+    for step in range(1, steps + 1):
         delay = start + step / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+        late.value = max(late.value, -delay)
+        now = time.time()
+        step_bodies, beat = bodies[step - 1], beats.get(step)
+        for group, s in zip(groups, shared, strict=True):
+            frames = [framers[r].frame("step", now, step_bodies[r]) for r in group]
+            if beat is not None:
+                frames += [framers[r].frame("heartbeat", now, beat[r]) for r in group]
+            s.send_multipart(frames)
+            count += len(frames)
     sent.value = count
     for s in shared:
         s.close()
@@ -108,8 +157,19 @@ def hub_head(address: HubAddress) -> int:
     return HubClient(address, timeout_s=5).request("ping")["head"]
 
 
-def run_one(ranks: int, seconds: float, rate: float, size: str) -> dict:
-    """One measurement; returns its figures."""
+def pin(pid: int, cpus: list[int]) -> None:
+    """Keep process `pid`, every thread of it, on `cpus` (threads do not follow their
+    process's affinity once started)."""
+    for thread in psutil.Process(pid).threads():
+        os.sched_setaffinity(thread.id, cpus)
+
+
+def run_one(ranks: int, seconds: float, rate: float, size: str, pinned: bool) -> dict:
+    """One measurement; returns its figures. `pinned`: the dashboard has the last CPU to
+    itself, everything else (hub, sender, tmux, this script) the others."""
+    cpus = ALL_CPUS  # this script pins itself below: its own affinity is no guide then
+    dash_cpus, rest = (cpus[-1:], cpus[:-1] or cpus) if pinned else (cpus, cpus)
+    pin(os.getpid(), rest)
     home = Path(tempfile.mkdtemp(prefix="smb", dir="/tmp"))
     job = f"load{ranks}"
     server = f"smbench-{os.getpid()}-{ranks}"
@@ -129,17 +189,25 @@ def run_one(ranks: int, seconds: float, rate: float, size: str) -> dict:
         tmux(server, "new-session", "-d", "-s", "bench", "-x", width, "-y", height, cmd)
         dash = find_dashboard(job)
         time.sleep(2.0)  # attached and idle
-        go, sent = mp.Event(), mp.Value("q", 0)
+        pin(hub.pid, rest)
+        pin(dash.pid, dash_cpus)
+        ready, go, sent, late = mp.Event(), mp.Event(), mp.Value("q", 0), mp.Value("d", 0.0)
         sender = mp.Process(target=send_ranks, args=(address.base, job, ranks, seconds, rate,
-                                                     go, sent))
+                                                     ready, go, sent, late))
         sender.start()
-        time.sleep(1.0)  # sockets connected
+        ready.wait(600)  # the bodies packed, the sockets connected
+        pin(sender.pid, rest)
         cpu0, t0 = dash.cpu_times(), time.monotonic()
+        hub_cpu0 = psutil.Process(hub.pid).cpu_times()
         go.set()
         sender.join(seconds + 120)
         cpu1, t1 = dash.cpu_times(), time.monotonic()
+        hub_cpu1 = psutil.Process(hub.pid).cpu_times()
         cpu_pct = 100.0 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
+        hub_pct = 100.0 * ((hub_cpu1.user + hub_cpu1.system)
+                           - (hub_cpu0.user + hub_cpu0.system)) / (t1 - t0)
         head = hub_head(address)
+        hub_behind_s = time.monotonic() - t1  # the hub's answer waits for its backlog
         time.sleep(3.0)  # let the dashboard drain what is queued
         screen = tmux(server, "capture-pane", "-p", "-t", "bench")
         tmux(server, "send-keys", "-t", "bench", "q")
@@ -160,11 +228,19 @@ def run_one(ranks: int, seconds: float, rate: float, size: str) -> dict:
         "messages_sent": sent.value, "hub_records": head, "dashboard_received": received,
         "delivery": received / sent.value if sent.value else None,
         "dashboard_cpu_pct_of_one_core": cpu_pct,
+        "hub_cpu_pct_of_one_core": hub_pct,
+        "sender_late_max_s": late.value, "send_s": t1 - t0,
+        "hub_ping_after_s": hub_behind_s,
+        "pinned": {"dashboard": dash_cpus, "others": rest} if pinned else None,
         "redraws": len(redraws),
         "redraw_ms_median": statistics.median(redraws) if redraws else None,
         "redraw_ms_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         if ordered else None,
         "redraws_per_s": len(redraws) / max(1e-9, t1 - t0 + 5),
+        "plot_redraws": len(stats.get("plot_redraw_ms", [])),
+        "plot_redraw_ms_median": statistics.median(stats["plot_redraw_ms"])
+        if stats.get("plot_redraw_ms") else None,
+        "redraw_ms_top": sorted(redraws)[-10:],
         "terminal": size,
         "screen_header": screen.splitlines()[:3],
     }
@@ -183,24 +259,30 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
     p.add_argument("--size", default="160x50", help="terminal size of the dashboard")
+    p.add_argument("--pin", action="store_true",
+                   help="the dashboard on the last CPU alone, the hub and the ranks on the rest "
+                        "(as on a login node: the job's load is elsewhere)")
+    p.add_argument("--out", type=Path, default=RESULTS / "dashboard_load-cpu.json")
     args = p.parse_args()
     if shutil.which("tmux") is None:
         print("tmux is needed (the dashboard runs in a real terminal)", file=sys.stderr)
         return 2
-    rows = [run_one(n, args.seconds, args.rate, args.size) for n in args.ranks]
+    rows = [run_one(n, args.seconds, args.rate, args.size, args.pin) for n in args.ranks]
     print(f"{'ranks':>6} {'msg/s':>7} {'sent':>8} {'received':>9} {'delivery':>9} "
-          f"{'CPU %':>6} {'redraw med ms':>14} {'p99 ms':>7} {'redraws/s':>9}")
+          f"{'CPU %':>6} {'redraw med ms':>14} {'p99 ms':>7} {'redraws/s':>9} {'hub %':>6}")
     for r in rows:
         print(f"{r['ranks']:>6} {r['messages_sent'] / r['seconds']:>7.0f} "
               f"{r['messages_sent']:>8} {r['dashboard_received']:>9} {cell(r['delivery'], 9, 4)} "
               f"{cell(r['dashboard_cpu_pct_of_one_core'], 6, 1)} "
               f"{cell(r['redraw_ms_median'], 14, 1)} {cell(r['redraw_ms_p99'], 7, 1)} "
-              f"{cell(r['redraws_per_s'], 9, 1)}")
+              f"{cell(r['redraws_per_s'], 9, 1)} {cell(r['hub_cpu_pct_of_one_core'], 6, 1)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "dashboard_load-cpu.json"
+    out = args.out
     out.write_text(json.dumps({
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "results": rows,
     }, indent=1))
     print(f"saved {out}")

@@ -546,6 +546,8 @@ def _late_attach(address: HubAddress, replay: bool, conn: Any) -> None:
                 seeded_s = time.perf_counter() - t0
             time.sleep(0.005)
         seconds = time.perf_counter() - t0
+        if seeded_s is None and data.seeded_at is not None:
+            seeded_s = seconds  # caught up by the seed alone
         stop.set()
         thread.join(timeout=30)
         return {"records": data.next_seq, "head": head, "seconds": seconds,

@@ -202,8 +202,8 @@ class HubStream:
             if seq != self.next_seq:
                 return  # a gap: the caller fetches it
             self.next_seq += 1
-            try:
-                out.append((seq, protocol.decode(records[i])))
+            try:  # the hub's records: it checked every field when it took them in
+                out.append((seq, protocol.decode_stored(records[i])))
             except ProtocolError:
                 self.rejected += 1
 

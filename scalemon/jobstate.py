@@ -195,7 +195,8 @@ class JobState:
         view.last_step_t = msg.t
         if self.last_step_t is None or msg.t > self.last_step_t:
             self.last_step_t = msg.t
-        view.metrics.update({name: b.get(name) for name in STEP_FIELDS})  # absent -> None
+        # absent fields -> None
+        view.metrics.update(zip(STEP_FIELDS, map(b.get, STEP_FIELDS), strict=True))
         extra = b.get("extra")
         if extra:
             if len(view.extra) + len(extra) <= EXTRA_NAMES_MAX:
@@ -209,7 +210,7 @@ class JobState:
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        view.metrics.update({name: b.get(name) for name in HEARTBEAT_FIELDS})
+        view.metrics.update(zip(HEARTBEAT_FIELDS, map(b.get, HEARTBEAT_FIELDS), strict=True))
         offset = b.get("clock_offset_s")
         if view.host is not None and isinstance(offset, (int, float)):
             self.host_offsets.setdefault(view.host, {})[msg.rank] = offset

@@ -56,6 +56,9 @@ from scalemon.tui.screens.rank_detail import RankDetailScreen
 
 TICK_S = 0.1
 AGES_EVERY_S = 1.0
+DRAW_SHARE = 0.25
+"""Redraws that follow the data take at most this share of the time (a redraw of thousands of
+ranks that takes 60 ms comes every 240 ms); keys and scrolling redraw at the next tick."""
 NO_HUB = "no hub: dumps need a live job"
 NO_HUB_FLAGS = ("no live hub behind this dashboard (simulated or replayed data): flags can be "
                 "changed only in a live job, from the hub's host")
@@ -142,7 +145,11 @@ class DashboardApp(App[None]):
         self._plots_version = -1
         self._plots_at = 0.0
         self._plot_interval = TICK_S
+        self._draw_interval = TICK_S
+        self._drawn_perf = 0.0  # perf_counter() of the last redraw's start
+        self._urgent = True  # a redraw asked for (keys, scrolling): not held back
         self.redraw_ms: deque[float] = deque(maxlen=100_000)
+        self.plot_redraw_ms: deque[float] = deque(maxlen=100_000)  # those that drew the plots
         self.redraws = 0
         self._job_exit_reported = False
         self._hang_shown = False  # the hang screen was shown for the hang going on
@@ -203,6 +210,7 @@ class DashboardApp(App[None]):
     def redraw_now(self, plots: bool = True) -> None:
         """Redraw at the next tick even if no data changed."""
         self._drawn_version = -1
+        self._urgent = True
         if plots:
             self._plots_version = -1
             self._plots_at = 0.0
@@ -223,13 +231,21 @@ class DashboardApp(App[None]):
                      and start - self._plots_at >= self._plot_interval)
         if not changed and not plots_due and now - self._drawn_at < AGES_EVERY_S:
             return
+        if not self._urgent and start - self._drawn_perf < self._draw_interval:
+            return  # redrawing takes long (thousands of ranks): not more than DRAW_SHARE
         if self._show_hang(now):
             return  # the hang screen draws at the next tick
+        self.data.drawing(True)  # the receiver steps aside until the screen is drawn
         try:
             screen.refresh_view(self.data, now, plots=plots_due)
         except NoMatches:
+            self.data.drawing(False)
             return  # the app is shutting down and the screen lost its widgets
+        except BaseException:
+            self.data.drawing(False)
+            raise
         self._drawn_version, self._drawn_at = version, now
+        self._drawn_perf, self._urgent = start, False
         if plots_due:
             self._plots_version, self._plots_at = version, start
         self.redraws += 1
@@ -251,8 +267,12 @@ class DashboardApp(App[None]):
         return True
 
     def _redrawn(self, start: float, plots: bool) -> None:
+        self.data.drawing(False)
         elapsed = time.perf_counter() - start
         self.redraw_ms.append(elapsed * 1000.0)
+        if plots:
+            self.plot_redraw_ms.append(elapsed * 1000.0)
+        self._draw_interval = min(1.0, max(TICK_S, elapsed / DRAW_SHARE))
         if plots:
             # expensive plots (many ranks, big terminal) are redrawn less often: <= ~25% CPU
             self._plot_interval = min(1.0, max(TICK_S, 4 * elapsed))
@@ -469,5 +489,6 @@ class DashboardApp(App[None]):
         """Redraw times and what was received."""
         with self.data.lock:
             return {"redraws": self.redraws, "redraw_ms": list(self.redraw_ms),
+                    "plot_redraw_ms": list(self.plot_redraw_ms),
                     "records": self.data.records, "by_type": dict(self.data.by_type),
                     "next_seq": self.data.next_seq, "rejected": self.data.rejected}

@@ -101,6 +101,7 @@ class HubFeed(Feed):
                 self.attaches += 1
                 status("connected", address.base)
                 while not stop():
+                    data.wait_for_screen()
                     batch = stream.poll(0.1)
                     if batch:
                         data.apply_batch(batch)

@@ -29,7 +29,9 @@ FOLD_ATTRIBUTES = frozenset(JobFold().__dict__)
 """What a seed may set: the attributes of the fold, none of the dashboard's own."""
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
-HOLD_S = 0.02
+SCREEN_WAIT_S = 0.25
+"""Longest the receiver waits for a redraw to finish before it goes on anyway."""
+HOLD_S = 0.005
 """Longest the receiver holds the lock at a time, whatever the records cost to fold."""
 
 
@@ -100,6 +102,8 @@ class DashboardData(JobFold):
         self.seeded_at: int | None = None
         """The record the hub's fold (`load_seed`) started this one at; None: replayed."""
         self.to_watch: set[int] = set()  # ranks the screen asked for, the receiver fetches
+        self._screen_idle = threading.Event()  # cleared while the screen is being drawn
+        self._screen_idle.set()
         super().__init__(job, cap, hang_after_s)
 
     def clear(self) -> None:
@@ -110,6 +114,19 @@ class DashboardData(JobFold):
         self.seeded_at = None
 
     # ---- receiver side -------------------------------------------------------------------
+
+    def drawing(self, active: bool) -> None:
+        """The UI thread starts (True) or finished (False) drawing the screen."""
+        if active:
+            self._screen_idle.clear()
+        else:
+            self._screen_idle.set()
+
+    def wait_for_screen(self) -> None:
+        """Let a redraw under way finish first (at most SCREEN_WAIT_S): decoding and folding
+        on this thread would take the interpreter from the UI thread and stretch the redraw;
+        the records wait in the socket meanwhile."""
+        self._screen_idle.wait(SCREEN_WAIT_S)
 
     def reset(self) -> None:
         """Forget everything (the hub's history was recreated)."""
@@ -157,10 +174,15 @@ class DashboardData(JobFold):
         batch = list(batch)
         start = 0
         while start < len(batch):
+            self.wait_for_screen()
             with self.lock:
                 until = time.perf_counter() + HOLD_S
                 for seq, msg in batch[start:start + CHUNK]:
-                    self.apply(seq, msg)
+                    try:
+                        self.apply(seq, msg)
+                    except Exception:  # a record the fold cannot take: counted, shown
+                        self.rejected += 1
+                        self.next_seq = seq + 1
                     start += 1
                     if time.perf_counter() > until:
                         break
