@@ -228,9 +228,10 @@ def test_the_dashboard_benchmarks_senders_reach_a_hub_from_more_than_1023_ranks(
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     hub = start_hub("load1100", "--lost-after", "60")
-    go, sent = mp.Event(), mp.Value("q", 0)
+    ready, go, sent, late = mp.Event(), mp.Event(), mp.Value("q", 0), mp.Value("d", 0.0)
     go.set()
-    bench.send_ranks(hub.address.base, "load1100", 1100, 1.0, 2.0, go, sent)
+    bench.send_ranks(hub.address.base, "load1100", 1100, 1.0, 2.0, ready, go, sent, late)
+    assert ready.is_set()
     assert sent.value >= 1100 * 3  # hellos, 2 steps and a heartbeat each
     client = HubClient(hub.address)
     state = wait_for(lambda: (s := client.state())["head"] == sent.value and s, timeout=30)
