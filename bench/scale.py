@@ -17,6 +17,10 @@ Every message is accounted for: the ranks' `seq` numbers (sent, and dropped by a
 the relays' counts (received, forwarded, dropped), the hub's `received` and per-rank `seq_gaps`.
 `unaccounted` = sent - (hub received + rank drops + relay drops), 0 expected.
 
+On a machine of two cores the simulator of 4096 ranks, the hub and the dashboard together need
+more than both: the dashboard's own figures at those sizes come from bench/dashboard_load.py
+--pin (the dashboard on a core of its own, as on a login node).
+
 The workers run at nice 19 (`--worker-nice`): the nodes they stand for are other machines, so
 the hub and the dashboard get the CPU first and the simulator the rest; a worker that falls
 behind its schedule says so (`tick_lag_*`, `achieved_msgs_per_s`). Other users' processes
