@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import NODES, make_cluster, node_env, relay_pid  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 from scalemon import protocol  # noqa: E402
@@ -35,38 +34,6 @@ from scalemon.client import HubClient  # noqa: E402
 from scalemon.jobs import JobFile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-NODES = ("node0", "node1")
-
-
-def make_cluster(root: Path) -> dict[str, Path]:
-    """Homes of node0, node1 and the login node, sharing jobs/ and keys/ only."""
-    for shared in ("jobs", "keys"):
-        (root / "shared" / shared).mkdir(parents=True, mode=0o700)
-    homes = {}
-    for name in (*NODES, "login"):
-        home = root / name / "home"
-        home.mkdir(parents=True, mode=0o700)
-        (root / name / "rt").mkdir(mode=0o700)
-        for shared in ("jobs", "keys"):
-            (home / shared).symlink_to(root / "shared" / shared)
-        homes[name] = home
-    return homes
-
-
-def node_env(home: Path, node: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCALEMON_")}
-    env.update(SCALEMON_HOME=str(home), SCALEMON_NODE=node,
-               SCALEMON_RUNTIME_DIR=str(home.parent / "rt"), OMP_NUM_THREADS="1",
-               SCALEMON_LISTEN="tcp://127.0.0.1:0", SCALEMON_HUB_ARGS="--linger 30")
-    return env
-
-
-def relay_pid(home: Path) -> int | None:
-    for lock in (home.parent / "rt").rglob("relay.lock"):
-        text = lock.read_text().strip()
-        if text.isdigit() and psutil.pid_exists(int(text)):
-            return int(text)
-    return None
 
 
 def one_run(steps: int, kill_at: float, port: int) -> dict:

@@ -254,17 +254,21 @@ _ENVELOPE = {"type": str, "job": str, "rank": int, "seq": int}
 _OUR_VERSION = list(PROTOCOL_VERSION)
 
 
-def decode(frame: bytes) -> Message:
-    """Unpack and validate one frame; raises `ProtocolError` with the reason."""
+def _map_of(frame: bytes) -> tuple[dict[str, Any], tuple[int, int]]:
+    """The frame's map and its sender's version; raises ProtocolError."""
     obj = _unpack(frame)
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise ProtocolError(f"message is a {type(obj).__name__}, expected a map")
     v = obj.get("v")
     # fast path; [1.0, 1] and [True, 1] compare equal to [1, 1], so the types are checked too
     if v == _OUR_VERSION and type(v[0]) is int and type(v[1]) is int:
-        version = PROTOCOL_VERSION
-    else:
-        version = check_version(v)
+        return obj, PROTOCOL_VERSION
+    return obj, check_version(v)
+
+
+def decode(frame: bytes) -> Message:
+    """Unpack and validate one frame; raises `ProtocolError` with the reason."""
+    obj, version = _map_of(frame)
     get = obj.get
     if not (type(get("type")) is str and type(get("job")) is str
             and type(get("rank")) is int and type(get("seq")) is int):
@@ -297,14 +301,7 @@ def decode_stored(frame: bytes) -> Message:
     """Unpack a record of a hub's history as the hub serves it: the hub validated every field
     when it took the message in, so only the envelope is checked here (a third of `decode`'s
     cost at thousands of ranks). Raises `ProtocolError`; use `decode` for anything else."""
-    obj = _unpack(frame)
-    if type(obj) is not dict:
-        raise ProtocolError(f"message is a {type(obj).__name__}, expected a map")
-    v = obj.get("v")
-    if v == _OUR_VERSION and type(v[0]) is int and type(v[1]) is int:
-        version = PROTOCOL_VERSION
-    else:
-        version = check_version(v)
+    obj, version = _map_of(frame)
     get = obj.get
     mtype, job, rank, seq, t, body = (get("type"), get("job"), get("rank"), get("seq"),
                                       get("t"), get("body"))

@@ -20,9 +20,14 @@ import psutil
 import pytest
 
 from conftest import REPO, free_port, kill_tree, wait_for
+
+sys.path.insert(0, str(REPO / "bench"))
+from cluster import NODES, make_cluster  # noqa: E402
+from cluster import node_env as cluster_env  # noqa: E402
+from cluster import relay_pid as node_relay_pid  # noqa: E402
+
 from scalemon.jobs import JobFile
 
-NODES = ("node0", "node1")
 RDZV_ID = "twonode"
 JOB = "tr-" + RDZV_ID  # what the agent derives from torchrun's run id
 
@@ -31,16 +36,7 @@ JOB = "tr-" + RDZV_ID  # what the agent derives from torchrun's run id
 def cluster() -> dict[str, Path]:
     """Homes of node0, node1 and the login node, sharing jobs/ and keys/ only."""
     root = Path(tempfile.mkdtemp(prefix="smc", dir="/tmp"))
-    for shared in ("jobs", "keys"):
-        (root / "shared" / shared).mkdir(parents=True, mode=0o700)
-    places = {}
-    for name in (*NODES, "login"):
-        home = root / name / "home"
-        home.mkdir(parents=True, mode=0o700)
-        (root / name / "rt").mkdir(mode=0o700)
-        for shared in ("jobs", "keys"):
-            (home / shared).symlink_to(root / "shared" / shared)
-        places[name] = home
+    places = make_cluster(root)
     yield places
     for job_file in (root / "shared" / "jobs").glob("*.json"):
         with contextlib.suppress(ValueError, psutil.Error):
@@ -54,11 +50,9 @@ def cluster() -> dict[str, Path]:
 
 
 def node_env(home: Path, node: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SCALEMON_") or k == "SCALEMON_UPDATE_SNAPSHOTS"}
-    env.update(SCALEMON_HOME=str(home), SCALEMON_NODE=node,
-               SCALEMON_RUNTIME_DIR=str(home.parent / "rt"), OMP_NUM_THREADS="1",
-               SCALEMON_LISTEN="tcp://127.0.0.1:0", SCALEMON_HUB_ARGS="--linger 60")
+    env = cluster_env(home, node, linger_s=60)
+    if "SCALEMON_UPDATE_SNAPSHOTS" in os.environ:
+        env["SCALEMON_UPDATE_SNAPSHOTS"] = os.environ["SCALEMON_UPDATE_SNAPSHOTS"]
     return env
 
 
@@ -94,11 +88,7 @@ def outputs(cluster: dict[str, Path]) -> str:
 
 
 def relay_pid(cluster: dict[str, Path], node: str) -> int | None:
-    for lock in (cluster[node].parent / "rt").rglob("relay.lock"):
-        text = lock.read_text().strip()
-        if text.isdigit() and psutil.pid_exists(int(text)):
-            return int(text)
-    return None
+    return node_relay_pid(cluster[node])
 
 
 def test_two_nodes_one_hub_on_tcp_the_other_through_its_relay_seen_from_the_login_node(
