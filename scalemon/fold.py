@@ -349,7 +349,6 @@ class JobFold:
         if rank in self.watched or not self.big():
             self.watched.add(rank)
             return SeriesBackfill(0, None)
-        self.watched.add(rank)
         track.series, track.extras = {}, {}
         first: int | None = None
         step: int | None = None
@@ -362,6 +361,7 @@ class JobFold:
                 track.add_step_series(msg.body, step_values(msg.body))
             elif msg.type == "heartbeat":
                 track.add_heartbeat_series(msg.body, step)
+        self.watched.add(rank)
         return SeriesBackfill(len(messages or ()), first)
 
     # ---- the seed ----------------------------------------------------------------------------

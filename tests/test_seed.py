@@ -22,7 +22,7 @@ from conftest import wait_for
 from scalemon import protocol, seed
 from scalemon.fold import SERIES_ALL_BELOW, JobFold
 from scalemon.protocol import Message
-from scalemon.tui.feed import HubFeed
+from scalemon.tui.feed import RANK_RECORDS, HubFeed
 from scalemon.tui.model import FOLD_ATTRIBUTES, DashboardData
 from scalemon.tui.sim import SimJob
 
@@ -80,6 +80,12 @@ class Dashboard:
     def close(self) -> None:
         self._stop.set()
         self.thread.join(timeout=10)
+
+
+def watched(data: DashboardData, rank: int) -> bool:
+    """True once the receiver took `rank`'s series in (read under the lock it does that in)."""
+    with data.lock:
+        return rank in data.watched
 
 
 def send_all(zctx: zmq.Context, hub, frames: list[bytes]) -> int:
@@ -156,7 +162,7 @@ def test_a_big_jobs_rank_gets_its_series_from_the_hub_when_shown_then_live(
         assert data.big() and data.seeded_at == head
         assert not any(t.series for t in data.tracks.values())  # none kept for 520 ranks
         assert data.show_rank(300) is True
-        wait_for(lambda: 300 in data.watched, timeout=30)
+        wait_for(lambda: watched(data, 300), timeout=30)
         loss = data.tracks[300].series["loss"]
         assert list(loss.arrays()[0]) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
         assert data.show_rank(300) is False  # kept from now on: nothing to fetch again
@@ -175,6 +181,35 @@ def test_a_big_jobs_rank_gets_its_series_from_the_hub_when_shown_then_live(
         for name in ("loss", "step_time_s", "mem_allocated_bytes", "gpu_util_pct"):
             assert canon(got[name]) == canon(want[name]), name
         assert list(got["loss"].arrays()[0]) == [float(s) for s in range(1, 10)]
+    finally:
+        dash.close()
+
+
+def test_a_rank_with_more_records_than_the_hub_indexes_says_from_which_step_its_plots_go(
+        start_hub, zctx) -> None:
+    from scalemon.tui.views import rank_detail
+
+    ranks = SERIES_ALL_BELOW
+    hub = start_hub("bigtrim", "--lost-after", "600")
+    sim = SimJob(job="bigtrim", ranks=ranks)
+    first = sim.run(1)
+    body = dict(first[-1].body)  # a step body of the last rank, for rank 5's many steps
+    many = [Message("step", "bigtrim", 5, sim.seq[5] + i, sim.end_t(1) + i * 0.01,
+                    {**body, "step": step}) for i, step in enumerate(range(2, 8302))]
+    head = send_all(zctx, hub, frames_of(first + many))
+    dash = Dashboard(hub, use_seed=True)
+    try:
+        wait_for(lambda: dash.at(head), timeout=60)
+        dash.data.show_rank(5)
+        wait_for(lambda: watched(dash.data, 5), timeout=30)
+        first_step = 8301 - RANK_RECORDS + 1  # the latest 4096 of its records: all steps
+        assert dash.data.partial_series == {5: first_step}
+        assert dash.data.tracks[5].series["loss"].arrays()[0][0] >= first_step
+        facts = dict(rank_detail(dash.data, 5).facts)
+        assert facts["plots"].startswith(f"from step {first_step} on")
+        dash.data.show_rank(6)
+        wait_for(lambda: watched(dash.data, 6), timeout=30)
+        assert 6 not in dash.data.partial_series  # all of rank 6's records were there
     finally:
         dash.close()
 
@@ -199,7 +234,7 @@ def test_the_rank_detail_of_a_big_job_says_it_is_fetching_then_draws_the_series(
             assert app.data.seeded_at
             app.push_screen(RankDetailScreen(77))
             await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
-            await until(pilot, lambda: 77 in app.data.watched, timeout=30)
+            await until(pilot, lambda: watched(app.data, 77), timeout=30)
             await until(pilot, lambda: "fetching rank 77" not in screen_text(app)
                         and "step 12" in screen_text(app), timeout=30)
 

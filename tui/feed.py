@@ -167,7 +167,7 @@ class HubFeed(Feed):
             reply = stream.client.request("rank_records", rank=rank, before=data.next_seq,
                                           limit=RANK_RECORDS)
         except ProtocolError:  # a 1.3 hub: the series start now
-            data.watch_with(rank, None)
+            data.watch_with(rank, None, complete=False)
             return
         except BaseException:
             with data.lock:
@@ -179,7 +179,7 @@ class HubFeed(Feed):
                 messages.append(protocol.decode(record))
             except ProtocolError:
                 continue
-        data.watch_with(rank, messages)
+        data.watch_with(rank, messages, complete=bool(reply.get("complete")))
 
     @staticmethod
     def _same_history(stream: HubStream, data: DashboardData) -> bool:
@@ -232,7 +232,7 @@ class HubFeed(Feed):
             batch = []
         for rank in ranks:
             mine = [m for seq, m in batch if m.rank == rank and seq < data.next_seq]
-            data.watch_with(rank, mine[-RANK_RECORDS:])
+            data.watch_with(rank, mine[-RANK_RECORDS:], complete=len(mine) <= RANK_RECORDS)
 
     def _ended_hub_of_address(self, data: DashboardData) -> str | None:
         """For a feed attached by address: why the hub of the job shown is gone for good (its

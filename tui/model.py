@@ -102,6 +102,8 @@ class DashboardData(JobFold):
         self.seeded_at: int | None = None
         """The record the hub's fold (`load_seed`) started this one at; None: replayed."""
         self.to_watch: set[int] = set()  # ranks the screen asked for, the receiver fetches
+        self.partial_series: dict[int, int] = {}
+        """Watched ranks whose series start later than their records (rank -> first step)."""
         self._screen_idle = threading.Event()  # cleared while the screen is being drawn
         self._screen_idle.set()
         super().__init__(job, cap, hang_after_s)
@@ -109,6 +111,7 @@ class DashboardData(JobFold):
     def clear(self) -> None:
         """Forget every record folded (under the lock, or before the data is shared)."""
         super().clear()
+        self.partial_series = {}
         self.history_identity: dict | None = None  # of the history the records came from
         self.lateness = LatenessMedians()
         self.seeded_at = None
@@ -213,10 +216,14 @@ class DashboardData(JobFold):
             ranks, self.to_watch = sorted(self.to_watch), set()
             return ranks
 
-    def watch_with(self, rank: int, messages: list[Message] | None) -> SeriesBackfill:
-        """Keep `rank`'s series from `messages` (its records before `next_seq`) on."""
+    def watch_with(self, rank: int, messages: list[Message] | None,
+                   complete: bool = True) -> SeriesBackfill:
+        """Keep `rank`'s series from `messages` (its records before `next_seq`; `complete`:
+        all of them since its first) on."""
         with self.lock:
             done = self.watch(rank, messages)
+            if not complete and done.first_step is not None:
+                self.partial_series[rank] = done.first_step
             self.version += 1
             return done
 

@@ -446,6 +446,9 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
         ("restarts", _opt(v.restart_count)),
         ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
     ]
+    if v.rank in data.partial_series:
+        facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
+                               "big job's rank's latest records for them (all in its history)"))
     if v.extra:
         facts.append(("log extra", display.flat_text(v.extra)))
     for key, by_rank in sorted(data.state.info.items()):
