@@ -48,7 +48,9 @@ OURS_BF16 = {
     "ours_lo16+bf16m": {"master_weights": "lo16", "moment_dtype": "bf16"},
     "ours_fp32m+bf16m": {"master_weights": "fp32", "moment_dtype": "bf16"},
 }
-HOST_IMPLS = ("ours", "torch_fused=True", "torch_foreach=True")
+HOST_IMPLS = ("ours", "ours+hook", "torch_fused=True", "torch_foreach=True")
+"""--host: `ours+hook` is ours with a (no-op) step hook registered, as the monitor's agent
+registers them: torch's profiler range and hook calls around the step, for comparison."""
 
 
 def gpt2_124m_shapes() -> list[tuple[int, ...]]:
@@ -343,6 +345,11 @@ def host_case(shapes: list, set_to_none: bool, args: argparse.Namespace) -> list
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
     new_grads(params, gen)
     opts = {k: v for k, v in make_optimizers(params).items() if k in HOST_IMPLS}
+    from scalemon.demo_train.fused_adam import FusedAdamW
+
+    opts["ours+hook"] = FusedAdamW(params, **HYPER)
+    opts["ours+hook"].register_step_post_hook(lambda *_: None)
+    opts = {k: opts[k] for k in HOST_IMPLS}
     raw = time_host(opts, params, set_to_none, args.rounds, args.iters)
     rows = []
     for name, us in raw.items():

@@ -98,6 +98,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 import triton
 import triton.language as tl
 
@@ -657,6 +658,12 @@ def _aligned(addrs: Iterable[int]) -> bool:
     return not any(a & 15 for a in addrs)
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+_GLOBAL_PRE_HOOKS: dict = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
+_GLOBAL_POST_HOOKS: dict = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
+"""torch's optimizer hooks for every optimizer (`register_optimizer_step_pre_hook`)."""
+
+
 class _Plan:
     """Device tables for one set of params and state, and the host copies that tell when the
     grad column must be rewritten or the whole plan rebuilt."""
@@ -666,6 +673,7 @@ class _Plan:
                  refs: list[torch.Tensor]):
         self.flat, self.group_key, self.refs = flat, group_key, refs
         self.params = [flat[i] for i in with_grad]
+        self.every = len(with_grad) == len(flat) and with_grad == list(range(len(flat)))
         self.pick = _pick(with_grad)
         self.pick_rest = _pick(sorted(set(range(len(flat))) - set(with_grad)))
         self.pptrs = [r[0] for r in rows]
@@ -709,6 +717,15 @@ class _Plan:
             return None
         if not all(map(operator.is_, flat, self.flat)):
             return None
+        if self.every:  # every param has a grad (the usual case): two passes fewer
+            grads = list(map(_GRAD, flat))
+            try:
+                ptrs = list(map(_PTR, grads))
+            except (TypeError, RuntimeError):  # a grad is None, or has no storage (sparse)
+                return None
+            if list(map(_PTR, flat)) != self.pptrs:
+                return None
+            return grads, ptrs
         all_grads = list(map(_GRAD, flat))
         if any(g is not None for g in self.pick_rest(all_grads)):
             return None
@@ -890,7 +907,6 @@ class FusedAdamW(torch.optim.Optimizer):
             return join_lo16(p, st["master_lo16"])
         return p.detach().float()
 
-    @torch.no_grad()
     def step(
         self,
         closure: Callable[[], Any] | None = None,
@@ -899,7 +915,26 @@ class FusedAdamW(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = None,
     ) -> Any:
         """One update of every param with a grad; ``grad_scale``/``found_inf`` may also be
-        set as attributes by ``GradScaler.step``."""
+        set as attributes by ``GradScaler.step``.
+
+        torch wraps an optimizer's step in a profiler range and its step hooks (about 20 us
+        a step of the host's time); here that wrapper runs only while a profiler records or a
+        step hook is registered (the monitor's agent registers some), else the step itself."""
+        if (_profiler_enabled() or self._optimizer_step_pre_hooks
+                or self._optimizer_step_post_hooks or _GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS):
+            return self._hooked_step(closure, grad_scale=grad_scale, found_inf=found_inf)
+        return self._step(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+    step.hooked = True  # type: ignore[attr-defined]  # torch: do not wrap it (see above)
+
+    @torch.no_grad()
+    def _step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -911,6 +946,8 @@ class FusedAdamW(torch.optim.Optimizer):
             plan, grad_tab = ready
             plan.launch(grad_tab, grad_scale, found_inf)
         return loss
+
+    _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)
 
     def _ready(self) -> tuple[_Plan, torch.Tensor] | None:
         """The plan and the grad table of this step, rebuilt or refreshed as needed (None

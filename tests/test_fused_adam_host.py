@@ -20,6 +20,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile
 
 from scalemon.demo_train import fused_adam as fa
@@ -117,6 +118,42 @@ def test_host_ops_same_with_and_without_set_to_none(monkeypatch):
     new = _ops_per_step(64, "new")[0]
     assert _ops_per_step(64, "set_to_none")[0] in (0, new)  # 0: the allocator gave the same
     assert _ops_per_step(64, "same")[0] == 0
+
+
+@interp
+def test_step_hooks_and_the_profiler_range_still_work_without_torchs_wrapper(monkeypatch):
+    """torch's own wrapper (a profiler range and the step hooks around every step) runs only
+    while a profiler records or a hook is registered; the hooks the monitor's agent uses
+    still run, in torch's order, and a profile still shows the step's range."""
+    _Stub(monkeypatch)
+    ps = _params(4)
+    opt = fa.FusedAdamW(ps, lr=1e-2)
+    _assign(ps, _grad_sets(ps, 1, seed=1)[0])
+    ranges = []
+    real = torch.autograd.profiler.record_function
+    monkeypatch.setattr(torch.autograd.profiler, "record_function",
+                        lambda name, *a: ranges.append(name) or real(name, *a))
+    opt.step()
+    assert ranges == []  # no hook, no profiler: the step alone
+    assert not hasattr(fa.FusedAdamW.step, "__wrapped__")  # torch did not wrap it again
+    calls = []
+    pre = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
+    post = opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
+    glob = register_optimizer_step_post_hook(
+        lambda o, args, kwargs: calls.append(("global post", o)))
+    try:
+        opt.step()
+    finally:
+        glob.remove()
+    assert calls == [("pre", opt), ("post", opt), ("global post", opt)]
+    assert ranges == ["Optimizer.step#FusedAdamW.step"]
+    pre.remove()
+    post.remove()
+    ranges.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert ranges == ["Optimizer.step#FusedAdamW.step"]
+    assert any(e.name == "Optimizer.step#FusedAdamW.step" for e in prof.events())
 
 
 @interp
