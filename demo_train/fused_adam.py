@@ -94,6 +94,7 @@ import math
 import operator
 import os
 from collections.abc import Callable, Iterable, Sequence
+from functools import reduce
 from itertools import chain
 from typing import Any
 
@@ -655,7 +656,7 @@ def _pick(indices: list[int]) -> Callable[[list], tuple]:
 
 def _aligned(addrs: Iterable[int]) -> bool:
     """True when every address is a multiple of 16 bytes (128-bit vector access)."""
-    return not any(a & 15 for a in addrs)
+    return not reduce(operator.or_, addrs, 0) & 15
 
 
 _profiler_enabled = torch.autograd._profiler_enabled
