@@ -42,7 +42,13 @@ from scalemon.jobs import (
 )
 from scalemon.jobstate import HANG_AFTER_S, RankView
 from scalemon.keys import Keypair, hub_keypair, load_authorized, secure_server
-from scalemon.protocol import HUB_RANK, ProtocolError, VersionMismatch, version_text
+from scalemon.protocol import (
+    HUB_RANK,
+    RANK_RECORDS_KEPT,
+    ProtocolError,
+    VersionMismatch,
+    version_text,
+)
 
 from .auth import KeyGate, start_gate
 from .frdump import FrDump
@@ -52,8 +58,6 @@ from .toggles import ToggleRefused, Toggles
 log = logging.getLogger("scalemon.hub")
 
 INGEST_BATCH = 1000  # frames per turn, so requests (syncs, pings) wait at most ~30 ms
-RANK_RECORDS_KEPT = 4096
-"""Record numbers kept per rank for `rank_records` (a big job's rank detail): its latest."""
 SEED_REUSE_S = 1.0
 """A seed made this recently serves the next dashboard too, while no record came since."""
 FETCH_LIMIT = 20_000
@@ -409,7 +413,6 @@ class Hub:
         except Exception:  # a bug in the reducer must not take the hub down
             log.exception("could not fold %s message of rank %d into the state", msg.type,
                           msg.rank)
-            self.fold.next_seq = seq + 1
 
     def _reject(self, exc: ProtocolError, size: int) -> None:
         self.rejected += 1

@@ -190,6 +190,8 @@ class JobFold:
         self._cap = cap
         self._hang_after_s = hang_after_s
         self._world_size = world_size
+        self.watched: set[int] = set()
+        """Ranks whose series are kept in a job of SERIES_ALL_BELOW ranks or more."""
         self.clear()
 
     def clear(self) -> None:
@@ -207,9 +209,6 @@ class JobFold:
         self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
         self._expected: int | None = None  # ranks expected at each step; None = recount
         self.last_step_t: float | None = None
-        if not hasattr(self, "watched"):
-            self.watched: set[int] = set()
-            """Ranks whose series are kept in a job of SERIES_ALL_BELOW ranks or more."""
 
     # ---- folding ---------------------------------------------------------------------------
 
@@ -346,7 +345,7 @@ class JobFold:
         Only its series are folded (the job state holds the records already); its arrival
         lateness, which needs every rank's records, starts now."""
         track = self.track(rank)
-        if rank in self.watched or not self.big():
+        if not self.needs_backfill(rank):
             self.watched.add(rank)
             return SeriesBackfill(0, None)
         track.series, track.extras = {}, {}
@@ -363,11 +362,3 @@ class JobFold:
                 track.add_heartbeat_series(msg.body, step)
         self.watched.add(rank)
         return SeriesBackfill(len(messages or ()), first)
-
-    # ---- the seed ----------------------------------------------------------------------------
-
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)

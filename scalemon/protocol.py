@@ -408,6 +408,8 @@ RPC_OPS = {
     # (a big job's rank detail): {"records": [bytes], "head": int, "complete": bool}
     "rank_records": {"rank": int, "before": int, "limit": int},
 }
+RANK_RECORDS_KEPT = 4096
+"""The hub serves `rank_records` from each rank's latest this many record numbers."""
 
 
 CONTROL_OPS = ("command", "toggle")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 import pickle
+from array import _array_reconstructor, array
+from collections import deque
 from typing import Any
 
 import scalemon
@@ -30,9 +32,9 @@ _OWN = (JobFold, JobState, RankView, CollectiveStats, StatRow, ArrivalTracker, F
         RankFlags, LogLine, RankTrack, StepAcc, Series, Marks)
 ALLOWED: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__qualname__): cls for cls in _OWN},
-    ("collections", "deque"): __import__("collections").deque,
-    ("array", "array"): __import__("array").array,
-    ("array", "_array_reconstructor"): __import__("array")._array_reconstructor,
+    ("collections", "deque"): deque,
+    ("array", "array"): array,
+    ("array", "_array_reconstructor"): _array_reconstructor,
 }
 """Everything a seed may build, by (module, name)."""
 

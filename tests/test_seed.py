@@ -21,8 +21,8 @@ import scalemon
 from conftest import wait_for
 from scalemon import protocol, seed
 from scalemon.fold import SERIES_ALL_BELOW, JobFold
-from scalemon.protocol import Message
-from scalemon.tui.feed import RANK_RECORDS, HubFeed
+from scalemon.protocol import RANK_RECORDS_KEPT, Message
+from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import FOLD_ATTRIBUTES, DashboardData
 from scalemon.tui.sim import SimJob
 
@@ -202,7 +202,7 @@ def test_a_rank_with_more_records_than_the_hub_indexes_says_from_which_step_its_
         wait_for(lambda: dash.at(head), timeout=60)
         dash.data.show_rank(5)
         wait_for(lambda: watched(dash.data, 5), timeout=30)
-        first_step = 8301 - RANK_RECORDS + 1  # the latest 4096 of its records: all steps
+        first_step = 8301 - RANK_RECORDS_KEPT + 1  # the latest 4096 of its records: all steps
         assert dash.data.partial_series == {5: first_step}
         assert dash.data.tracks[5].series["loss"].arrays()[0][0] >= first_step
         facts = dict(rank_detail(dash.data, 5).facts)

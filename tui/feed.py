@@ -22,13 +22,11 @@ from scalemon import protocol, seed
 from scalemon.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.history import ID_SUFFIX, history_path, read_messages
 from scalemon.jobs import HubAddress, hub_gone_text, live_jobs
-from scalemon.protocol import ProtocolError, VersionMismatch, version_text
+from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
 
 SEED_TIMEOUT_S = 30.0
 """Longest wait for the hub's fold (a big job's is megabytes, pickled on the hub's thread)."""
-RANK_RECORDS = 4096
-"""A big job's rank's records fetched when it is first shown (the hub keeps its latest 4096)."""
 
 StopCheck = Callable[[], bool]
 StatusHook = Callable[[str, str], None]
@@ -165,7 +163,7 @@ class HubFeed(Feed):
         between two batches, so they end where the live records begin)."""
         try:
             reply = stream.client.request("rank_records", rank=rank, before=data.next_seq,
-                                          limit=RANK_RECORDS)
+                                          limit=RANK_RECORDS_KEPT)
         except ProtocolError:  # a 1.3 hub: the series start now
             data.watch_with(rank, None, complete=False)
             return
@@ -232,7 +230,8 @@ class HubFeed(Feed):
             batch = []
         for rank in ranks:
             mine = [m for seq, m in batch if m.rank == rank and seq < data.next_seq]
-            data.watch_with(rank, mine[-RANK_RECORDS:], complete=len(mine) <= RANK_RECORDS)
+            data.watch_with(rank, mine[-RANK_RECORDS_KEPT:],
+                            complete=len(mine) <= RANK_RECORDS_KEPT)
 
     def _ended_hub_of_address(self, data: DashboardData) -> str | None:
         """For a feed attached by address: why the hub of the job shown is gone for good (its

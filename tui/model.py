@@ -25,8 +25,9 @@ from scalemon.fold import (  # noqa: F401 - the dashboard's names for the fold's
 from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
 from scalemon.protocol import Message
 
-FOLD_ATTRIBUTES = frozenset(JobFold().__dict__)
-"""What a seed may set: the attributes of the fold, none of the dashboard's own."""
+FOLD_ATTRIBUTES = frozenset(JobFold().__dict__) - {
+    "_job", "_cap", "_hang_after_s", "_world_size", "watched"}
+"""What a seed sets: what the fold folded, not how each side configured it."""
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
 SCREEN_WAIT_S = 0.25
@@ -142,12 +143,8 @@ class DashboardData(JobFold):
         (`identity`: that history's); what this dashboard watches stays watched."""
         with self.lock:
             self.clear()
-            own = {"_job": self._job or fold._job, "_cap": self._cap or fold._cap,
-                   "_hang_after_s": self._hang_after_s}
             self.to_watch |= self.watched  # their series come again from the hub
-            self.__dict__.update({k: v for k, v in fold.__getstate__().items()
-                                  if k in FOLD_ATTRIBUTES})
-            self.__dict__.update(own)
+            self.__dict__.update({k: v for k, v in vars(fold).items() if k in FOLD_ATTRIBUTES})
             self.state.hang_after_s = self._hang_after_s
             self.watched = set()
             self.history_identity = identity

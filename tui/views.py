@@ -387,7 +387,7 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
             return None
         track = data.tracks.get(rank)
         series = track.series if track is not None else {}
-        fetching = rank in data.to_watch  # a big job's rank: its series come from the hub
+        fetching = data.needs_backfill(rank)  # a big job's rank: its series come from the hub
         plots = []
         for title, group in DETAIL_PANELS:
             show = group[0].show
