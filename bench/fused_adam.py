@@ -10,10 +10,12 @@ lighter modes: lo16 master + bf16 moments (18 B/param) and fp32 master + bf16 mo
 
 --host measures the host side of step() alone: microseconds per call and torch ops per call
 (torch.profiler), for 148 tensors (GPT-2 124M's count) and 10000 tensors, with the same grads
-every step and with new grads every step (zero_grad(set_to_none=True), then fresh grads),
-interleaved in rounds. On a GPU the tensors have GPT-2's shapes (10000 x 64 for the other) and
-the kernels run; without one they are 64-element CPU tensors and our launch is stubbed out
-(torch's CPU optimizers do their math, negligible at 64 elements: a reference, not a rival).
+every step and with a training loop's grads (zero_grad(set_to_none=True), then grads as
+autograd makes them: new tensors, or added in place into grads that stayed, which is what
+`ours flat`, FusedAdamW(flat_buffers=True), keeps), interleaved in rounds; zero_grad() is
+timed too. On a GPU the tensors have GPT-2's shapes (10000 x 64 for the other) and the kernels
+run; without one they are 64-element CPU tensors and our launch is stubbed out (torch's CPU
+optimizers do their math, negligible at 64 elements: a reference, not a rival).
 
     python bench/fused_adam.py            # full run, saves bench/results/fused_adam_<gpu>.{json,md}
     python bench/fused_adam.py --quick    # fewer workloads and steps, no 1G case
@@ -48,9 +50,25 @@ OURS_BF16 = {
     "ours_lo16+bf16m": {"master_weights": "lo16", "moment_dtype": "bf16"},
     "ours_fp32m+bf16m": {"master_weights": "fp32", "moment_dtype": "bf16"},
 }
-HOST_IMPLS = ("ours", "ours+hook", "torch_fused=True", "torch_foreach=True")
+HOST_IMPLS = ("ours", "ours flat", "ours+hook", "torch_fused=True", "torch_foreach=True",
+              "empty step")
 """--host: `ours+hook` is ours with a (no-op) step hook registered, as the monitor's agent
-registers them: torch's profiler range and hook calls around the step, for comparison."""
+registers them: torch's profiler range and hook calls around the step, for comparison;
+`ours flat` is ours with ``flat_buffers=True`` (params and grads in flat buffers);
+`empty step` does nothing but enter and leave ``torch.no_grad()`` after the same grad-making
+as `ours flat`: the cost of running Python on caches that the 10000 grads just went through."""
+
+
+class EmptyStep:
+    """--host's floor: a step() that does no work (``zero_grad`` keeps the grads)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear."""
+
+    def step(self) -> None:
+        """Enter and leave no_grad, as every optimizer's step does."""
+        with torch.no_grad():
+            pass
 
 
 def gpt2_124m_shapes() -> list[tuple[int, ...]]:
@@ -295,35 +313,53 @@ def stub_launch() -> None:
     fa._Plan.launch = lambda self, *args: None
 
 
-def new_grads(params: list[torch.Tensor], gen: torch.Generator) -> None:
-    """zero_grad(set_to_none=True) then fresh grads, as autograd allocates them."""
+def backward_like(params: list[torch.Tensor], gen: torch.Generator) -> None:
+    """New grads as autograd gives them: a new tensor where ``.grad`` is None, else added in
+    place (how flat buffers keep theirs)."""
     for p in params:
-        p.grad = None
-        p.grad = torch.randn(p.shape, device=p.device, generator=gen, dtype=p.dtype)
+        g = torch.randn(p.shape, device=p.device, generator=gen, dtype=p.dtype)
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
-def time_host(opts: dict, params: list[torch.Tensor], set_to_none: bool, rounds: int,
-              iters: int) -> dict[str, list[float]]:
-    """Host microseconds of each step() call, implementations interleaved by rounds (the
-    first round, which builds state and tables, is dropped). The device is synchronised
-    before each timed call so that a full launch queue never blocks it."""
-    cuda = params[0].is_cuda
-    gen = torch.Generator(device=params[0].device).manual_seed(0)
-    names = list(opts)
-    times: dict[str, list[float]] = {n: [] for n in names}
+def time_host(cases: dict, set_to_none: bool, rounds: int,
+              iters: int) -> dict[str, dict[str, list[float]]]:
+    """Host microseconds of each step() call (and, with ``set_to_none``, of the
+    ``zero_grad(set_to_none=True)`` before it, after which grads are made as autograd makes
+    them), implementations interleaved by rounds (the first round, which builds state and
+    tables, is dropped). ``cases``: name -> (optimizer, its params). The device is
+    synchronised before each timed call so that a full launch queue never blocks it."""
+    first = next(iter(cases.values()))[1][0]
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    names = list(cases)
+    times: dict[str, dict[str, list[float]]] = {n: {"step": [], "zero_grad": []} for n in names}
     for r in range(rounds + 1):
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            opt, params = cases[name]
             for _ in range(iters):
                 if set_to_none:
-                    new_grads(params, gen)
-                if cuda:
-                    torch.cuda.synchronize()
+                    _sync(first)
+                    t0 = time.perf_counter()
+                    opt.zero_grad(set_to_none=True)
+                    zero_us = (time.perf_counter() - t0) * 1e6
+                    backward_like(params, gen)
+                _sync(first)
                 t0 = time.perf_counter()
-                opts[name].step()
+                opt.step()
                 if r > 0:
-                    times[name].append((time.perf_counter() - t0) * 1e6)
+                    times[name]["step"].append((time.perf_counter() - t0) * 1e6)
+                    if set_to_none:
+                        times[name]["zero_grad"].append(zero_us)
     return times
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the GPU (no-op on the CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize()
 
 
 def torch_ops_per_step(opt: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -332,33 +368,42 @@ def torch_ops_per_step(opt: torch.optim.Optimizer, params: list[torch.Tensor],
     from torch.profiler import ProfilerActivity, profile
 
     if set_to_none:
-        new_grads(params, torch.Generator(device=params[0].device).manual_seed(1))
+        opt.zero_grad(set_to_none=True)
+        backward_like(params, torch.Generator(device=params[0].device).manual_seed(1))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         opt.step()
     return sum(1 for e in prof.events() if not e.name.startswith("Optimizer."))
 
 
 def host_case(shapes: list, set_to_none: bool, args: argparse.Namespace) -> list[dict]:
-    """Rows of one --host case: every implementation on shared params."""
+    """Rows of one --host case: every implementation on shared params, except ``ours flat``,
+    which moves its params into its own buffers (a copy of the same values)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
-    new_grads(params, gen)
+    backward_like(params, gen)
+    flat_params = [p.detach().clone().requires_grad_() for p in params]
     opts = {k: v for k, v in make_optimizers(params).items() if k in HOST_IMPLS}
     from scalemon.demo_train.fused_adam import FusedAdamW
 
     opts["ours+hook"] = FusedAdamW(params, **HYPER)
     opts["ours+hook"].register_step_post_hook(lambda *_: None)
-    opts = {k: opts[k] for k in HOST_IMPLS}
-    raw = time_host(opts, params, set_to_none, args.rounds, args.iters)
+    opts["ours flat"] = FusedAdamW(flat_params, **HYPER, flat_buffers=True)
+    backward_like(flat_params, gen)
+    opts["empty step"] = EmptyStep()
+    on_flat = ("ours flat", "empty step")
+    cases = {k: (opts[k], flat_params if k in on_flat else params) for k in HOST_IMPLS}
+    raw = time_host(cases, set_to_none, args.rounds, args.iters)
     rows = []
-    for name, us in raw.items():
-        med = statistics.median(us)
+    for name, t in raw.items():
+        med = statistics.median(t["step"])
+        zero = statistics.median(t["zero_grad"]) if t["zero_grad"] else None
         rows.append({
             "impl": name, "set_to_none": set_to_none, "tensors": len(shapes),
-            "median_us": med, "p10_us": percentile(us, 10), "p90_us": percentile(us, 90),
-            "us_per_tensor": med / len(shapes), "calls": len(us),
-            "torch_ops_per_step": torch_ops_per_step(opts[name], params, set_to_none),
+            "median_us": med, "p10_us": percentile(t["step"], 10),
+            "p90_us": percentile(t["step"], 90), "us_per_tensor": med / len(shapes),
+            "zero_grad_us": zero, "calls": len(t["step"]),
+            "torch_ops_per_step": torch_ops_per_step(*cases[name], set_to_none),
         })
     return rows
 
@@ -378,14 +423,15 @@ def host_markdown(head: dict, rows: list[dict]) -> str:
     """The --host rows as a markdown table."""
     lines = [f"# FusedAdamW host time per step() on {head.get('gpu', head.get('device'))}", ""]
     lines += [", ".join(f"{k} {v}" for k, v in head.items()), ""]
-    lines.append("| workload | set_to_none | impl | median us | p10 us | p90 us | us/tensor "
-                 "| torch ops/step |")
-    lines.append("|" + "---|" * 8)
+    lines.append("| workload | set_to_none | impl | step() median us | p10 us | p90 us "
+                 "| us/tensor | torch ops/step | zero_grad() median us |")
+    lines.append("|" + "---|" * 9)
     for r in rows:
+        zero = "" if r.get("zero_grad_us") is None else f"{r['zero_grad_us']:.0f}"
         lines.append(
             f"| {r['workload']} | {r['set_to_none']} | {r['impl']} | {r['median_us']:.0f} "
             f"| {r['p10_us']:.0f} | {r['p90_us']:.0f} | {r['us_per_tensor']:.3f} "
-            f"| {r['torch_ops_per_step']} |"
+            f"| {r['torch_ops_per_step']} | {zero} |"
         )
     return "\n".join(lines) + "\n"
 

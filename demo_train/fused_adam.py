@@ -20,12 +20,16 @@ Host side: a constant number of torch ops per step
   touches every param (``p.grad``, two ``data_ptr()``, a few attribute reads for new grads):
   below a microsecond per tensor, measured by ``bench/fused_adam.py --host``
   (docs/fused_adam.md); a CUDA graph (below) removes even that.
-* **Why not flat buffers** (DeepSpeed, Apex): with ``set_to_none=True`` autograd allocates new
-  grads each step, so a flat grad buffer needs either a ``zero_grad`` that zeroes instead of
-  freeing (a memset and a read-add-write in backward, and params that got no grad would be
-  updated as if it were zero) or a copy of every grad in a hook. Flat params would move the
-  model's params into views (``p.data``), which ``model.to()``, DDP/FSDP and checkpointing see.
-  Reading the new addresses is cheaper and changes nothing the caller sees.
+* **Flat buffers, when asked** (``flat_buffers=True``, ``flat_buffers.py``): the default above
+  still touches every param each step (about 1 us a tensor) and uploads new grad addresses
+  after ``set_to_none=True``. With flat buffers the params and grads become views of one flat
+  buffer per (device, dtype), as in DeepSpeed and Apex; ``zero_grad`` zeroes the grads instead
+  of freeing them, and a step checks in O(1) (storage use counts and two rotating addresses)
+  that nothing was moved, so the host work of ``step()`` no longer depends on the number of
+  tensors and no torch op runs. The price is a memset and an in-place add of the first
+  micro-batch's grads per step, and that a param without a grad is stepped with a zero grad
+  (torch's behaviour after ``set_to_none=False``). Not the default, as it changes what the
+  caller's params are (views of a buffer).
 
 CUDA graphs (``capturable=True``)
 ---------------------------------
@@ -102,6 +106,8 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 import triton
 import triton.language as tl
+
+from .flat_buffers import FlatBuffers
 
 __all__ = [
     "FusedAdam",
@@ -833,6 +839,7 @@ class FusedAdamW(torch.optim.Optimizer):
         master_weights: bool | str | None = None,
         moment_dtype: str | None = None,
         capturable: bool = False,
+        flat_buffers: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         defaults = {
@@ -851,12 +858,14 @@ class FusedAdamW(torch.optim.Optimizer):
         self._plan: _Plan | None = None
         self._graph_plans: list[_Plan] = []
         self._epoch = 0
+        self._flat = FlatBuffers() if flat_buffers else None
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Fill group keys a torch checkpoint lacks (as torch's Adam/AdamW do)."""
         super().__setstate__(state)
         self._graph_plans = getattr(self, "_graph_plans", [])
+        self._flat = getattr(self, "_flat", None)
         for group in self.param_groups:
             for key in ("amsgrad", "maximize", "master_weights", "moment_dtype",
                         "decoupled_weight_decay", "capturable"):
@@ -875,7 +884,28 @@ class FusedAdamW(torch.optim.Optimizer):
         """As torch's, and invalidates the cached tables."""
         super().add_param_group(param_group)
         _check_modes(self.param_groups[-1])
+        if self._flat is not None:
+            group = self.param_groups[-1]
+            self._flat.adopt(group["params"])
+            for p in group["params"]:  # every param is stepped (its grad is never None), so
+                self._ensure_state(p, group)  # its state exists from the start, as after a step
         self.invalidate_tables()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``flat_buffers=True`` the grad buffers are zeroed whatever
+        ``set_to_none`` says, so that the grads stay where the tables point (O(1))."""
+        flat = self._flat
+        if flat is None:
+            super().zero_grad(set_to_none)
+            return
+        if not flat.intact():
+            flat.restore()
+        flat.zero_grads()
+
+    @property
+    def flat_buffers(self) -> FlatBuffers | None:
+        """The flat param and grad buffers (``flat_buffers=True``), else None."""
+        return self._flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but state keeps its saved dtype (torch casts it to the param's): fp32
@@ -928,7 +958,6 @@ class FusedAdamW(torch.optim.Optimizer):
 
     step.hooked = True  # type: ignore[attr-defined]  # torch: do not wrap it (see above)
 
-    @torch.no_grad()
     def _step(
         self,
         closure: Callable[[], Any] | None = None,
@@ -936,13 +965,18 @@ class FusedAdamW(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> Any:
+        """The step: flat buffers' O(1) path when it holds (no torch op on a tensor that
+        needs grad, so no no_grad context either), else the full path under no_grad."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
-        ready = self._ready()
+        ready = self._ready_flat()
+        if ready is None:
+            with torch.no_grad():
+                ready = self._ready()
         if ready is not None:
             plan, grad_tab = ready
             plan.launch(grad_tab, grad_scale, found_inf)
@@ -950,9 +984,33 @@ class FusedAdamW(torch.optim.Optimizer):
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)
 
+    def _ready_flat(self) -> tuple[_Plan, torch.Tensor] | None:
+        """O(1): the plan and grad table when flat buffers are intact and the groups' flags
+        unchanged, else None (take the full path)."""
+        bufs, plan = self._flat, self._plan
+        if bufs is None or plan is None or not bufs.intact():
+            return None
+        if self._group_key() != plan.group_key:
+            return None
+        hyper = self._hyper_key(plan.device)
+        if self._check_capture(plan.device):
+            return plan, self._captured(plan, plan.gptrs, hyper)
+        plan.refresh_hyper(hyper)
+        return plan, plan.grad_tab
+
     def _ready(self) -> tuple[_Plan, torch.Tensor] | None:
         """The plan and the grad table of this step, rebuilt or refreshed as needed (None
-        when no param has a grad)."""
+        when no param has a grad); flat buffers first get back what was moved out of them."""
+        bufs = self._flat
+        if bufs is None:
+            return self._ready_polled()
+        bufs.restore()
+        ready = self._ready_polled()
+        bufs.settle()
+        return ready
+
+    def _ready_polled(self) -> tuple[_Plan, torch.Tensor] | None:
+        """``_ready`` by reading every param's grad and addresses."""
         flat = list(chain.from_iterable(g["params"] for g in self.param_groups))
         if not flat:
             return None
@@ -1121,6 +1179,7 @@ class FusedAdam(FusedAdamW):
         master_weights: bool | str | None = None,
         moment_dtype: str | None = None,
         capturable: bool = False,
+        flat_buffers: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -1134,6 +1193,7 @@ class FusedAdam(FusedAdamW):
             master_weights=master_weights,
             moment_dtype=moment_dtype,
             capturable=capturable,
+            flat_buffers=flat_buffers,
         )
 
 

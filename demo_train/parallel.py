@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .model import GPT
 
-OPTIMIZERS = ("fused", "torch", "torch-fused")
+OPTIMIZERS = ("fused", "fused-flat", "torch", "torch-fused")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -190,12 +190,12 @@ def optimizer_class(kind: str, device: torch.device) -> tuple[type, dict]:
         return torch.optim.AdamW, {"foreach": None}
     if kind == "torch-fused":
         return torch.optim.AdamW, {"fused": True}
-    if kind == "fused":
+    if kind in ("fused", "fused-flat"):
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from .fused_adam import FusedAdamW
 
-        return FusedAdamW, {}
+        return FusedAdamW, {"flat_buffers": True} if kind == "fused-flat" else {}
     raise ValueError(f"unknown optimizer {kind!r}; choose one of {OPTIMIZERS}")
 
 
@@ -210,8 +210,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW of the chosen implementation; sharded by ZeroRedundancyOptimizer for --zero 1
     (FSDP2 shards it by itself for --zero 2/3, as its parameters are already shards)."""
-    if kind == "fused" and zero >= 2 and env.distributed:
-        raise ValueError("--optimizer fused needs plain tensors, but FSDP2 (--zero 2/3) makes "
+    if kind.startswith("fused") and zero >= 2 and env.distributed:
+        raise ValueError(f"--optimizer {kind} needs plain tensors, but FSDP2 (--zero 2/3) makes "
                          "parameters DTensors: use --optimizer torch or torch-fused, or --zero 0/1")
     cls, extra = optimizer_class(kind, env.device)
     groups = param_groups(model, weight_decay)

@@ -116,7 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=number(0.0), default=0.1,
                    help="AdamW's decoupled weight decay (>= 0)")
     p.add_argument("--optimizer", default="auto", choices=("auto", *OPTIMIZERS),
-                   help="AdamW: fused (our Triton kernel), torch, torch-fused "
+                   help="AdamW: fused (our Triton kernel), fused-flat (the same with params "
+                        "and grads in flat buffers: a step's host work does not grow with the "
+                        "number of tensors), torch, torch-fused "
                         "(auto: torch-fused on GPU, torch on CPU)")
     p.add_argument("--seed", type=int_at_least(0, 2**63 - 1), default=1337)
     # memory and speed techniques

@@ -199,7 +199,9 @@ def test_sigterm_saves_a_checkpoint_that_resumes(straight, tmp_path):
     (("--zero", "1"), 1e-5),
     (("--zero", "2"), 1e-5),
     (("--zero", "3"), 1e-5),
-], ids=["grad-accum-4x1-vs-batch-4", "activation-checkpointing", "zero1", "zero2", "zero3"])
+    (("--optimizer", "fused-flat", "--batch-size", "2", "--grad-accum", "2"), 1e-5),
+], ids=["grad-accum-4x1-vs-batch-4", "activation-checkpointing", "zero1", "zero2", "zero3",
+        "fused-flat-adamw-grad-accum-2x2"])
 def test_technique_follows_the_ddp_trajectory(straight, flags, rtol):
     ref = straight().losses()
     got = straight(*flags).losses()

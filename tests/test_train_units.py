@@ -170,9 +170,9 @@ def test_crash_only_in_the_first_attempt(monkeypatch) -> None:
 # checkpoints
 
 
-@pytest.mark.parametrize("optimizer", ["torch", "fused"])
+@pytest.mark.parametrize("optimizer", ["torch", "fused", "fused-flat"])
 def test_checkpoint_round_trip_is_exact(corpus, tmp_path, optimizer) -> None:
-    if optimizer == "fused":
+    if optimizer.startswith("fused"):
         from scalemon.demo_train import fused_adam
 
         if not fused_adam.interpreted():
