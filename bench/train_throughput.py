@@ -17,12 +17,13 @@ resolves.
     python bench/train_throughput.py --only gpu       # 1 GPU: gpt2-124m bf16 + compile
     python bench/train_throughput.py --only gpu --filter fused --rounds 5
 
-GPU table: gpt2-124m (GPT-2 124M shapes, byte vocabulary) bf16 + compile with torch's fused
-AdamW (`plain`), with --monitor, with --optimizer fused (ours), and both eager (the host-bound
-case where a slow optimizer step shows), plus MFU and the memory estimate against the measured
-peak. The optimizer's own figures come from bench/fused_adam.py: `--host` (host time of step()
-for 148 and 10000 tensors, set_to_none or not) and the full run (device time against a
-measured copy at GPT-2 124M and 1G elements). Results go to
+GPU table: gpt2-124m (GPT-2 124M shapes, byte vocabulary) bf16 + compile (the whole model, as
+nanoGPT) with torch's fused AdamW (`plain`), with --monitor, with --optimizer fused (ours),
+with each block compiled instead (`compile blocks`, the trainer's default before #12), and
+eager (the host-bound case where a slow optimizer step shows), plus MFU and the memory estimate
+against the measured peak. The optimizer's own figures come from bench/fused_adam.py: `--host`
+(host time of step() for 148 and 10000 tensors, set_to_none or not) and the full run (device
+time against a measured copy at GPT-2 124M and 1G elements). Results go to
 bench/results/train_throughput_rounds-<device>.json with the device named.
 """
 
@@ -84,6 +85,7 @@ CPU_CONFIGS = [
     Config("tiny fused adamw (triton interp)", (*TINY, "--optimizer", "fused")),
     Config("tiny fused-flat adamw (triton interp)", (*TINY, "--optimizer", "fused-flat")),
     Config("tiny compile", (*TINY, *TORCH_FUSED, "--compile")),
+    Config("tiny compile blocks", (*TINY, *TORCH_FUSED, "--compile", "blocks")),
     Config("plain small", (*SMALL, *TORCH_FUSED), baseline="plain small"),
     Config("small fp32 ddp (torch adamw)", SMALL, baseline="plain small"),
     Config("small bf16", (*SMALL, "--amp", "bf16"), baseline="plain small"),
@@ -99,6 +101,7 @@ GPU_CONFIGS = [
     Config("fused adamw", (*GPT2, "--compile", "--optimizer", "fused")),
     Config("fused adamw + monitor", (*GPT2, "--compile", "--optimizer", "fused", "--monitor")),
     Config("fused-flat adamw", (*GPT2, "--compile", "--optimizer", "fused-flat")),
+    Config("compile blocks", (*GPT2, "--compile", "blocks", *TORCH_FUSED)),
     Config("plain eager", (*GPT2, *TORCH_FUSED), baseline="plain eager"),
     Config("fused adamw eager", (*GPT2, "--optimizer", "fused"), baseline="plain eager"),
     Config("fused-flat adamw eager", (*GPT2, "--optimizer", "fused-flat"),

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .model import GPT
 
 OPTIMIZERS = ("fused", "fused-flat", "torch", "torch-fused")
+COMPILE_SCOPES = ("auto", "model", "blocks")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -123,18 +124,39 @@ def rewrap_ddp(model: nn.Module, env: DistEnv, group: dist.ProcessGroup) -> DDP:
                device_ids=[env.local_rank] if env.device.type == "cuda" else None)
 
 
+def compile_scope(choice: str | None, sharded: bool) -> str | None:
+    """What --compile compiles: None (off), "model" or "blocks". "auto" is the whole model, as
+    nanoGPT does (one graph: the residual adds, final norm, lm_head and loss fuse across block
+    boundaries; under DDP dynamo splits it at the gradient buckets), and each block under FSDP2,
+    whose hooks run between the blocks (`sharded`: FSDP2 is in use)."""
+    if choice is None:
+        return None
+    if choice == "auto":
+        return "blocks" if sharded else "model"
+    if choice == "model" and sharded:
+        raise ValueError("--compile model is not for FSDP2 (--zero 2/3), whose hooks run "
+                         "between the blocks: use --compile (or --compile blocks)")
+    return choice
+
+
 def wrap_model(
-    model: GPT, env: DistEnv, zero: int, compile: bool = False, python_comm_hook: bool = False
+    model: GPT, env: DistEnv, zero: int, compile: str | None = None,
+    python_comm_hook: bool = False,
 ) -> nn.Module:
-    """Compile the blocks (in place, so parameter names do not change) and wrap for `zero`.
-    Returns the module to call in the training step; `model` itself stays the module whose
-    state is checkpointed (FSDP2 turns it into an FSDP module in place).
+    """Compile (`compile`: "model", "blocks" or None; in place, so parameter names do not
+    change) and wrap for `zero`. Returns the module to call in the training step; `model`
+    itself stays the module whose state is checkpointed (FSDP2 turns it into an FSDP module in
+    place).
 
     `python_comm_hook` gives DDP torch's own Python all-reduce hook instead of its built-in
     C++ one: the baseline for the monitor's timed hook (any Python hook changes DDP's timing)."""
-    if compile:
+    if compile == "model":
+        model.compile()
+    elif compile == "blocks":
         for block in model.transformer.h:
             block.compile()
+    elif compile is not None:
+        raise ValueError(f"compile must be 'model', 'blocks' or None, not {compile!r}")
     if not env.distributed:
         return model
     if zero <= 1:

@@ -61,12 +61,14 @@ from scalemon.demo_train.faults import Faults, rank_delay, rank_step
 from scalemon.demo_train.memory import MemoryEstimate, estimate_memory
 from scalemon.demo_train.model import GPT, PRESETS, GPTConfig, peak_flops
 from scalemon.demo_train.parallel import (
+    COMPILE_SCOPES,
     DEVICES,
     OPTIMIZERS,
     DeviceChoiceError,
     DistEnv,
     any_rank,
     build_optimizer,
+    compile_scope,
     control_group,
     gradient_sync,
     rewrap_ddp,
@@ -131,7 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "timed hook in bench/agent_overhead.py; ignored with --monitor)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--compile", nargs="?", const="auto", choices=COMPILE_SCOPES,
+                   help="torch.compile the whole model (as nanoGPT) or each block; bare "
+                        "--compile is auto: the model, each block under FSDP2 (--zero 2/3)")
     p.add_argument("--tf32", default="on", choices=("on", "off"),
                    help="CUDA: fp32 matmuls on TF32 tensor cores (precision.py)")
     # checkpoints
@@ -184,6 +188,10 @@ def flag_conflict(args: argparse.Namespace, world_size: int) -> str | None:
         if planted is not None and planted.rank >= world_size:
             return (f"--{flag.replace('_', '-')} {planted} names rank {planted.rank}, and this "
                     f"job has {world_size} rank(s)")
+    try:
+        compile_scope(args.compile, sharded=args.zero >= 2 and world_size > 1)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -252,7 +260,8 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
     data = ByteBatches(load_corpus(args.data, config.block_size), config.block_size,
                        args.batch_size * args.grad_accum, rank=env.rank,
                        world_size=env.world_size, seed=args.seed)
-    module = wrap_model(model, env, args.zero, args.compile,
+    compiled = compile_scope(args.compile, sharded=args.zero >= 2 and env.distributed)
+    module = wrap_model(model, env, args.zero, compiled,
                         python_comm_hook=args.python_comm_hook and not args.monitor)
     optimizer = build_optimizer(model, opt, args.zero, env, args.lr, args.weight_decay)
     scaler = make_scaler(amp, env.device, sharded=args.zero >= 2 and env.distributed)
@@ -276,7 +285,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
                 f"{env.world_size} rank(s), {env.device.type}: amp {amp}, ZeRO-{zero}, "
                 f"optimizer {opt}, grad-accum {args.grad_accum}, activation checkpointing "
                 f"{'on' if args.activation_checkpointing else 'off'}, compile "
-                f"{'on' if args.compile else 'off'}, tf32 {tf32}; "
+                f"{compiled or 'off'}, tf32 {tf32}; "
                 f"{t.tokens_per_step * env.world_size} tokens/step")
     print0(env, memory.describe())
     import scalemon.agent as sm

@@ -85,7 +85,7 @@ _STRAIGHT: dict[tuple[str, ...], Job] = {}
 def straight_job(tmp: Path, *flags: str) -> Job:
     """The uninterrupted 12-step run of a configuration (run in `tmp` once per session)."""
     if flags not in _STRAIGHT:
-        job = run(tmp, f"s{len(_STRAIGHT)}", *flags, "--max-steps", str(STEPS))
+        job = run(tmp, f"s{len(_STRAIGHT)}", *flags, "--max-steps", str(STEPS), timeout=300)
         assert job.code == 0, job.out[-3000:]
         assert [s for s, _ in job.printed()] == list(range(1, STEPS + 1))
         _STRAIGHT[flags] = job
@@ -209,6 +209,16 @@ def test_technique_follows_the_ddp_trajectory(straight, flags, rtol):
     for step, loss in got.items():
         assert loss == pytest.approx(ref[step], rel=rtol, abs=0), f"step {step}"
     assert got[STEPS] < got[1] - 0.5  # and it trains
+
+
+@pytest.mark.parametrize("parallel, scope", [((), "model"), (("--zero", "3"), "blocks")],
+                         ids=["ddp-whole-model", "fsdp2-per-block"])
+def test_compile_follows_the_eager_trajectory(straight, parallel, scope):
+    eager = straight(*parallel).losses()
+    job = straight(*parallel, "--compile")
+    assert f"compile {scope}, " in job.out, job.out[-3000:]
+    for step, loss in job.losses().items():
+        assert loss == pytest.approx(eager[step], rel=1e-4, abs=0), f"step {step}"
 
 
 # -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from scalemon.demo_train.checkpoint import (
 from scalemon.demo_train.faults import Faults, RankStep, rank_step
 from scalemon.demo_train.memory import activation_bytes, estimate_memory
 from scalemon.demo_train.model import GPTConfig
-from scalemon.demo_train.parallel import DistEnv
+from scalemon.demo_train.parallel import DistEnv, compile_scope
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -411,6 +411,7 @@ def test_sync_clock_leaves_sleeps_and_warm_up_out() -> None:
     (("--resume",), "--resume needs --ckpt-dir"),
     (("--resume-or-start",), "--resume-or-start needs --ckpt-dir"),
     (("--inject-crash", "1:3"), "--inject-crash 1:3 names rank 1, and this job has 1 rank(s)"),
+    (("--compile", "whole"), "argument --compile: invalid choice: 'whole'"),
 ])
 def test_a_mistaken_flag_value_is_refused_saying_what_is_wrong(flags, says, capsys,
                                                                monkeypatch) -> None:
@@ -437,6 +438,32 @@ def test_valid_edge_values_are_accepted(monkeypatch) -> None:
                              "--step-delay", "0", "--inject-crash", "1:3", "--ckpt-dir", "x",
                              "--resume-or-start"])
     assert (args.max_steps, args.lr, args.ckpt_every, args.resume_or_start) == (1, 1e-9, 0, True)
+
+
+@pytest.mark.parametrize("flags, world_size, scope", [
+    ((), 2, None),
+    (("--compile",), 1, "model"),
+    (("--compile",), 2, "model"),
+    (("--compile", "--zero", "1"), 2, "model"),
+    (("--compile", "--zero", "3"), 2, "blocks"),
+    (("--compile", "--zero", "3"), 1, "model"),  # one process: nothing is sharded
+    (("--compile", "blocks"), 2, "blocks"),
+    (("--compile", "model", "--zero", "2"), 1, "model"),
+])
+def test_compile_scope_is_the_whole_model_unless_fsdp2_shards_it(flags, world_size, scope,
+                                                                 monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    args = train.parse_args(list(flags))
+    assert compile_scope(args.compile, sharded=args.zero >= 2 and world_size > 1) == scope
+
+
+def test_compile_model_under_fsdp2_is_refused_naming_the_fix(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--compile", "model", "--zero", "2"])
+    err = capsys.readouterr().err
+    assert "--compile model is not for FSDP2" in err and "use --compile" in err, err
 
 
 def test_max_steps_minus_5_stops_before_torch_distributed_starts(monkeypatch, capsys) -> None:
