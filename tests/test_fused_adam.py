@@ -18,6 +18,7 @@ import textwrap
 
 import pytest
 import torch
+from fused_adam_support import run_compiled
 
 from scalemon.demo_train import fused_adam as fa
 
@@ -455,11 +456,7 @@ CUDA_CHECK = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_one_kernel_per_step_no_sync_and_parity():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_compiled(CUDA_CHECK)
 
 
 AOT_COMPILE = textwrap.dedent(
@@ -493,8 +490,4 @@ AOT_COMPILE = textwrap.dedent(
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """Triton can build PTX/cubin for sm_90 here (bundled ptxas), so GPU codegen is checked."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", AOT_COMPILE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_compiled(AOT_COMPILE, timeout=300)

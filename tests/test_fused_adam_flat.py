@@ -14,13 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import collections
 import copy
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from fused_adam_support import LaunchStub, run_compiled, torch_ops_in
 
 from scalemon.demo_train import fused_adam as fa
 from scalemon.demo_train.flat_buffers import SPOT_CHECKS
@@ -63,17 +61,6 @@ def _assert_same(ref_model: torch.nn.Module, our_model: torch.nn.Module) -> None
         torch.testing.assert_close(o.detach(), r.detach(), **F32)
 
 
-class _Stub:
-    """Stands in for the kernel launch, counting calls."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        monkeypatch.setattr(fa._Plan, "launch", self._launch)
-
-    def _launch(self, *args: object) -> None:
-        self.calls += 1
-
-
 class _CountedList(list):
     """A param list that counts how often anything reads it."""
 
@@ -103,15 +90,9 @@ def _real_backward(ps: list[torch.Tensor], seed: int) -> None:
     sum((p * torch.randn(5)).sum() for p in ps).backward()
 
 
-def _ops(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if not e.name.startswith("Optimizer."))
-
-
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_step_runs_no_torch_op_and_never_reads_the_param_lists(monkeypatch, set_to_none):
-    stub = _Stub(monkeypatch)
+    stub = LaunchStub(monkeypatch)
     ops, reads = [], []
     for n in (8, 300):
         ps, opt = _many(n)
@@ -124,7 +105,7 @@ def test_a_step_runs_no_torch_op_and_never_reads_the_param_lists(monkeypatch, se
         _CountedList.reads = 0
         opt.zero_grad(set_to_none=set_to_none)
         _real_backward(ps, 3)
-        ops.append(_ops(opt.step))
+        ops.append(sum(torch_ops_in(opt.step).values()))
         reads.append(_CountedList.reads)
         assert opt.flat_buffers.restored == 0
     assert ops == [0, 0]
@@ -307,7 +288,7 @@ def test_added_param_groups_get_buffers_of_their_own():
 def test_host_op_counts_are_the_same_flat_or_not_with_stable_grads(monkeypatch):
     """Side by side with the default mode: with new grads every step the default uploads the
     grad column (a few ops), flat buffers none."""
-    _Stub(monkeypatch)
+    LaunchStub(monkeypatch)
     counts = collections.Counter()
     for flat in (False, True):
         ps = [torch.randn(5).requires_grad_() for _ in range(16)]
@@ -319,7 +300,7 @@ def test_host_op_counts_are_the_same_flat_or_not_with_stable_grads(monkeypatch):
             opt.step()
         opt.zero_grad(set_to_none=True)
         _real_backward(ps, 3)
-        counts[flat] = _ops(opt.step)
+        counts[flat] = sum(torch_ops_in(opt.step).values())
         del keep
     assert counts[True] == 0 < counts[False]
 
@@ -368,8 +349,4 @@ CUDA_FLAT = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_flat_buffers_step_in_a_cuda_graph():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", CUDA_FLAT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_compiled(CUDA_FLAT)

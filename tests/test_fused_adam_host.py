@@ -12,14 +12,12 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import collections
 import copy
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from fused_adam_support import LaunchStub, run_compiled, torch_ops_in
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,26 +49,6 @@ def _assign(ps: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         p.grad = g
 
 
-def _ops_in(fn) -> collections.Counter:
-    """torch ops recorded while ``fn`` runs (the step's own record_function left out)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return collections.Counter(
-        e.name for e in prof.events() if not e.name.startswith("Optimizer.")
-    )
-
-
-class _Stub:
-    """Stands in for the kernel launch, counting calls."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        monkeypatch.setattr(fa._Plan, "launch", self._launch)
-
-    def _launch(self, *args: object) -> None:
-        self.calls += 1
-
-
 def _ops_per_step(n: int, mode: str) -> tuple[int, int]:
     """(torch ops in the 4th step, plans built in 4 steps) for n tensors and a grad mode:
     ``same`` grads every step, ``new`` grads (two live sets, alternating: new addresses every
@@ -93,14 +71,14 @@ def _ops_per_step(n: int, mode: str) -> tuple[int, int]:
         grads(i)
         opt.step()
     grads(3)
-    ops = _ops_in(opt.step)
+    ops = torch_ops_in(opt.step)
     return sum(ops.values()), len(builds)
 
 
 @interp
 @pytest.mark.parametrize("mode", ["same", "new", "set_to_none"])
 def test_host_ops_per_step_do_not_grow_with_tensors(monkeypatch, mode):
-    stub = _Stub(monkeypatch)
+    stub = LaunchStub(monkeypatch)
     few, few_builds = _ops_per_step(8, mode)
     many, many_builds = _ops_per_step(300, mode)
     assert few == many, (few, many)
@@ -114,7 +92,7 @@ def test_host_ops_per_step_do_not_grow_with_tensors(monkeypatch, mode):
 
 @interp
 def test_host_ops_same_with_and_without_set_to_none(monkeypatch):
-    _Stub(monkeypatch)
+    LaunchStub(monkeypatch)
     new = _ops_per_step(64, "new")[0]
     assert _ops_per_step(64, "set_to_none")[0] in (0, new)  # 0: the allocator gave the same
     assert _ops_per_step(64, "same")[0] == 0
@@ -125,7 +103,7 @@ def test_step_hooks_and_the_profiler_range_still_work_without_torchs_wrapper(mon
     """torch's own wrapper (a profiler range and the step hooks around every step) runs only
     while a profiler records or a hook is registered; the hooks the monitor's agent uses
     still run, in torch's order, and a profile still shows the step's range."""
-    _Stub(monkeypatch)
+    LaunchStub(monkeypatch)
     ps = _params(4)
     opt = fa.FusedAdamW(ps, lr=1e-2)
     _assign(ps, _grad_sets(ps, 1, seed=1)[0])
@@ -449,8 +427,4 @@ CUDA_GRAPH = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_capture_set_to_none_and_lo16():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", CUDA_GRAPH], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_compiled(CUDA_GRAPH)
