@@ -165,8 +165,7 @@ class FlatBuffers:
 def _new_bucket(params: list[torch.Tensor], device: torch.device,
                 dtype: torch.dtype) -> _Bucket:
     """Flat buffers for params of one device and dtype; the params and grads become views."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    align = max(1, ALIGN_BYTES // itemsize)
+    align = max(1, ALIGN_BYTES // dtype.itemsize)
     offsets, total = [], 0
     for p in params:
         offsets.append(total)

@@ -260,11 +260,12 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
     data = ByteBatches(load_corpus(args.data, config.block_size), config.block_size,
                        args.batch_size * args.grad_accum, rank=env.rank,
                        world_size=env.world_size, seed=args.seed)
-    compiled = compile_scope(args.compile, sharded=args.zero >= 2 and env.distributed)
+    sharded = args.zero >= 2 and env.distributed  # FSDP2
+    compiled = compile_scope(args.compile, sharded)
     module = wrap_model(model, env, args.zero, compiled,
                         python_comm_hook=args.python_comm_hook and not args.monitor)
     optimizer = build_optimizer(model, opt, args.zero, env, args.lr, args.weight_decay)
-    scaler = make_scaler(amp, env.device, sharded=args.zero >= 2 and env.distributed)
+    scaler = make_scaler(amp, env.device, sharded)
     settings = run_config(args, env, amp, opt, config)
     zero = args.zero if env.distributed else 0  # one process: nothing to shard
     memory = estimate_memory(config, n_params, args.batch_size, amp=amp, zero=zero,
