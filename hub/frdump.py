@@ -1,26 +1,32 @@
-"""A Flight Recorder dump of every rank, asked for from a dashboard, and torch's analysis of it.
+"""A Flight Recorder dump of every rank, asked for from a dashboard or `scalemon dump`, and our
+analysis of it (`scalemon.frtrace`).
 
 The hub queues a `dump_fr` command for each rank (delivered on the agents' next sync); each
 agent writes its recorder to `<run dir>/fr/<time>/rank_<rank>` from its own thread and reports
-back with an `fr_dump` info. Once every rank answered, or after `WAIT_S`, the hub runs torch's
-analyzer (`python -m torch.distributed.flight_recorder.fr_trace`) on the directory in a
-subprocess: it is a command-line tool that asserts and calls `sys.exit`, so it cannot take the
-hub down. A rank that wrote no dump is named: on a hang, that is a finding in itself.
+back with an `fr_dump` info. Once every rank answered, or after `WAIT_S`, the hub notes what it
+knows of the job (groups, ranks gone, each silent rank's last heartbeat) in `context.json`,
+reads the dumps in a thread of its own and writes the analysis to `analysis.json` and to the
+history. A rank that wrote no dump is named with the reason: on a hang, that is a finding.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
+import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from scalemon import frtrace
+
+log = logging.getLogger("scalemon.hub")
+
 WAIT_S = 15.0
 """How long the ranks have to write their dumps."""
-ANALYSIS_TIMEOUT_S = 120.0
 ANALYSIS_MAX_CHARS = 20_000
+REPORT_MAX_BYTES = 256 << 10
+"""The analysis in the history record at most; beyond, the per-rank rows stay in the file."""
 
 
 class FrDump:
@@ -40,7 +46,7 @@ class FrDump:
         self.written: list[int] = []
         self.errors: dict[int, str] = {}
         self.analysis: str | None = None
-        self.exit_code: int | None = None
+        self.report: dict[str, Any] | None = None
         self.finished = False
         self.recorded = False
         self._thread: threading.Thread | None = None
@@ -63,8 +69,9 @@ class FrDump:
             self._answers(state)
             answered = set(self.written) | set(self.errors)
             if answered >= set(self.requested) or time.monotonic() - self.started >= WAIT_S:
-                self._thread = threading.Thread(target=self._analyse, daemon=True,
-                                                name="scalemon-fr-analysis")
+                context = job_context(state, self.requested, self.written, self.errors)
+                self._thread = threading.Thread(target=self._analyse, args=(context,),
+                                                daemon=True, name="scalemon-fr-analysis")
                 self._thread.start()
         return self.finished
 
@@ -73,32 +80,21 @@ class FrDump:
         """Ranks asked that wrote no dump."""
         return sorted(set(self.requested) - set(self.written))
 
-    def _analyse(self) -> None:
-        lines = []
-        if self.missing:
-            lines.append(f"ranks that wrote no dump: {','.join(map(str, self.missing))}"
-                         + "".join(f"\n  rank {r}: {e}" for r, e in sorted(self.errors.items())))
-        if not self.written:
-            lines.append("no rank wrote a dump: nothing to analyse")
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                   self.directory, "--prefix", "rank_"]
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True,
-                                     timeout=ANALYSIS_TIMEOUT_S)
-                self.exit_code = out.returncode
-                text = (out.stdout + out.stderr).strip()
-                lines.append(f"$ python -m torch.distributed.flight_recorder.fr_trace "
-                             f"{self.directory} --prefix rank_   (exit {out.returncode})")
-                lines.append(text or "(no output)")
-            except subprocess.TimeoutExpired:
-                lines.append(f"torch's analyzer did not finish in {ANALYSIS_TIMEOUT_S:.0f} s")
-            except OSError as exc:
-                lines.append(f"could not run torch's analyzer: {exc}")
-        text = "\n".join(lines)
+    def _analyse(self, context: dict[str, Any]) -> None:
+        directory = Path(self.directory)
+        try:
+            _write_json(directory / frtrace.CONTEXT_FILE, context)
+            report = frtrace.analyse_directory(directory, context)
+            _write_json(directory / frtrace.ANALYSIS_FILE, report)
+            text = frtrace.report_text(report)
+        except Exception as exc:  # the hub goes on; the record says what failed
+            log.exception("analysis of the Flight Recorder dump in %s failed", directory)
+            report, text = None, (f"the analysis failed ({type(exc).__name__}: {exc}); the "
+                                  f"dumps are in {directory}")
         if len(text) > ANALYSIS_MAX_CHARS:
-            text = text[:ANALYSIS_MAX_CHARS] + "\n… (cut; the dumps are in the directory)"
+            text = text[:ANALYSIS_MAX_CHARS] + "\n… (cut; scalemon dump --dir DIR shows it all)"
         self.analysis = text
+        self.report = _fitting(report) if report is not None else None
         self.finished = True
 
     def body(self) -> dict[str, Any]:
@@ -107,4 +103,52 @@ class FrDump:
                 "state": "analysed" if self.finished else "requested",
                 "requested": self.requested, "written": sorted(self.written),
                 "missing": self.missing if self.finished else [],
-                "analysis": self.analysis, "exit_code": self.exit_code}
+                "analysis": self.analysis, "exit_code": None, "report": self.report}
+
+
+def job_context(state: Any, asked: list[int], written: list[int],
+                errors: dict[int, str]) -> dict[str, Any]:
+    """What the hub knows that the dumps do not say (call on the hub's thread): the groups'
+    ranks, who is gone, why each silent rank gave nothing, their last heartbeat's status."""
+    gone = sorted(r for r, v in state.ranks.items() if v.state in ("lost", "exited"))
+    missing = {}
+    for rank in sorted(set(asked) - set(written)):
+        view = state.ranks.get(rank)
+        if rank in errors:
+            missing[rank] = f"its agent could not write it: {errors[rank]}"
+        elif rank in gone and view.state == "lost":
+            missing[rank] = (f"lost ({view.state_reason or 'no message'}): its process is "
+                             "dead, stopped or cut off from the hub")
+        elif rank in gone:
+            missing[rank] = f"its process exited ({view.state_reason or 'no reason given'})"
+        else:
+            missing[rank] = (f"no answer within {WAIT_S:g} s (stuck in C++ holding the GIL, "
+                             "or its agent thread is gone)")
+    world = state.world_size or 0
+    for rank in range(world):
+        if rank not in state.ranks:
+            missing[rank] = "never reported to the hub (its agent is off or never started)"
+    return {
+        "asked": sorted(asked),
+        "missing": {str(r): why for r, why in sorted(missing.items())},
+        "gone": gone,
+        "members": {name: list(g.get("ranks") or []) for name, g in state.groups.items()},
+        "descs": {name: str(g.get("desc") or "") for name, g in state.groups.items()},
+        "heartbeat": {str(r): v.metrics.get("groups") for r, v in state.ranks.items()
+                      if r not in written and isinstance(v.metrics.get("groups"), dict)},
+    }
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def _fitting(report: dict[str, Any]) -> dict[str, Any]:
+    """The report as the history record carries it: without the per-rank rows when too big."""
+    if len(json.dumps(report)) <= REPORT_MAX_BYTES:
+        return report
+    groups = [{k: v for k, v in g.items() if k != "status"} for g in report["groups"]]
+    return {**report, "groups": groups,
+            "cut": f"per-rank rows left out; {frtrace.ANALYSIS_FILE} in the directory has them"}

@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_flag_parsers(sub)
 
+    from scalemon.cli_dump import add_parser as add_dump_parser
+
+    add_dump_parser(sub)
+
     hub = sub.add_parser(
         "hub", help="run a job's hub (ranks start one by themselves)",
         description="Run a job's hub in the foreground: it collects the ranks' messages, keeps "

@@ -87,8 +87,8 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "error": (_OPT_STR, False),
         "dropped": (_OPT_INT, False),
     },
-    # Written by the hub: a Flight Recorder dump it asked every rank for, and torch's
-    # analysis of it (`state`: "requested", then "analysed").
+    # Written by the hub: a Flight Recorder dump it asked every rank for, and its analysis
+    # (`state`: "requested", then "analysed"; `report`: `scalemon.frtrace.analyse`'s result).
     "fr_dump": {
         "directory": ((str,), True),
         "state": ((str,), True),
@@ -97,6 +97,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "missing": ((list,), False),
         "analysis": (_OPT_STR, False),
         "exit_code": (_OPT_INT, False),
+        "report": (_OPT_DICT, False),
     },
     # Written by the hub: something readers of the job should know about the hub itself
     # (`kind` "history": what reopening the history found and kept).

@@ -157,8 +157,8 @@ def check_dashboard(home: Path, culprit_words: str) -> None:
 
 
 def check_dump(home: Path, nproc: int) -> None:
-    """The dashboard's dump key: every rank writes its recorder, the hub runs torch's
-    analyzer over the directory and records the outcome."""
+    """The dashboard's dump key: every rank writes its recorder, the hub analyses the
+    directory (scalemon.frtrace) and records the outcome."""
     from scalemon.control import Controller
 
     client = Controller(JobFile.read(jobs_dir(home) / f"{home.name}.json").hub_address())
@@ -173,7 +173,8 @@ def check_dump(home: Path, nproc: int) -> None:
     dump = state["fr_dumps"][-1]
     assert dump["directory"] == str(directory) and dump["written"] == list(range(nproc))
     assert sorted(p.name for p in directory.iterdir()) == [f"rank_{r}" for r in range(nproc)]
-    assert "fr_trace" in dump["analysis"] and dump["missing"] == []
+    assert "rank 1 never issued all_reduce" in dump["analysis"] and dump["missing"] == []
+    assert dump["report"]["culprit"]["culprits"] == [1]
 
 
 def test_a_slowed_rank_arrives_last_and_is_named_the_straggler(home, tmp_path):

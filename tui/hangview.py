@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon.display import NA
+from scalemon.frtrace import report_lines
 from scalemon.tui.model import DashboardData
 
 MAX_GROUP_COLUMNS = 4
@@ -162,25 +163,34 @@ def _ras(reports: dict[str, Any], hosts: dict[str, str | None]) -> list[tuple[st
     return out
 
 
+_DUMP_STYLES = {"heading": "bold", "finding": "bold red", "problem": "red", "": ""}
+
+
 def _dump_lines(dump: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The latest Flight Recorder dump, as lines of (text, style)."""
+    """The latest Flight Recorder dump and scalemon's analysis of it, as lines of (text,
+    style): the finding, the ranks that gave nothing, a table per group."""
     if dump is None:
-        return [("no Flight Recorder dump yet: d asks every rank to write one, and the hub "
-                 "runs torch's analyzer on them", "dim")]
+        return [("no Flight Recorder dump yet: d asks every rank to write one, and scalemon "
+                 "tells from them who holds up whom", "dim")]
     lines = [(f"Flight Recorder dump {dump['directory']} ({dump['state']})", "bold")]
     asked = dump.get("requested") or []
     if dump["state"] != "analysed":
         lines.append((f"asked {_ranks(asked)}; waiting for their dumps (up to 15 s), then "
-                      "torch's analyzer", ""))
+                      "the analysis", ""))
         return lines
     written, missing = dump.get("written") or [], dump.get("missing") or []
     lines.append((f"asked {_ranks(asked)}; wrote a dump: {_ranks(written)}", ""))
     if missing:
         lines.append((f"no dump from {_ranks(missing)}: {NO_DUMP} (a rank stuck in C++ with "
                       "the GIL held, or whose process is gone, cannot write one)", "bold red"))
-    code = dump.get("exit_code")
-    lines.append(("torch's analyzer" + ("" if code is None else f" (exit {code})") + ":",
-                  "bold"))
+    report = dump.get("report")
+    if isinstance(report, dict):
+        try:
+            lines.extend((text, _DUMP_STYLES.get(kind, "")) for text, kind in
+                         report_lines(report))
+            return lines
+        except (KeyError, TypeError, ValueError, AttributeError):  # another scalemon's
+            pass
     lines.append((dump.get("analysis") or "(no analysis)", ""))
     return lines
 
