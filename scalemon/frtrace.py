@@ -423,7 +423,13 @@ def _rank_status(dump: RankDump | None, status: dict[int, dict[str, list[int]]],
     return {"last_issued": issued, "last_completed": completed,
             "issued_op": dump.op_at(group, issued) if dump and issued else None,
             "completed_op": dump.op_at(group, completed) if dump and completed else None,
-            "source": source.get(rank), "note": missing.get(rank)}
+            "source": source.get(rank), "note": _note(source.get(rank), missing.get(rank))}
+
+
+def _note(source: str | None, why: str | None) -> str | None:
+    if source == "heartbeat":
+        return "from its last heartbeat" + (f"; no dump: {why}" if why else "")
+    return why
 
 
 def _mismatches(dumps: dict[int, RankDump], group: str) -> dict[str, Any]:
@@ -572,8 +578,7 @@ def _group_lines(group: dict[str, Any], gone: set[int]) -> list[tuple[str, str]]
         role = "culprit" if rank in culprits else "waiting" if rank in waiting else ""
         issued = _seq_text(s["last_issued"], s["issued_op"])
         completed = _seq_text(s["last_completed"], s["completed_op"])
-        note = s.get("note") or ("" if s.get("source") in ("dump", None) else
-                                 f"from its {s['source']}")
+        note = s.get("note") or ""
         rows.setdefault((role, issued, completed, note), []).append(rank)
     table = [("ranks", "last issued", "last completed", "role", "note")]
     order = {"culprit": 0, "waiting": 1, "": 2}
