@@ -395,7 +395,7 @@ class Recorder:
             value = {"t": time.time(), "status": None, "error": str(exc)}
         self.submit("info", {"key": "nccl_ras", "value": value})
 
-    # --- dumps for torch's analyzer ----------------------------------------------------------
+    # --- dumps for `scalemon dump` (torch's format, so torch's own tools read them too) ----
     def request_dump(self, directory: str, rank: int) -> None:
         """Write this rank's recorder to `directory` soon (from the reader thread)."""
         self.dump_requests.append((directory, rank))

@@ -83,7 +83,7 @@ class HangScreen(DataScreen):
         t = Text()
         if self.status:
             t.append(clean(self.status) + "\n", style="bold")
-        for i, (line, style) in enumerate(view.dump):  # paths, torch's analysis
+        for i, (line, style) in enumerate(view.dump):  # paths, the analysis
             t.append(("\n" if i else "") + clean(line), style=style)
         return t
 

@@ -24,7 +24,8 @@ HELP_TEMPLATE = """\
   of arrival lateness, the ranks by lateness and the Flight Recorder's health on each rank
 - `h`: hang view (shown by itself when the job hangs): who holds up whom, each rank's state,
   collectives in flight and Python stack; there `d` asks every rank for a Flight Recorder dump
-  and shows torch's analysis of it
+  and shows scalemon's analysis of it: per group who issued and completed what, mismatches,
+  the culprit
 - `f`: flags (NCCL_DEBUG, NCCL_ALGO, TORCH_DISTRIBUTED_DEBUG, ...): each flag's tier, its
   value on the ranks (a value that differs across ranks is a MISMATCH, in red) and the toggle
   audit; there `Enter` or `t` changes the flag under the cursor on every rank and `R` changes
