@@ -142,7 +142,6 @@ class GroupSeen:
     config_ranks: list[int] | None = None
     issued: int = 0
     completed: int = 0
-    from_status: bool = False
 
 
 @dataclass
@@ -194,12 +193,11 @@ class RankDump:
             seen = self.groups.setdefault(name_, GroupSeen())
             seen.issued = max(seen.issued, issued)
             seen.completed = max(seen.completed, completed)
-            seen.from_status = True
-        for e in self.entries:  # formats without pg_status, and what it may lag behind
-            seen = self.groups[e.group]
+        for e in self.entries:  # formats without pg_status, and what it lags behind (gloo
+            seen = self.groups[e.group]  # counts a collective completed after retiring it)
             if not e.is_p2p:
                 seen.issued = max(seen.issued, e.seq)
-                if e.completed and not seen.from_status:
+                if e.completed:
                     seen.completed = max(seen.completed, e.seq)
 
     def op_at(self, group: str, seq: int) -> str | None:

@@ -97,6 +97,9 @@ def _hung(real: Path) -> dict[int, dict[str, Any]]:
     dumps[1]["pg_status"]["0"].update(last_enqueued_collective=5, last_completed_collective=5)
     dumps[1]["entries"] = [e for e in dumps[1]["entries"] if e["profiling_name"] !=
                            "gloo:barrier"]
+    for e in dumps[0]["entries"]:
+        if e["profiling_name"] == "gloo:barrier":
+            e["retired"] = False  # as gloo leaves the one a rank waits in
     return dumps
 
 
@@ -347,3 +350,61 @@ def test_the_dump_panel_shows_the_analysis_as_tables_never_a_traceback(tmp_path)
             "in it", "bold red") in lines
     assert "group tp (name 1, ranks 2,3)" in text and "Traceback" not in text
     assert "  ranks  last issued    last completed  role     note" in text
+
+
+# --- what the hub adds -------------------------------------------------------------------
+
+def test_the_hub_says_why_each_rank_gave_nothing():
+    from scalemon.hub.frdump import WAIT_S, job_context
+    from scalemon.jobstate import JobState, RankView
+
+    state = JobState(job="j", world_size=6)
+    state.ranks = {r: RankView(rank=r) for r in range(5)}
+    state.ranks[1].state, state.ranks[1].state_reason = "lost", "no message for 5.2 s"
+    state.ranks[2].state, state.ranks[2].state_reason = "exited", "killed by SIGKILL"
+    state.ranks[4].metrics["groups"] = {"0": [11, 11]}
+    state.groups = {"0": {"desc": "default_pg", "ranks": list(range(6))}}
+    context = job_context(state, asked=[0, 1, 2, 3, 4], written=[0],
+                          errors={3: "OSError: [Errno 28] No space left on device"})
+    assert context["missing"] == {
+        "1": "lost (no message for 5.2 s): its process is dead, stopped or cut off from the hub",
+        "2": "its process exited (killed by SIGKILL)",
+        "3": "its agent could not write it: OSError: [Errno 28] No space left on device",
+        "4": f"no answer within {WAIT_S:g} s (stuck in C++ holding the GIL, or its agent "
+             "thread is gone)",
+        "5": "never reported to the hub (its agent is off or never started)"}
+    assert context["gone"] == [1, 2] and context["heartbeat"] == {"4": {"0": [11, 11]}}
+    assert context["members"] == {"0": [0, 1, 2, 3, 4, 5]}
+    assert context["descs"] == {"0": "default_pg"}
+
+
+def test_a_report_too_big_for_the_history_keeps_its_findings():
+    from scalemon.hub.frdump import REPORT_MAX_BYTES, _fitting
+
+    ranks = list(range(4096))
+    dumps = {}
+    for r in ranks:
+        dump = frtrace.RankDump(r)
+        dump.add({"version": "2.10", "pg_status": {"0": {
+            "last_enqueued_collective": 9 if r else 8, "last_completed_collective": 8}},
+            "entries": []}, f"rank_{r}")
+        dumps[r] = dump
+    report = frtrace.analyse(dumps, members={"0": ranks}, descs={"0": "default_pg"},
+                             asked=ranks)
+    assert len(json.dumps(report)) > REPORT_MAX_BYTES
+    small = _fitting(report)
+    assert len(json.dumps(small)) <= REPORT_MAX_BYTES and "analysis.json" in small["cut"]
+    assert small["culprit"]["culprits"] == [0] and small["culprit"]["waiting"] == ranks[1:]
+    assert "ranks 1-4095 wait in it" in frtrace.report_text(small)
+    text = frtrace.report_text(report)
+    assert "  1-4095  #9" in text  # ranks with the same row share it
+
+
+def test_reading_dumps_imports_no_torch(real):
+    code = ("import sys; from scalemon.cli import main; "
+            f"assert main(['dump', '--dir', {str(real / 'pickle')!r}]) == 0; "
+            "assert 'torch' not in sys.modules, 'scalemon dump imported torch'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group side (name 1, ranks 0,1)" in done.stdout

@@ -12,6 +12,7 @@ OUT_DIR/json/rank_<r> (`_dump_fr_trace_json`).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ def main() -> int:
     for _ in range(2):
         dist.all_reduce(torch.ones(2), group=side)
     dist.barrier()
+    time.sleep(1.0)  # gloo counts a collective completed a moment after it returned
     for kind, dump in (("pickle", c10d._dump_fr_trace), ("json", c10d._dump_fr_trace_json)):
         (out / kind).mkdir(parents=True, exist_ok=True)
         data = dump(includeCollectives=True, onlyActive=False)
