@@ -28,8 +28,9 @@ class Controller:
         if address.control is None:
             raise ControlError(
                 f"the hub at {address.rpc} is not on this machine (or its run directory is "
-                "unknown): flags can be changed only on the hub's host, by the job's owner "
-                "(ssh there and run `scalemon toggle JOB NAME=VALUE`)")
+                "unknown): a job is steered (flags, Flight Recorder dumps) only on the hub's "
+                "host, by the job's owner (ssh there and run `scalemon toggle JOB NAME=VALUE` "
+                "or `scalemon dump JOB`)")
         check_reachable(address.control)
         self.address = address
         self.client = HubClient(
@@ -87,13 +88,13 @@ def check_reachable(endpoint: str) -> None:
         info = directory.stat()
     except PermissionError:
         raise ControlError(f"permission denied on {directory}: the job belongs to another "
-                           "user; only its owner can change its flags") from None
+                           "user; only its owner can steer it (flags, dumps)") from None
     except FileNotFoundError:
         raise ControlError(f"{directory} does not exist: the job's hub is gone or runs "
                            "elsewhere") from None
     if info.st_uid != os.getuid() or not os.access(directory, os.X_OK | os.W_OK):
         raise ControlError(f"{directory} belongs to uid {info.st_uid}, not to you (uid "
-                           f"{os.getuid()}): only the job's owner can change its flags")
+                           f"{os.getuid()}): only the job's owner can steer it (flags, dumps)")
     if not path.exists():
         raise ControlError(f"the hub has no control socket at {path}: it is an older hub, or "
                            "it is not running")
