@@ -5,14 +5,16 @@ The hub queues a `dump_fr` command for each rank (delivered on the agents' next 
 agent writes its recorder to `<run dir>/fr/<time>/rank_<rank>` from its own thread and reports
 back with an `fr_dump` info. Once every rank answered, or after `WAIT_S`, the hub notes what it
 knows of the job (groups, ranks gone, each silent rank's last heartbeat) in `context.json`,
-reads the dumps in a thread of its own and writes the analysis to `analysis.json` and to the
-history. A rank that wrote no dump is named with the reason: on a hang, that is a finding.
+has `scalemon dump --dir` analyse the directory in a process of its own and writes the
+analysis to `analysis.json` and to the history. A rank that wrote no dump is named with the
+reason: on a hang, that is a finding.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,11 +22,10 @@ from typing import Any
 
 from scalemon import frtrace
 
-log = logging.getLogger("scalemon.hub")
-
 WAIT_S = 15.0
 """How long the ranks have to write their dumps."""
 ANALYSIS_MAX_CHARS = 20_000
+ANALYSIS_TIMEOUT_S = 300.0
 REPORT_MAX_BYTES = 256 << 10
 """The analysis in the history record at most; beyond, the per-rank rows stay in the file."""
 
@@ -82,15 +83,14 @@ class FrDump:
 
     def _analyse(self, context: dict[str, Any]) -> None:
         directory = Path(self.directory)
+        report = None
         try:
             _write_json(directory / frtrace.CONTEXT_FILE, context)
-            report = frtrace.analyse_directory(directory, context)
-            _write_json(directory / frtrace.ANALYSIS_FILE, report)
-            text = frtrace.report_text(report)
-        except Exception as exc:  # the hub goes on; the record says what failed
-            log.exception("analysis of the Flight Recorder dump in %s failed", directory)
-            report, text = None, (f"the analysis failed ({type(exc).__name__}: {exc}); the "
-                                  f"dumps are in {directory}")
+            report, text = analyse_apart(directory)
+            if report is not None:
+                _write_json(directory / frtrace.ANALYSIS_FILE, report)
+        except OSError as exc:
+            text = f"the analysis failed: {exc}; the dumps are in {directory}"
         if len(text) > ANALYSIS_MAX_CHARS:
             text = text[:ANALYSIS_MAX_CHARS] + "\n… (cut; scalemon dump --dir DIR shows it all)"
         self.analysis = text
@@ -137,6 +137,24 @@ def job_context(state: Any, asked: list[int], written: list[int],
         "heartbeat": {str(r): v.metrics.get("groups") for r, v in state.ranks.items()
                       if r not in written and isinstance(v.metrics.get("groups"), dict)},
     }
+
+
+def analyse_apart(directory: Path) -> tuple[dict[str, Any] | None, str]:
+    """`scalemon dump --dir DIRECTORY --json` in a process of its own: thousands of ranks'
+    rings take GBs and seconds of CPU that the hub's loop must not wait for. Returns the
+    report (None when it failed) and the analysis as text (or why there is none)."""
+    cmd = [sys.executable, "-m", "scalemon.cli", "dump", "--dir", str(directory), "--json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=ANALYSIS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, (f"the analysis did not finish in {ANALYSIS_TIMEOUT_S:.0f} s; the dumps "
+                      f"are in {directory}")
+    try:
+        report = json.loads(out.stdout)
+    except ValueError:
+        why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        return None, f"the analysis failed: {why}; the dumps are in {directory}"
+    return report, frtrace.report_text(report)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -111,9 +111,10 @@ def load_bytes(data: bytes) -> dict[str, Any]:
 
 # --- one rank's dump ---------------------------------------------------------------------
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
-    """One recorded collective, normalised across formats."""
+    """One recorded collective, normalised across formats (frames and times are not kept:
+    thousands of ranks' rings are read at once)."""
 
     group: str
     seq: int
@@ -154,6 +155,7 @@ class RankDump:
     groups: dict[str, GroupSeen] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
     skipped: int = 0  # entries that were not understood
+    ops: dict[tuple[str, int], str] = field(default_factory=dict)  # (group, seq) -> op
 
     def add(self, dump: dict[str, Any], name: str) -> None:
         """Merge one file's dump into this rank's."""
@@ -171,6 +173,8 @@ class RankDump:
             seen = self.groups.setdefault(entry.group, GroupSeen())
             seen.desc = seen.desc or desc
             self.entries.append(entry)
+            if not entry.is_p2p:
+                self.ops[entry.group, entry.seq] = entry.op
         config = dump.get("pg_config")
         for key, value in (config.items() if isinstance(config, dict) else ()):
             ranks = _config_ranks(value)
@@ -202,10 +206,7 @@ class RankDump:
 
     def op_at(self, group: str, seq: int) -> str | None:
         """The op of collective `seq` of `group`, if the ring still holds it."""
-        for e in reversed(self.entries):
-            if e.group == group and e.seq == seq and not e.is_p2p:
-                return e.op
-        return None
+        return self.ops.get((group, seq))
 
 
 def _int(value: Any) -> int | None:
