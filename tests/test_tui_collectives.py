@@ -185,13 +185,20 @@ def test_a_hang_switches_to_the_hang_view_once_per_hang_naming_the_culprit_with_
             await until(pilot, lambda: isinstance(app.screen, HangScreen)
                         and "run_backward(" in screen_text(app))
             text = screen_text(app)
-            assert (f"rank 1 never issued all_reduce #{seq} of group default_pg; ranks 0,2 "
-                    "wait in it for 15 s") in text
-            assert line_with(text, " 1 ", "culprit", "data", f"{seq - 1}/{seq - 1}")
-            assert line_with(text, " 0 ", "waiting", "allreduce", f"default_pg #{seq}")
+            label = "default_pg [0,1,2]"
+            assert (f"rank 1 never issued all_reduce #{seq} of {label} (in Python: data.py:41 "
+                    f"in _load()); ranks 0,2 wait in all_reduce #{seq} of {label} for rank 1 "
+                    "(15 s)") in " ".join(text.split())
+            # the culprit with its cause and frame, the waiting ranks with what they wait in
+            assert line_with(text, "rank 1: python, data.py:41 in _load(); never issued")
+            assert line_with(text, f"ranks 0,2: waiting in all_reduce #{seq} of {label} for "
+                             "rank 1 (15 s)")
+            assert line_with(text, " 1 ", "culprit", "python", "data.py:41 in _load()",
+                             f"{seq - 1}/{seq - 1}")
+            assert line_with(text, " 0 ", "waiting", "collective", f"default_pg #{seq}")
             # a stack for every rank, shown as typed ("[0042]" is no markup)
             assert "rank 1  ·  culprit" in text and "shard-[0042].npy" in text
-            assert "ranks 0,2  ·  waiting in the collective  ·  the same stack" in text
+            assert "ranks 0,2  ·  waiting  ·  the same stack" in text
             assert "Variable._execution_engine.run_backward(" in text
             assert "NCCL RAS on node0 (via rank 0)" in text and report in text
 
