@@ -11,8 +11,9 @@ TORCH_FR_BUFFER_SIZE entries in a ring). `Recorder` runs its own daemon thread t
   (by `record_id`; a gap means the ring wrapped before the read: counted in `recorder_lost`),
   aggregates them by (group, op, size bucket) and sends one `collectives` message with the
   issue time of every new collective (arrival skew);
-- while the training thread is stuck (no `log()` for a few seconds), adds its Python stack and
-  the collectives in flight to the heartbeat.
+- while the training thread is stuck (no `log()` for the hang threshold, `HANG_AFTER_S` or
+  the hub's `--hang-after`), adds its Python stack and the collectives in flight to the
+  heartbeat, and says whether it waits in a collective (`blocked`).
 
 What each backend records (torch 2.13): NCCL entries carry `duration_ms` once collective timing
 is on (the agent turns it on for every group, also groups created later). gloo entries carry
@@ -36,7 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scalemon.collectives import CollectiveStats, buffer_bytes, op_name, size_bucket
+from scalemon.collectives import (
+    HANG_AFTER_S,
+    CollectiveStats,
+    buffer_bytes,
+    op_name,
+    size_bucket,
+)
 
 from .warn import Warnings
 
@@ -101,7 +108,7 @@ class Recorder:
         status_every_s: float = 1.0,
         min_read_s: float = 1.0,
         max_read_s: float = 10.0,
-        stuck_after_s: float = 3.0,
+        stuck_after_s: float = HANG_AFTER_S,
         ras_port: int | None = None,
         sources: list[RecorderSource] | None = None,
         start: bool = True,
@@ -116,7 +123,8 @@ class Recorder:
         self.status_every_s = status_every_s
         self.min_read_s = min_read_s
         self.max_read_s = max_read_s
-        self.stuck_after_s = stuck_after_s
+        self.stuck_after_s = stuck_after_s  # the hang threshold: the hub's, once it answered
+        self.stuck = False
         self.ras_port = ras_port  # None: do not ask NCCL RAS (gloo, or not this node's rank 0)
         self._ras_asked = False
         self.sources = find_sources(nccl) if sources is None else sources
@@ -183,6 +191,14 @@ class Recorder:
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
 
+    def blocked(self) -> bool | None:
+        """While the training thread is stuck: whether it waits in a collective (a group
+        with more issued than completed); None while it is not stuck."""
+        if not self.stuck:
+            return None
+        groups = self.fields["groups"] or {}
+        return any(s[0] > s[1] for s in groups.values())
+
     def heartbeat_fields(self) -> dict[str, Any]:
         """What the heartbeat carries from here (latest readings)."""
         return {**self.fields, "recorder_read_s": self.read_s,
@@ -212,7 +228,7 @@ class Recorder:
         last = self.last_log()
         if last is None:
             return False
-        stuck = time.perf_counter() - last >= self.stuck_after_s
+        stuck = self.stuck = time.perf_counter() - last >= self.stuck_after_s
         if not stuck:
             self._ras_asked = False
             self.fields["stack"] = self.fields["inflight"] = None
@@ -373,7 +389,7 @@ class Recorder:
             status = groups.get(group)
             if status is not None and seq > status[1] and not e.get("is_p2p"):
                 out.append([group, seq, op_name(e.get("profiling_name") or ""),
-                            e.get("time_created_ns", 0) / 1e9])
+                            e.get("time_created_ns", 0) / 1e9, buffer_bytes(e)])
         return out[-32:]
 
     def training_stack(self) -> str | None:

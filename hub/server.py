@@ -563,7 +563,7 @@ class Hub:
             return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
         if op == "sync":
             rank = args["rank"]
-            return {"t0": args["t"], "t": time.time(),
+            return {"t0": args["t"], "t": time.time(), "hang_after_s": self.state.hang_after_s,
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "relay":
             self.relays.report(args["node"], args["pid"], args["stats"])

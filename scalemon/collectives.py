@@ -12,6 +12,7 @@ buffer of an all_reduce) and `busbw = algbw * factor(op, n)`, n the ranks of the
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -275,8 +276,6 @@ a rank: not counted as a culprit)."""
 def hang_after_default(env: dict[str, str] | None = None) -> float:
     """The hang threshold: `SCALEMON_HANG_AFTER` seconds when set to a positive number, else
     `HANG_AFTER_S` (a bad value is ignored: the default stands)."""
-    import os
-
     raw = (os.environ if env is None else env).get(HANG_AFTER_ENV, "")
     try:
         value = float(raw)
@@ -469,8 +468,9 @@ CHAINS_MAX = 32
 
 
 def _chains(waits: dict[int, dict[str, Any]], causes: dict[int, dict[str, Any]]) -> list[list[int]]:
-    """One path per rank nobody waits for, from it along the first awaited rank to where the
-    path ends (a culprit, or a rank met before), at most `CHAINS_MAX`."""
+    """One path per rank nobody waits for, from it through the ranks it waits for (those that
+    wait themselves first) to where the path ends (a culprit, or a rank met before), at most
+    `CHAINS_MAX`."""
     awaited = {r for w in waits.values() for r in w["for"]}
     roots = sorted(r for r in waits if r not in awaited)
     if not roots:  # every waiting rank is awaited: a cycle; start at the smallest rank
@@ -480,7 +480,9 @@ def _chains(waits: dict[int, dict[str, Any]], causes: dict[int, dict[str, Any]])
         path = [root]
         while path[-1] in waits and (path[-1] not in causes or len(path) == 1):
             nxt = waits[path[-1]]["for"]
-            step = next((r for r in nxt if r in causes), nxt[0]) if nxt else None
+            # the longest way: through ranks that wait themselves, then to a culprit
+            step = next((r for r in nxt if r in waits and r not in causes and r not in path),
+                        next((r for r in nxt if r in causes), nxt[0])) if nxt else None
             if step is None or step in path:
                 break
             path.append(step)

@@ -439,6 +439,7 @@ class JobState:
             "causes": report.causes_json(),
             "waits": report.waits_json(),
             "chains": finding.get("chains", []),
+            "wait_for": {str(r): list(w["for"]) for r, w in sorted(report.waits.items())},
             "desync": report.desync_json(),
             "stacks": {str(r): self._stack_text(v) for r, v in sorted(self.ranks.items())},
             "nccl_ras": {str(r): v for r, v in self.info.get("nccl_ras", {}).items()},

@@ -133,7 +133,7 @@ def test_a_subgroup_chain_names_the_rank_at_its_end_alone():
     assert found["waits"][0] == {"group": "1", "seq": 3, "op": "all_gather", "t": 100.0,
                                  "for": [1]}
     assert found["waits"][2]["for"] == [0, 1] and found["waits"][2]["seq"] == 16
-    assert found["chains"] == [[2, 1]]  # straight to the culprit it waits for too
+    assert found["chains"] == [[2, 0, 1]]  # through rank 0, which waits itself
 
 
 def test_two_disjoint_subgroups_each_have_their_culprit():
@@ -371,10 +371,12 @@ def test_a_stuck_training_thread_gets_its_stack_and_collectives_in_flight_report
     assert rec._stuck()
     rec.read_all(True)
     fields = rec.heartbeat_fields()
-    assert fields["inflight"] == [["0", 2, "all_reduce", 123.0]]
+    assert fields["inflight"] == [["0", 2, "all_reduce", 123.0, 4096]]  # with its bytes
     assert "test_a_stuck_training_thread" in fields["stack"]
+    assert rec.blocked() is True  # group 0 issued #2, completed #1
     rec.last_log = time.perf_counter  # it logged a step: no longer stuck
     assert not rec._stuck() and rec.heartbeat_fields()["stack"] is None
+    assert rec.blocked() is None
 
 
 def test_a_dump_lands_where_torchs_analyzer_looks_and_is_reported(tmp_path):
