@@ -86,7 +86,9 @@ def find_sources(nccl: bool) -> list[RecorderSource]:
     sources = []
     generic = getattr(c10d, "_dump_fr_trace", None)
     if generic is not None:
-        sources.append(RecorderSource("fr", generic))
+        # no stack traces: their symbolization costs more than the rest of the read (and its
+        # first use imports torch._inductor, seconds during which no status is read)
+        sources.append(RecorderSource("fr", generic, includeStackTraces=False))
     nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
     if nccl and nccl_dump is not None:
         sources.append(RecorderSource("nccl", nccl_dump, includeStackTraces=False))
@@ -125,6 +127,7 @@ class Recorder:
         self.max_read_s = max_read_s
         self.stuck_after_s = stuck_after_s  # the hang threshold: the hub's, once it answered
         self.stuck = False
+        self.on_stuck: Callable[[], None] | None = None  # called once per stuck spell
         self.ras_port = ras_port  # None: do not ask NCCL RAS (gloo, or not this node's rank 0)
         self._ras_asked = False
         self.sources = find_sources(nccl) if sources is None else sources
@@ -163,7 +166,11 @@ class Recorder:
             try:
                 self.enable_timing()
                 self._serve_dumps()
+                was_stuck = self.stuck
                 stuck = self._stuck()
+                if stuck and not was_stuck:
+                    self._report_stuck_now()
+                    next_full = time.monotonic() + self.min_read_s
                 if stuck and not self._ras_asked:
                     self._ras_asked = True
                     self.relay_ras()
@@ -176,13 +183,29 @@ class Recorder:
             except Exception as exc:  # keep reading; never into the training loop
                 self.warnings.once("recorder", "scalemon: reading the Flight Recorder failed "
                                    "(%s: %s); collectives may be missing", type(exc).__name__, exc)
-            self._wake.wait(self.status_every_s)
+            self._wake.wait(self._next_wait())
             self._wake.clear()
         try:
             self.read_all(False)  # what the last steps issued
         except Exception as exc:
             self.warnings.once("recorder-last", "scalemon: the last Flight Recorder read failed: "
                                "%s", exc)
+
+    def _next_wait(self) -> float:
+        """Until the next status read, or sooner: the moment the training thread becomes
+        stuck (the hang threshold), so that its stack goes out with no delay."""
+        last = self.last_log()
+        if last is None or self.stuck:
+            return self.status_every_s
+        until_stuck = last + self.stuck_after_s - time.perf_counter()
+        return min(self.status_every_s, max(0.05, until_stuck + 0.01))
+
+    def _report_stuck_now(self) -> None:
+        """Just stuck: read everything (stack, collectives in flight) and have the heartbeat
+        send it now rather than within its next second."""
+        self.read_all(True)
+        if self.on_stuck is not None:
+            self.on_stuck()
 
     def stop(self) -> None:
         """Read once more, send, and stop the thread."""

@@ -154,6 +154,7 @@ class Run:
         self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
                                    heartbeat_s, self.warnings)
+        self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)

@@ -298,7 +298,7 @@ def _inflight_at(inflight: dict[int, list[list[Any]]], rank: int, group: str,
 
 
 def _rank_waits(rank: int, groups: dict[str, list[int]], status: dict[int, dict[str, list[int]]],
-                members: dict[str, tuple[int, ...]], gone: set[int],
+                members: dict[str, tuple[int, ...]], gone: set[int], finished: set[int],
                 inflight: dict[int, list[list[Any]]]) -> list[dict[str, Any]]:
     """Every group `rank` waits in: those where it issued more than it completed."""
     waits = []
@@ -310,7 +310,8 @@ def _rank_waits(rank: int, groups: dict[str, list[int]], status: dict[int, dict[
             continue
         ranks = members[group]
         late = [m for m in ranks if m != rank and (m in gone or _issued(status, m, group) < issued)]
-        alive_late = [_issued(status, m, group) for m in late if m not in gone]
+        alive_late = [_issued(status, m, group) for m in late
+                      if m not in gone and m not in finished and group in status.get(m, {})]
         seq = min(alive_late) + 1 if alive_late else completed + 1
         entry = _inflight_at(inflight, rank, group, seq)
         waits.append({"group": group, "seq": seq, "op": entry[2] if entry else None,
@@ -377,7 +378,7 @@ def wait_for_graph(
     for rank, groups in status.items():
         if rank in gone or rank in finished or not isinstance(groups, dict):
             continue
-        found = _rank_waits(rank, groups, status, members, gone, inflight)
+        found = _rank_waits(rank, groups, status, members, gone, finished, inflight)
         if found:
             waits[rank] = found[0]
     if not waits:

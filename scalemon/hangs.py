@@ -121,7 +121,7 @@ class HangReport:
         if kind == "gone":
             view = self.st.ranks[rank]
             why = view.state_reason or "no exit reported"
-            return f"process gone ({view.state}: {why})" + (
+            return f"{view.state}: {why}" + (
                 f"; never issued {missed}" if missed else "")
         if kind == "python":
             frame = self.frame(rank)

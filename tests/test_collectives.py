@@ -271,7 +271,7 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
                                                       "reason": "process 101 is gone"}))
     hang = st.hang(now=1040.0)
     assert hang["culprits"] == [1] and hang["gone"] == [1]
-    assert "rank 1: process gone (lost: process 101 is gone)" in hang["text"]
+    assert "rank 1: lost: process 101 is gone; never issued all_reduce #10" in hang["text"]
     assert "no stack: the rank is lost" in hang["stacks"]["1"]
 
 

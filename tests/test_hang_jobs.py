@@ -19,7 +19,7 @@ from test_collectives_jobs import hub_client, job_env, snapshot
 
 from conftest import REPO, free_port, kill_tree, wait_for
 from scalemon.cli import format_snapshot
-from scalemon.jobs import JobFile, jobs_dir
+from scalemon.jobs import jobs_dir
 
 HANG_AFTER_S = 5.0
 JOB = REPO / "tests" / "jobs" / "hang_scenarios.py"
@@ -45,7 +45,7 @@ def named(home: Path, log: Path, scenario: str, ready) -> dict:
     directly: a CLI process takes seconds to start on a loaded machine)."""
     wait_for(lambda: f": {scenario} at step" in log.read_text(), timeout=150, interval=0.2)
     hung_at = time.monotonic()
-    wait_for(lambda: JobFile.read(jobs_dir(home) / f"{home.name}.json"), timeout=30)
+    wait_for(lambda: (jobs_dir(home) / f"{home.name}.json").exists(), timeout=30)
     client = hub_client(home)
     try:
         wait_for(lambda: (h := client.state()["state"]["hang"]) and ready(h),
@@ -53,6 +53,7 @@ def named(home: Path, log: Path, scenario: str, ready) -> dict:
     finally:
         client.close()
     took = time.monotonic() - hung_at
+    print(f"{scenario}: named {took:.1f} s after the fault")
     assert took <= HANG_AFTER_S + 5.0, f"named after {took:.1f} s"
     state = snapshot(home)
     assert state is not None and state["hang"] and ready(state["hang"])
@@ -183,7 +184,7 @@ def check_dashboard(home: Path, needles: tuple[str, ...]) -> None:
     from test_tui_app import until
     from test_tui_snapshots import screen_text
 
-    from scalemon.jobs import HubAddress
+    from scalemon.jobs import HubAddress, JobFile
     from scalemon.tui.app import DashboardApp
     from scalemon.tui.feed import HubFeed
     from scalemon.tui.screens.hang import HangScreen
