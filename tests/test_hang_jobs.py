@@ -47,9 +47,20 @@ def named(home: Path, log: Path, scenario: str, ready) -> dict:
     hung_at = time.monotonic()
     wait_for(lambda: (jobs_dir(home) / f"{home.name}.json").exists(), timeout=30)
     client = hub_client(home)
+    seen: list[dict] = []
+
+    def found() -> bool:
+        state = client.state()["state"]
+        seen[:] = [state]
+        return bool(state["hang"]) and ready(state["hang"])
+
     try:
-        wait_for(lambda: (h := client.state()["state"]["hang"]) and ready(h),
-                 timeout=HANG_AFTER_S + 25, interval=0.2)
+        wait_for(found, timeout=HANG_AFTER_S + 25, interval=0.2)
+    except AssertionError:
+        last = seen[0] if seen else {}
+        raise AssertionError(f"{scenario}: not named; ranks "
+                             f"{[(r['state'], r['state_reason']) for r in last.get('ranks', [])]}"
+                             f", hang {last.get('hang')}") from None
     finally:
         client.close()
     took = time.monotonic() - hung_at
