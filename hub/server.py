@@ -610,6 +610,7 @@ class Hub:
                 "replay the history")}
         else:
             reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
+        reply["hang_after_s"] = self.state.hang_after_s  # the dashboard's threshold too
         log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
         self._seed_cache = (head, time.monotonic(), reply)
         return reply

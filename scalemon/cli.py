@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import __version__, display, protocol
-from scalemon.collectives import hang_after_default
 from scalemon.jobs import (
     JobFile,
     JobLookupError,
@@ -335,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--wait", type=seconds(0.0), default=30.0, metavar="S",
                         help="wait up to S seconds for the job's hub (without TARGET: for a "
                              "live job) to appear; 0 does not wait")
-    attach.add_argument("--hang-after", type=seconds(0.0, above=True),
-                        default=hang_after_default(), metavar="S",
+    attach.add_argument("--hang-after", type=seconds(0.0, above=True), metavar="S",
                         help="call the job hung after S seconds without a completed step "
-                             "(default: $SCALEMON_HANG_AFTER, else 10, as the hub)")
+                             "(default: the hub's; without a hub $SCALEMON_HANG_AFTER, else "
+                             "10)")
     attach.add_argument("--stats-json", type=Path, metavar="PATH",
                         help="on exit, write redraw times and message counts here (benchmarks)")
     attach.set_defaults(func=cmd_attach)

@@ -262,6 +262,25 @@ def test_attach_passes_the_hang_threshold_to_the_dashboard(home):
     assert app.data.state.hang_after_s == 3.0
 
 
+def test_without_a_threshold_of_its_own_the_dashboard_takes_the_hubs(start_hub, zctx):
+    """One hang threshold: the hub's `--hang-after` comes with its seed; one given to `attach`
+    stands."""
+    hub = start_hub("tuiHT", "--hang-after", "2.5")
+    sim = SimJob(job="tuiHT", ranks=1, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+    ranks.hello()
+
+    async def scenario(given: float | None, expected: float) -> None:
+        app = make_app(hub.address.base, hang_after_s=given)
+        assert isinstance(app, DashboardApp)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.data.seeded_at is not None)
+            assert app.data.state.hang_after_s == expected
+
+    asyncio.run(scenario(None, 2.5))
+    asyncio.run(scenario(4.0, 4.0))
+
+
 @pytest.mark.parametrize("ranks", [2, 5])
 def test_simulated_hang_names_its_culprit(ranks):
     sim = SimJob(ranks=ranks, gpu=False, amp=False)
