@@ -11,6 +11,7 @@ buffer of an all_reduce) and `busbw = algbw * factor(op, n)`, n the ranks of the
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import statistics
@@ -297,29 +298,56 @@ def _inflight_at(inflight: dict[int, list[list[Any]]], rank: int, group: str,
     return None
 
 
-def _rank_waits(rank: int, groups: dict[str, list[int]], status: dict[int, dict[str, list[int]]],
-                members: dict[str, tuple[int, ...]], gone: set[int], finished: set[int],
+class _Laggards:
+    """Per group and issued count: the members that issued less (and the dead ones), and the
+    first collective those alive did not issue; each computed once, shared by every rank that
+    waits there (thousands of ranks wait in one collective)."""
+
+    def __init__(self, status: dict[int, dict[str, list[int]]],
+                 members: dict[str, tuple[int, ...]], gone: set[int], finished: set[int]) -> None:
+        self.status, self.members, self.gone, self.finished = status, members, gone, finished
+        self._order: dict[str, list[tuple[int, int]]] = {}
+        self._found: dict[tuple[str, int], tuple[list[int], int | None]] = {}
+
+    def of(self, group: str, issued: int) -> tuple[list[int], int | None]:
+        """(ranks that issued less than `issued` of `group` or are gone, the lowest last
+        issued + 1 of those alive with a status, or None)."""
+        key = (group, issued)
+        found = self._found.get(key)
+        if found is None:
+            order = self._order.get(group)
+            if order is None:
+                order = self._order[group] = sorted(
+                    (_issued(self.status, m, group), m) for m in self.members[group])
+            below = order[:bisect.bisect_left(order, (issued, -1))]
+            late = sorted({m for _, m in below} | {m for m in self.members[group]
+                                                   if m in self.gone})
+            alive = [i for i, m in below if m not in self.gone and m not in self.finished
+                     and group in self.status.get(m, {})]
+            found = self._found[key] = (late, min(alive) + 1 if alive else None)
+        return found
+
+
+def _rank_waits(rank: int, groups: dict[str, list[int]], laggards: _Laggards,
                 inflight: dict[int, list[list[Any]]]) -> list[dict[str, Any]]:
     """Every group `rank` waits in: those where it issued more than it completed."""
     waits = []
     for group, item in groups.items():
-        if group not in members or not isinstance(item, (list, tuple)) or len(item) != 2:
+        if group not in laggards.members or not isinstance(item, (list, tuple)) or len(item) != 2:
             continue
         issued, completed = item
         if issued <= completed:
             continue
-        ranks = members[group]
-        late = [m for m in ranks if m != rank and (m in gone or _issued(status, m, group) < issued)]
-        alive_late = [_issued(status, m, group) for m in late
-                      if m not in gone and m not in finished and group in status.get(m, {})]
-        seq = min(alive_late) + 1 if alive_late else completed + 1
+        late, first = laggards.of(group, issued)
+        if rank in late:  # gone itself: not waiting
+            late = [m for m in late if m != rank]
+        seq = first if first is not None else completed + 1
         entry = _inflight_at(inflight, rank, group, seq)
         waits.append({"group": group, "seq": seq, "op": entry[2] if entry else None,
-                      "t": entry[3] if entry and len(entry) > 3 else None,
-                      "for": sorted(late)})
+                      "t": entry[3] if entry and len(entry) > 3 else None, "for": late})
     # the binding wait: one that waits for ranks, the latest issued of those
-    waits.sort(key=lambda w: (not w["for"], -(w["t"] or 0.0), -len(members[w["group"]]),
-                              w["group"]))
+    waits.sort(key=lambda w: (not w["for"], -(w["t"] or 0.0),
+                              -len(laggards.members[w["group"]]), w["group"]))
     return waits
 
 
@@ -375,10 +403,11 @@ def wait_for_graph(
     inflight = inflight or {}
     gone, finished = set(gone), set(finished)
     waits: dict[int, dict[str, Any]] = {}
+    laggards = _Laggards(status, members, gone, finished)
     for rank, groups in status.items():
         if rank in gone or rank in finished or not isinstance(groups, dict):
             continue
-        found = _rank_waits(rank, groups, status, members, gone, finished, inflight)
+        found = _rank_waits(rank, groups, laggards, inflight)
         if found:
             waits[rank] = found[0]
     if not waits:
@@ -386,8 +415,12 @@ def wait_for_graph(
     causes: dict[int, dict[str, Any]] = {}
     desyncs: list[dict[str, Any]] = []
     checked: dict[tuple[str, int], dict[str, Any] | None] = {}
+    alive_of: dict[int, list[int]] = {}  # per list of awaited ranks (shared): the unfinished
     for rank, wait in sorted(waits.items()):
-        awaited = [r for r in wait["for"] if r not in finished]
+        awaited = alive_of.get(id(wait["for"]))
+        seen = awaited is not None
+        if awaited is None:
+            awaited = alive_of[id(wait["for"])] = [r for r in wait["for"] if r not in finished]
         if wait["for"] and not awaited:
             causes[rank] = {"cause": "teardown", "for": wait["for"]}
         elif not wait["for"]:
@@ -400,7 +433,7 @@ def wait_for_graph(
                         causes[odd] = {"cause": "desync", "group": key[0], "seq": key[1]}
             if checked[key] is None:
                 causes[rank] = {"cause": "stuck"}
-        for r in awaited:
+        for r in () if seen else awaited:
             if r in gone:
                 causes[r] = {"cause": "gone"}
             elif r not in waits:
@@ -413,9 +446,10 @@ def wait_for_graph(
                 waits[other]["for"] = sorted(set(waits[other]["for"]) | set(desync["ranks"]))
     culprits = sorted(r for r, c in causes.items() if c["cause"] != "stuck")
     group, seq = _primary(waits, culprits)
+    blamed = set(culprits)
     return {
         "group": group, "seq": seq, "culprits": culprits,
-        "waiting": sorted(r for r in waits if r not in culprits),
+        "waiting": sorted(r for r in waits if r not in blamed),
         "waits": waits, "causes": causes, "desync": desyncs,
         "chains": _chains(waits, causes),
     }
@@ -455,8 +489,12 @@ def _primary(waits: dict[int, dict[str, Any]], culprits: list[int]) -> tuple[Any
         return wait["group"], wait["seq"]
     first = culprits[0]
     counts: dict[tuple[str, int], int] = {}
+    has_first: dict[int, bool] = {}  # per shared list of awaited ranks
     for rank, wait in waits.items():
-        if first in wait["for"] or rank == first:
+        key = id(wait["for"])
+        if key not in has_first:
+            has_first[key] = first in wait["for"]
+        if has_first[key] or rank == first:
             key = (wait["group"], wait["seq"])
             counts[key] = counts.get(key, 0) + 1
     if not counts:
@@ -472,7 +510,8 @@ def _chains(waits: dict[int, dict[str, Any]], causes: dict[int, dict[str, Any]])
     """One path per rank nobody waits for, from it through the ranks it waits for (those that
     wait themselves first) to where the path ends (a culprit, or a rank met before), at most
     `CHAINS_MAX`."""
-    awaited = {r for w in waits.values() for r in w["for"]}
+    lists = {id(w["for"]): w["for"] for w in waits.values()}  # shared: each once
+    awaited = {r for ranks in lists.values() for r in ranks}
     roots = sorted(r for r in waits if r not in awaited)
     if not roots:  # every waiting rank is awaited: a cycle; start at the smallest rank
         roots = [min(waits)]

@@ -32,8 +32,8 @@ def user_frame(stack: str | None) -> str | None:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """"rank 1", "ranks 0,2,3"."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+    """"rank 1", "ranks 0,2,3", "ranks 0-7,9" (runs of four or more as a range)."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + span_text(ranks)[1:-1]
 
 
 def span_text(ranks: list[int]) -> str:
@@ -56,6 +56,11 @@ def _run_text(run: list[int]) -> list[str]:
     return [str(r) for r in run]
 
 
+FOR_SHOWN = 64
+"""Awaited ranks listed per waiting rank in the JSON at most (`for_count` has them all): half
+of 4096 ranks waiting for the other half must not make a snapshot of millions of numbers."""
+
+
 class HangReport:
     """The hang of `st` at `now` from its ranks' latest heartbeats (`groups`, `inflight`,
     `stack`, `phase`) and states."""
@@ -63,6 +68,9 @@ class HangReport:
     def __init__(self, st: JobState, now: float) -> None:
         self.st = st
         self.now = now
+        self._labels: dict[str, str] = {}
+        self._whoms: dict[int, str] = {}
+        self._frames: dict[int, str | None] = {}
         views = st.ranks
         self.finished = {r for r, v in views.items() if v.state == "finished"
                          or (v.state == "exited" and v.exit_code == 0)}
@@ -76,11 +84,19 @@ class HangReport:
                                       inflight=inflight) or {}
         self.waits: dict[int, dict[str, Any]] = self.finding.get("waits", {})
         self.causes: dict[int, dict[str, Any]] = self.finding.get("causes", {})
+        self._missed = self._never_issued()
 
     # --- pieces ----------------------------------------------------------------------------
+    def label(self, group: str) -> str:
+        """`JobState.group_label`, once per group (thousands of ranks name the same)."""
+        text = self._labels.get(group)
+        if text is None:
+            text = self._labels[group] = self.st.group_label(group)
+        return text
+
     def what(self, group: str, seq: int | None, op: str | None) -> str:
         """"all_reduce #16 of default_pg [0,1,2]"."""
-        return f"{op or 'collective'} #{seq} of {self.st.group_label(group)}"
+        return f"{op or 'collective'} #{seq} of {self.label(group)}"
 
     def waited_s(self, rank: int) -> float | None:
         """How long `rank` has waited in its collective (its issue time, on the hub's clock)."""
@@ -90,19 +106,33 @@ class HangReport:
         return self.now - (t + self.st.clock_offset(self.st.ranks[rank]))
 
     def frame(self, rank: int) -> str | None:
-        view = self.st.ranks.get(rank)
-        return user_frame(view.metrics.get("stack")) if view else None
+        """The rank's top user frame, from its stack (once per rank)."""
+        if rank not in self._frames:
+            view = self.st.ranks.get(rank)
+            self._frames[rank] = user_frame(view.metrics.get("stack")) if view else None
+        return self._frames[rank]
 
     def never_issued(self, rank: int) -> list[str]:
         """The collectives others wait in for `rank`, each once."""
-        out: list[str] = []
+        return self._missed.get(rank, [])
+
+    def _never_issued(self) -> dict[int, list[str]]:
+        """Rank -> the collectives others wait in for it; one pass over the waits (the ranks
+        that wait in one collective share one list of whom they wait for)."""
+        missed: dict[int, list[str]] = {}
+        seen: set[tuple[Any, ...]] = set()
         for waiter in sorted(self.waits):
             w = self.waits[waiter]
-            if rank in w["for"]:
-                text = self.what(w["group"], w["seq"], w["op"])
-                if text not in out:
-                    out.append(text)
-        return out
+            key = (w["group"], w["seq"], w["op"], id(w["for"]))
+            if key in seen:
+                continue
+            seen.add(key)
+            text = self.what(w["group"], w["seq"], w["op"])
+            for rank in w["for"]:
+                texts = missed.setdefault(rank, [])
+                if text not in texts:
+                    texts.append(text)
+        return missed
 
     def wait_text(self, rank: int) -> str:
         """"waiting in all_gather #3 of user_pg [0,1] for rank 1 (12 s)"."""
@@ -110,8 +140,16 @@ class HangReport:
         waited = self.waited_s(rank)
         text = f"waiting in {self.what(w['group'], w['seq'], w['op'])}"
         if w["for"]:
-            text += f" for {ranks_text(w['for'])}"
+            text += f" for {self._whom(w['for'])}"
         return text + (f" ({waited:.0f} s)" if waited is not None else "")
+
+    def _whom(self, ranks: list[int]) -> str:
+        """`ranks_text` of a list of awaited ranks, once per list (waiting ranks share one)."""
+        key = id(ranks)
+        text = self._whoms.get(key)
+        if text is None:
+            text = self._whoms[key] = ranks_text(ranks)
+        return text
 
     def cause_text(self, rank: int) -> str:
         """Why `rank` holds the others up, in words (without "rank N: ")."""
@@ -133,8 +171,9 @@ class HangReport:
             return (f"stuck in teardown: {self.wait_text(rank)}, which "
                     f"{'has' if len(cause['for']) == 1 else 'have'} finished")
         if kind == "deadlock":
-            return f"{self.wait_text(rank)}, which wait(s) for it in turn (a deadlock: " \
-                   "collectives issued in different orders)"
+            verb = "waits" if len(cause["for"]) == 1 else "wait"
+            return (f"{self.wait_text(rank)}, which {verb} for it in turn: a deadlock "
+                    "(collectives of different groups issued in different orders)")
         return (f"{self.wait_text(rank)}: every member issued it: a network or "
                 "communication-library problem, not a late rank")
 
@@ -150,7 +189,7 @@ class HangReport:
             return f"{k['op']}{size} #{seq}"
 
         odd = "; ".join(f"{ranks_text(k['ranks'])} issued {issued(k)}"
-                        + (f" of {self.st.group_label(group)}" if i == 0 else "")
+                        + (f" of {self.label(group)}" if i == 0 else "")
                         for i, k in enumerate(kinds[1:]))
         return f"{odd} while {ranks_text(kinds[0]['ranks'])} issued {issued(kinds[0])}"
 
@@ -160,16 +199,20 @@ class HangReport:
         if not self.finding:
             return (f"no rank completed a step for {since:.0f} s; every rank completed the "
                     "collectives it issued: look at the stacks")
-        parts = []
-        culprits = self.finding["culprits"]
-        for rank in culprits:
+        parts: list[str] = []
+        alike: dict[tuple[str, str], list[int]] = {}  # python culprits that missed the same
+        for rank in self.finding["culprits"]:
             kind = self.causes[rank]["cause"]
             if kind == "desync":
                 text = self.desync_text(self.causes[rank]["group"], self.causes[rank]["seq"])
-                if text not in parts:
-                    parts.append(text)
+            elif kind == "python":
+                alike.setdefault((kind, " nor ".join(self.never_issued(rank))), []).append(rank)
                 continue
-            parts.append(self._culprit_sentence(rank, kind))
+            else:
+                text = f"rank {rank}: {self.cause_text(rank)}"
+            if text not in parts:
+                parts.append(text)
+        parts[:0] = [self._python_sentence(ranks, missed) for (_, missed), ranks in alike.items()]
         stuck = [r for r, c in self.causes.items() if c["cause"] == "stuck"]
         if stuck:
             w = self.waits[stuck[0]]
@@ -179,15 +222,15 @@ class HangReport:
         parts.extend(self._waiting_sentences(waiting))
         return "; ".join(parts)
 
-    def _culprit_sentence(self, rank: int, kind: str) -> str:
-        missed = " nor ".join(self.never_issued(rank))
-        if kind == "python":
-            frame = self.frame(rank)
-            where = f"in Python: {frame}" if frame else "in Python"
-            if missed:
-                return f"rank {rank} never issued {missed} ({where})"
-            return f"rank {rank} is {where}"
-        return f"rank {rank}: {self.cause_text(rank)}"
+    def _python_sentence(self, ranks: list[int], missed: str) -> str:
+        """"rank 1 never issued all_reduce #7 of default_pg [0,1,2] (in Python: train.py:42
+        in step())"; the frame where every one of `ranks` is at the same."""
+        frames = {self.frame(r) for r in ranks}
+        frame = frames.pop() if len(frames) == 1 else None
+        where = f"in Python: {frame}" if frame else "in Python"
+        if missed:
+            return f"{ranks_text(ranks)} never issued {missed} ({where})"
+        return f"{ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
 
     def _waiting_sentences(self, waiting: list[int]) -> list[str]:
         """"ranks 0,2 wait in all_reduce #10 of default_pg [0,1,2] for rank 1 (37 s)", ranks
@@ -225,17 +268,17 @@ class HangReport:
         out = []
         for rank in sorted(self.waits):
             w = self.waits[rank]
-            group = self.st.groups.get(w["group"], {})
-            out.append({"rank": rank, "group": self.st.group_label(w["group"]),
-                        "group_name": w["group"], "group_ranks": list(group.get("ranks", [])),
-                        "seq": w["seq"], "op": w["op"], "for": list(w["for"]),
+            out.append({"rank": rank, "group": self.label(w["group"]),
+                        "group_name": w["group"],
+                        "seq": w["seq"], "op": w["op"], "for": w["for"][:FOR_SHOWN],
+                        "for_count": len(w["for"]),
                         "waited_s": self.waited_s(rank),
                         "culprit": rank in self.finding["culprits"],
                         "text": f"rank {rank}: {self.wait_text(rank)}"})
         return out
 
     def desync_json(self) -> list[dict[str, Any]]:
-        return [{**d, "group": self.st.group_label(d["group"]), "group_name": d["group"],
+        return [{**d, "group": self.label(d["group"]), "group_name": d["group"],
                  "text": self.desync_text(d["group"], d["seq"])}
                 for d in self.finding.get("desync", [])]
 
@@ -255,7 +298,7 @@ class HangReport:
             "state": view.state, "step": view.step, "phase": view.metrics.get("phase"),
             "frame": self.frame(rank), "role": role, "doing": doing,
             "stuck_s": self.now - view.last_step_t if view.last_step_t is not None else None,
-            "groups": {self.st.group_label(g): {"last_issued": s[0], "last_completed": s[1]}
+            "groups": {self.label(g): {"last_issued": s[0], "last_completed": s[1]}
                        for g, s in groups.items() if isinstance(s, list) and len(s) == 2},
             "inflight": view.metrics.get("inflight") or [],
         }

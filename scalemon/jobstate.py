@@ -24,7 +24,7 @@ from scalemon.collectives import (
 )
 from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
-from scalemon.hangs import HangReport, span_text
+from scalemon.hangs import FOR_SHOWN, HangReport, span_text
 from scalemon.protocol import HUB_RANK, Message
 
 STEP_FIELDS = metrics.latest_of("step")
@@ -431,7 +431,7 @@ class JobState:
             "since_s": since,
             "culprits": finding.get("culprits", []),
             "waiting": finding.get("waiting", []),
-            "group": self.group_label(group) if group is not None else None,
+            "group": report.label(group) if group is not None else None,
             "group_name": group,
             "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
             "gone": sorted(report.gone),
@@ -439,7 +439,7 @@ class JobState:
             "causes": report.causes_json(),
             "waits": report.waits_json(),
             "chains": finding.get("chains", []),
-            "wait_for": {str(r): list(w["for"]) for r, w in sorted(report.waits.items())},
+            "wait_for": {str(r): w["for"][:FOR_SHOWN] for r, w in sorted(report.waits.items())},
             "desync": report.desync_json(),
             "stacks": {str(r): self._stack_text(v) for r, v in sorted(self.ranks.items())},
             "nccl_ras": {str(r): v for r, v in self.info.get("nccl_ras", {}).items()},

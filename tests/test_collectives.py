@@ -430,3 +430,30 @@ def test_nccl_ras_status_is_read_as_ncclras_does_and_its_absence_said():
     assert "Communicators" in report
     with pytest.raises(RasUnavailable, match="no NCCL RAS at 127.0.0.1"):
         ras_status("127.0.0.1", port, timeout_s=1.0)  # closed now
+
+
+def test_a_big_hang_stays_small_in_words_and_in_json():
+    """4096 ranks, half of them in Python, the other half waiting for them: one sentence per
+    kind of rank, awaited ranks as ranges, at most 64 of them listed per waiting rank."""
+    import json
+
+    n = 4096
+    st = JobState(hang_after_s=10.0)
+    st.groups = {"0": {"desc": "default_pg", "ranks": list(range(n))}}
+    st.last_step_t = 0.0
+    for r in range(n):
+        view = st.rank(r)
+        view.step, view.last_step_t = 5, 0.0
+        late = r < n // 2
+        view.metrics.update(groups={"0": [99, 99] if late else [100, 99]},
+                            inflight=None if late else [["0", 100, "all_reduce", 1.0, 64]],
+                            stack='  File "train.py", line 3, in step\n')
+    hang = st.hang(now=50.0)
+    assert hang["culprits"] == list(range(n // 2))
+    assert hang["text"] == (
+        "ranks 0-2047 never issued all_reduce #100 of default_pg [0-4095] (in Python: "
+        "train.py:3 in step()); ranks 2048-4095 wait in all_reduce #100 of default_pg [0-4095] "
+        "for ranks 0-2047 (49 s)")
+    assert {len(w["for"]) for w in hang["waits"]} == {64}
+    assert {w["for_count"] for w in hang["waits"]} == {2048}
+    assert len(json.dumps(hang)) < 8 << 20
