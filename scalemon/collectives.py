@@ -364,9 +364,8 @@ def _desync(group: str, seq: int, ranks: tuple[int, ...],
     if len(issued) < 2:
         return None
     kinds = sorted(issued.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-    (op, size), majority = kinds[0]
     odd = sorted(r for _, rs in kinds[1:] for r in rs)
-    return {"group": group, "seq": seq, "ranks": odd, "others": majority,
+    return {"group": group, "seq": seq, "ranks": odd, "others": kinds[0][1],
             "issued": [{"op": o, "bytes": b, "ranks": rs} for (o, b), rs in kinds]}
 
 
