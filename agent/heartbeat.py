@@ -51,6 +51,7 @@ class Heartbeat:
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # prime: the next call measures from here
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scalemon-heartbeat", daemon=True)
         self._thread.start()
 
@@ -79,11 +80,18 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             self._beat_safely()
-            if self._stop.wait(self.interval_s):
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
+
+    def wake(self) -> None:
+        """Send a reading now (from any thread), not at the next interval."""
+        self._wake.set()
 
     def stop(self) -> None:
         """Stop the thread (returns within one interval), sending a last reading."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.interval_s + 1)
         self._beat_safely()

@@ -11,8 +11,9 @@ TORCH_FR_BUFFER_SIZE entries in a ring). `Recorder` runs its own daemon thread t
   (by `record_id`; a gap means the ring wrapped before the read: counted in `recorder_lost`),
   aggregates them by (group, op, size bucket) and sends one `collectives` message with the
   issue time of every new collective (arrival skew);
-- while the training thread is stuck (no `log()` for a few seconds), adds its Python stack and
-  the collectives in flight to the heartbeat.
+- while the training thread is stuck (no `log()` for the hang threshold, `HANG_AFTER_S` or
+  the hub's `--hang-after`), adds its Python stack and the collectives in flight to the
+  heartbeat, and says whether it waits in a collective (`blocked`).
 
 What each backend records (torch 2.13): NCCL entries carry `duration_ms` once collective timing
 is on (the agent turns it on for every group, also groups created later). gloo entries carry
@@ -36,7 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scalemon.collectives import CollectiveStats, buffer_bytes, op_name, size_bucket
+from scalemon.collectives import (
+    HANG_AFTER_S,
+    CollectiveStats,
+    buffer_bytes,
+    op_name,
+    size_bucket,
+)
 
 from .warn import Warnings
 
@@ -79,7 +86,9 @@ def find_sources(nccl: bool) -> list[RecorderSource]:
     sources = []
     generic = getattr(c10d, "_dump_fr_trace", None)
     if generic is not None:
-        sources.append(RecorderSource("fr", generic))
+        # no stack traces: their symbolization costs more than the rest of the read (and its
+        # first use imports torch._inductor, seconds during which no status is read)
+        sources.append(RecorderSource("fr", generic, includeStackTraces=False))
     nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
     if nccl and nccl_dump is not None:
         sources.append(RecorderSource("nccl", nccl_dump, includeStackTraces=False))
@@ -101,7 +110,7 @@ class Recorder:
         status_every_s: float = 1.0,
         min_read_s: float = 1.0,
         max_read_s: float = 10.0,
-        stuck_after_s: float = 3.0,
+        stuck_after_s: float = HANG_AFTER_S,
         ras_port: int | None = None,
         sources: list[RecorderSource] | None = None,
         start: bool = True,
@@ -116,7 +125,9 @@ class Recorder:
         self.status_every_s = status_every_s
         self.min_read_s = min_read_s
         self.max_read_s = max_read_s
-        self.stuck_after_s = stuck_after_s
+        self.stuck_after_s = stuck_after_s  # the hang threshold: the hub's, once it answered
+        self.stuck = False
+        self.on_stuck: Callable[[], None] | None = None  # called once per stuck spell
         self.ras_port = ras_port  # None: do not ask NCCL RAS (gloo, or not this node's rank 0)
         self._ras_asked = False
         self.sources = find_sources(nccl) if sources is None else sources
@@ -155,7 +166,11 @@ class Recorder:
             try:
                 self.enable_timing()
                 self._serve_dumps()
+                was_stuck = self.stuck
                 stuck = self._stuck()
+                if stuck and not was_stuck:
+                    self._report_stuck_now()
+                    next_full = time.monotonic() + self.min_read_s
                 if stuck and not self._ras_asked:
                     self._ras_asked = True
                     self.relay_ras()
@@ -168,7 +183,7 @@ class Recorder:
             except Exception as exc:  # keep reading; never into the training loop
                 self.warnings.once("recorder", "scalemon: reading the Flight Recorder failed "
                                    "(%s: %s); collectives may be missing", type(exc).__name__, exc)
-            self._wake.wait(self.status_every_s)
+            self._wake.wait(self._next_wait())
             self._wake.clear()
         try:
             self.read_all(False)  # what the last steps issued
@@ -176,12 +191,36 @@ class Recorder:
             self.warnings.once("recorder-last", "scalemon: the last Flight Recorder read failed: "
                                "%s", exc)
 
+    def _next_wait(self) -> float:
+        """Until the next status read, or sooner: the moment the training thread becomes
+        stuck (the hang threshold), so that its stack goes out with no delay."""
+        last = self.last_log()
+        if last is None or self.stuck:
+            return self.status_every_s
+        until_stuck = last + self.stuck_after_s - time.perf_counter()
+        return min(self.status_every_s, max(0.05, until_stuck + 0.01))
+
+    def _report_stuck_now(self) -> None:
+        """Just stuck: read everything (stack, collectives in flight) and have the heartbeat
+        send it now rather than within its next second."""
+        self.read_all(True)
+        if self.on_stuck is not None:
+            self.on_stuck()
+
     def stop(self) -> None:
         """Read once more, send, and stop the thread."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+
+    def blocked(self) -> bool | None:
+        """While the training thread is stuck: whether it waits in a collective (a group
+        with more issued than completed); None while it is not stuck."""
+        if not self.stuck:
+            return None
+        groups = self.fields["groups"] or {}
+        return any(s[0] > s[1] for s in groups.values())
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """What the heartbeat carries from here (latest readings)."""
@@ -212,7 +251,7 @@ class Recorder:
         last = self.last_log()
         if last is None:
             return False
-        stuck = time.perf_counter() - last >= self.stuck_after_s
+        stuck = self.stuck = time.perf_counter() - last >= self.stuck_after_s
         if not stuck:
             self._ras_asked = False
             self.fields["stack"] = self.fields["inflight"] = None
@@ -373,7 +412,7 @@ class Recorder:
             status = groups.get(group)
             if status is not None and seq > status[1] and not e.get("is_p2p"):
                 out.append([group, seq, op_name(e.get("profiling_name") or ""),
-                            e.get("time_created_ns", 0) / 1e9])
+                            e.get("time_created_ns", 0) / 1e9, buffer_bytes(e)])
         return out[-32:]
 
     def training_stack(self) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 import scalemon
+from scalemon.collectives import hang_after_default
 from scalemon.failures import clean_error
 from scalemon.jobs import relay_dir, run_dir
 
@@ -63,6 +64,12 @@ def guarded(method: F) -> F:
             return None
 
     return wrapper  # type: ignore[return-value]
+
+
+AGENT_PHASES = frozenset({"init", "data", "forward-backward", "allreduce", "optimizer",
+                          "after-optimizer"})
+"""The phases the agent sets itself; while the rank is stuck they give way to `collective` (it
+waits in one) or `python` (it does not: its stack's top user frame tells where)."""
 
 
 class Run:
@@ -131,7 +138,7 @@ class Run:
             lambda: self.phase.step, nccl=self._nccl,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
-            warnings=self.warnings)
+            warnings=self.warnings, stuck_after_s=hang_after_default())
         self._hello(model, config)
         self._logs: Any = None  # a LogFollower, once a log is followed
         self._stderr: Any = None
@@ -147,6 +154,7 @@ class Run:
         self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
                                    heartbeat_s, self.warnings)
+        self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)
@@ -402,9 +410,18 @@ class Run:
             log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
 
     def _counters(self) -> dict[str, Any]:
-        return {"dropped": self.sender.dropped, "queued": self.sender.queued,
-                "clock_offset_s": self.sender.clock_offset_s,
-                **self.recorder.heartbeat_fields()}
+        recorder = self.recorder
+        if self.sender.hang_after_s is not None:  # one threshold: the hub's
+            recorder.stuck_after_s = self.sender.hang_after_s
+        out = {"dropped": self.sender.dropped, "queued": self.sender.queued,
+               "clock_offset_s": self.sender.clock_offset_s, **recorder.heartbeat_fields()}
+        blocked = recorder.blocked()
+        if blocked is not None and self.phase.name in AGENT_PHASES:
+            # stuck: say where, not the loop phase it was in (a script's own phase stays)
+            out["phase"] = "collective" if blocked else "python"
+            if self._last_log_t is not None:
+                out["phase_since_s"] = time.perf_counter() - self._last_log_t
+        return out
 
     def _hub_label(self, configured: str | None) -> str:
         """The hub as warnings name it: on other nodes of a multi-node job, the node's relay."""

@@ -85,6 +85,7 @@ class Sender:
         self._sync_sent: float | None = None  # monotonic time of the request in flight
         self._next_sync = 0.0
         self._sync_refused = False
+        self.hang_after_s: float | None = None  # the hub's hang threshold, once it answered
         self.dropped = 0  # changed under _drop_lock: several threads drop
         self.sent = 0
         self._drop_lock = threading.Lock()
@@ -276,6 +277,9 @@ class Sender:
             self.warnings.once("hub-sync", "scalemon: the hub's answer to a sync was unusable: "
                                "%s", exc)
             return
+        hang_after = reply.get("hang_after_s")  # the hub's threshold: the agent's too
+        if isinstance(hang_after, (int, float)) and hang_after > 0:
+            self.hang_after_s = float(hang_after)
         t0, hub_t = reply.get("t0"), reply.get("t")
         if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
             self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))

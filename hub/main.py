@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from scalemon.cli_args import Parser, int_at_least, job_id, seconds
+from scalemon.collectives import hang_after_default
 from scalemon.jobs import check_job_id
 
 from .server import Hub, HubAlreadyRunning, install_signal_handlers
@@ -36,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a rank lost after S seconds without a message",
     )
     parser.add_argument(
-        "--hang-after", type=seconds(0.0, above=True), default=10.0, metavar="S",
-        help="the job is hung when no rank completed a step for S seconds",
+        "--hang-after", type=seconds(0.0, above=True), default=hang_after_default(),
+        metavar="S", help="the job is hung when no rank completed a step for S seconds "
+        "(default: $SCALEMON_HANG_AFTER, else 10); the ranks' agents use the same (they send "
+        "their stacks once stuck that long)",
     )
     parser.add_argument(
         "--linger", type=seconds(0.0), default=600.0, metavar="S",

@@ -563,7 +563,7 @@ class Hub:
             return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
         if op == "sync":
             rank = args["rank"]
-            return {"t0": args["t"], "t": time.time(),
+            return {"t0": args["t"], "t": time.time(), "hang_after_s": self.state.hang_after_s,
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "relay":
             self.relays.report(args["node"], args["pid"], args["stats"])
@@ -610,6 +610,7 @@ class Hub:
                 "replay the history")}
         else:
             reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
+        reply["hang_after_s"] = self.state.hang_after_s  # the dashboard's threshold too
         log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
         self._seed_cache = (head, time.monotonic(), reply)
         return reply

@@ -216,6 +216,15 @@ def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
     if not hang:
         return []
     out = [f"HUNG: {hang['text']}"]
+    for cause in hang.get("causes") or ():  # culprits with their cause, phase and frame
+        out.append(f"  {'culprit' if cause['culprit'] else 'stuck'}  {cause['text']}"
+                   f"  [phase {cause['phase'] or display.NA}]")
+    for wait in hang.get("waits") or ():
+        if not wait["culprit"]:
+            out.append(f"  waiting  {wait['text']}")
+    for chain in (hang.get("chains") or ())[:8]:
+        if len(chain) > 2:
+            out.append("  waits for: " + " -> ".join(str(r) for r in chain))
     for rank, stack in hang["stacks"].items():
         out.append(f"rank {rank} stack:")
         out.extend("  " + line for line in stack.rstrip().splitlines())
@@ -325,9 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--wait", type=seconds(0.0), default=30.0, metavar="S",
                         help="wait up to S seconds for the job's hub (without TARGET: for a "
                              "live job) to appear; 0 does not wait")
-    attach.add_argument("--hang-after", type=seconds(0.0, above=True), default=10.0,
-                        metavar="S",
-                        help="call the job hung after S seconds without a completed step")
+    attach.add_argument("--hang-after", type=seconds(0.0, above=True), metavar="S",
+                        help="call the job hung after S seconds without a completed step "
+                             "(default: the hub's; without a hub $SCALEMON_HANG_AFTER, else "
+                             "10)")
     attach.add_argument("--stats-json", type=Path, metavar="PATH",
                         help="on exit, write redraw times and message counts here (benchmarks)")
     attach.set_defaults(func=cmd_attach)

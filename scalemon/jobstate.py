@@ -14,16 +14,17 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.collectives import (
+    HANG_AFTER_S,
     ArrivalTracker,
     CollectiveStats,
     StatRow,
     bucket_text,
     bus_factor,
-    find_culprits,
     hist_quantile,
 )
 from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
+from scalemon.hangs import FOR_SHOWN, HangReport, span_text
 from scalemon.protocol import HUB_RANK, Message
 
 STEP_FIELDS = metrics.latest_of("step")
@@ -32,8 +33,6 @@ EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
 logs a new name every step cannot grow the state without bound."""
 TERMINAL_STATES = ("exited", "finished")
-HANG_AFTER_S = 10.0
-"""A job where no rank completed a step for this long is hung (hub and dashboard setting)."""
 
 
 def _no_values() -> dict[str, Any]:
@@ -341,16 +340,22 @@ class JobState:
         offsets = self.host_offsets.get(view.host or "")
         return statistics.median(offsets.values()) if offsets else 0.0
 
-    def group_label(self, name: str) -> str:
-        """A group as people know it: its description ("default_pg"), with its name where
-        two groups share one."""
+    def group_desc(self, name: str) -> str:
+        """A group's short name: its description ("default_pg"), "group <name>" when torch
+        gives none, with its name where two groups share one description."""
         group = self.groups.get(name)
         desc = group["desc"] if group else ""
         if not desc or desc == "undefined":
-            return f"pg {name}"
+            return f"group {name}"
         if sum(1 for g in self.groups.values() if g["desc"] == desc) > 1:
             return f"{desc} ({name})"
         return desc
+
+    def group_label(self, name: str) -> str:
+        """A group as people know it, by name and ranks: "user_pg [0,1]", "group 1 [0,1]"."""
+        group = self.groups.get(name)
+        ranks = f" {span_text(group['ranks'])}" if group and group.get("ranks") else ""
+        return self.group_desc(name) + ranks
 
     def collectives_table(self) -> list[dict[str, Any]]:
         """The job's collectives so far, a row per (group, op) with its size buckets in
@@ -389,7 +394,8 @@ class JobState:
         algbw = per_op / mean / 1e9 if mean else None
         factor = bus_factor(op, n)
         return {
-            "group": self.group_label(group), "group_name": group, "op": op, "ranks": n,
+            "group": self.group_desc(group), "group_name": group,
+            "group_label": self.group_label(group), "op": op, "ranks": n,
             "count": count, "bytes": nbytes, "timed": timing.timed,
             "time_p50_s": hist_quantile(timing.hist, 0.5),
             "time_p99_s": hist_quantile(timing.hist, 0.99),
@@ -404,8 +410,9 @@ class JobState:
     # --- hangs -----------------------------------------------------------------------------
     def hang(self, now: float | None = None) -> dict[str, Any] | None:
         """The job's hang, or None: no rank completed a step for `hang_after_s` while the job
-        runs. Names the culprit ranks (which did not issue the collective the others wait in,
-        or whose process is gone), the collective, each rank's whereabouts and stack."""
+        runs. The wait-for graph of `scalemon.hangs`: the culprits at the ends of the chains
+        (in Python, gone, desynchronised, stuck in teardown) with their cause, phase and top
+        user frame, what each waiting rank waits in and for whom, each rank's stack."""
         now = time.time() if now is None else now
         if self.last_step_t is None or self.state in ("finished", "ended", "waiting",
                                                       "restarting"):
@@ -413,67 +420,31 @@ class JobState:
         since = now - self.last_step_t
         if since < self.hang_after_s:
             return None
-        gone = {r for r, v in self.ranks.items() if v.state in ("lost", "exited")}
-        status = {r: v.metrics.get("groups") or {} for r, v in self.ranks.items()}
-        members = {name: tuple(g["ranks"]) for name, g in self.groups.items()}
-        finding = find_culprits(status, members, gone) or {}
-        group = finding.get("group")
-        seq = finding.get("seq")
-        op, waited = self._awaited(group, seq, finding.get("waiting", ()), now)
+        report = HangReport(self, now)
+        finding = report.finding
+        group, seq = finding.get("group"), finding.get("seq")
+        first = [r for r, w in sorted(report.waits.items())
+                 if (w["group"], w["seq"]) == (group, seq)]
+        op = next((report.waits[r]["op"] for r in first if report.waits[r]["op"]), None)
+        waited = [s for s in (report.waited_s(r) for r in first) if s is not None]
         return {
             "since_s": since,
             "culprits": finding.get("culprits", []),
             "waiting": finding.get("waiting", []),
-            "group": self.group_label(group) if group is not None else None,
-            "op": op, "seq": seq, "waited_s": waited,
-            "gone": sorted(gone),
-            "text": self._hang_text(finding, op, waited, since, gone),
+            "group": report.label(group) if group is not None else None,
+            "group_name": group,
+            "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
+            "gone": sorted(report.gone),
+            "text": report.text(since),
+            "causes": report.causes_json(),
+            "waits": report.waits_json(),
+            "chains": finding.get("chains", []),
+            "wait_for": {str(r): w["for"][:FOR_SHOWN] for r, w in sorted(report.waits.items())},
+            "desync": report.desync_json(),
             "stacks": {str(r): self._stack_text(v) for r, v in sorted(self.ranks.items())},
             "nccl_ras": {str(r): v for r, v in self.info.get("nccl_ras", {}).items()},
-            "ranks": {str(r): self._hang_rank(v, now) for r, v in sorted(self.ranks.items())},
+            "ranks": {str(r): report.rank_json(v) for r, v in sorted(self.ranks.items())},
         }
-
-    def _awaited(self, group: str | None, seq: int | None, waiting: Any,
-                 now: float) -> tuple[str | None, float | None]:
-        """The op of collective (group, seq), and how long the first waiting rank has waited
-        in it, from the waiting ranks' in-flight lists."""
-        op, waited = None, None
-        for rank in waiting:
-            view = self.ranks[rank]
-            offset = self.clock_offset(view)
-            for item in view.metrics.get("inflight") or ():
-                if len(item) >= 4 and item[0] == group and item[1] == seq:
-                    op = op or item[2]
-                    if isinstance(item[3], (int, float)):
-                        w = now - (item[3] + offset)
-                        waited = w if waited is None else max(waited, w)
-        return op, waited
-
-    def _hang_text(self, finding: dict[str, Any], op: str | None, waited: float | None,
-                   since: float, gone: set[int]) -> str:
-        head = f"no rank completed a step for {since:.0f} s"
-        if not finding:
-            return head + ("; every rank completed the collectives it issued: look at the "
-                           "stacks")
-        label = self.group_label(finding["group"])
-        what = f"{op or 'collective'} #{finding['seq']} of group {label}"
-        wait = f" for {waited:.0f} s" if waited is not None else ""
-        culprits, waiting = finding["culprits"], finding["waiting"]
-        parts = []
-        alive = [r for r in culprits if r not in gone]
-        dead = [r for r in culprits if r in gone]
-        if alive:
-            parts.append(f"{_ranks_text(alive)} never issued {what}")
-        if dead:
-            why = self.ranks[dead[0]].state_reason or "no exit reported"
-            parts.append(f"{_ranks_text(dead)}: process gone ({why})")
-        if waiting:
-            verb = "waits" if len(waiting) == 1 else "wait"
-            parts.append(f"{_ranks_text(waiting)} {verb} in {'it' if culprits else what}{wait}")
-        if not culprits:
-            parts.append("every rank issued it: a network or communication-library problem, "
-                         "not a late rank")
-        return "; ".join(parts)
 
     @staticmethod
     def _stack_text(view: RankView) -> str:
@@ -481,16 +452,6 @@ class JobState:
             return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
         return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
             "its training thread is stuck for a few seconds)"
-
-    def _hang_rank(self, view: RankView, now: float) -> dict[str, Any]:
-        groups = view.metrics.get("groups") or {}
-        return {
-            "state": view.state, "step": view.step, "phase": view.metrics.get("phase"),
-            "stuck_s": now - view.last_step_t if view.last_step_t is not None else None,
-            "groups": {self.group_label(g): {"last_issued": s[0], "last_completed": s[1]}
-                       for g, s in groups.items() if isinstance(s, list) and len(s) == 2},
-            "inflight": view.metrics.get("inflight") or [],
-        }
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
@@ -509,7 +470,8 @@ class JobState:
             "toggles": self.flags.toggles_json(),
             "log": {"lines": self.flags.log_total,
                     "last": [line.to_json() for line in list(self.flags.log)[-50:]]},
-            "groups": {self.group_label(n): {"name": n, **g} for n, g in self.groups.items()},
+            "groups": {self.group_desc(n): {"name": n, "label": self.group_label(n), **g}
+                       for n, g in self.groups.items()},
             "collectives": self.collectives_table(),
             "hang": self.hang(now),
             "first_failure": self.first_failure(),

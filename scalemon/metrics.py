@@ -188,7 +188,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("phase", "heartbeat", "str", "", "what the training thread is doing. The agent sets "
            "`init`, `forward-backward` (from the model's forward until the all-reduce or the "
            "optimizer starts), `allreduce`, `optimizer`, `after-optimizer` and `data`; scripts "
-           "can set any other name with `set_phase()`.", required=True, nullable=False),
+           "can set any other name with `set_phase()`. While the rank is stuck (no `log()` for "
+           "the hang threshold) the agent's own phases give way to `collective` (it waits in "
+           "one: a group issued more than it completed) or `python` (it does not; its `stack` "
+           "tells where).", required=True, nullable=False),
     Metric("phase_since_s", "heartbeat", "float", "s", "time spent in the current `phase` so far "
            "(monotonic clock)"),
     Metric("step", "heartbeat", "int", "", "last step number passed to `log()`; null before the "
@@ -204,8 +207,9 @@ METRICS: tuple[Metric, ...] = (
            "sequence numbers, from the Flight Recorder's `pg_status`; null where it is not "
            "readable"),
     Metric("inflight", "heartbeat", "list", "", "only while the training thread is stuck (no "
-           "`log()` for a while): the collectives issued and not completed, as `[group, seq, op, "
-           "issue time (Unix s, this host's clock)]`; else null"),
+           "`log()` for the hang threshold): the collectives issued and not completed, as "
+           "`[group, seq, op, issue time (Unix s, this host's clock), bytes]` (bytes: the "
+           "larger of input and output; older agents send the first four); else null"),
     Metric("stack", "heartbeat", "str", "", "only while the training thread is stuck: its "
            "Python stack (`sys._current_frames()`, taken by the agent's own thread); else null"),
     Metric("clock_offset_s", "heartbeat", "float", "s", "the hub's clock minus this host's, "

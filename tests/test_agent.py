@@ -467,3 +467,35 @@ def test_a_failing_all_reduce_timer_is_said_once_and_the_all_reduce_still_runs(s
     assert err.count("timing a DDP bucket's all-reduce failed (ZeroDivisionError") == 1
     assert all(b["allreduce_count"] == 0 and b["loss"] > 0 for b in steps)  # untimed, trained
     assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
+
+
+def test_the_hubs_hang_threshold_reaches_the_agent_and_a_stuck_rank_says_where(start_hub):
+    """One threshold: the agent adopts the hub's `--hang-after` from its sync replies, and once
+    its training thread has not logged for that long it sends its stack at once, with the
+    phase `python` (it waits in no collective); a phase the script set stays."""
+    hub = start_hub("agentStuck", "--hang-after", "1.5")
+    run = Run(job="agentStuck", hub=hub.address.base, heartbeat_s=5.0)  # slow beats: woken
+    client = HubClient(hub.address)
+    try:
+        wait_for(lambda: run.recorder.stuck_after_s == 1.5, timeout=30)
+        run.log(1, loss=1.0)
+        logged = time.monotonic()
+        beat = wait_for(lambda: next((m.body for m in records(client) if m.type == "heartbeat"
+                                      and m.body.get("stack")), None), timeout=30)
+        assert time.monotonic() - logged < 4.5  # at the threshold, not at the next 5 s beat
+        assert beat["phase"] == "python" and beat["phase_since_s"] >= 1.5
+        assert "test_the_hubs_hang_threshold_reaches_the_agent" in beat["stack"]
+        run.log(2, loss=1.0)
+        run.set_phase("eval")
+        wait_for(lambda: any(m.type == "heartbeat" and m.body["phase"] == "eval"
+                             and m.body.get("stack") for m in records(client)), timeout=30)
+    finally:
+        run.finish()
+        client.close()
+
+
+def records(client: HubClient) -> list:
+    """Every record of the hub so far, decoded."""
+    from scalemon import protocol
+
+    return [protocol.decode(r) for r in client.fetch(0)[0]]

@@ -23,6 +23,7 @@ from scalemon.collectives import (
     find_culprits,
     hist_quantile,
     size_bucket,
+    wait_for_graph,
 )
 from scalemon.jobstate import JobState
 from scalemon.protocol import Message
@@ -97,18 +98,95 @@ def test_arrival_skew_ranks_the_rank_that_issues_last():
     assert tracker.complete == 20
 
 
+def core(finding: dict | None) -> dict | None:
+    """The keys the Flight Recorder dump analysis reads."""
+    return finding and {k: finding[k] for k in ("group", "seq", "culprits", "waiting")}
+
+
 def test_culprits_are_those_that_never_issued_what_the_others_wait_in():
     members = {"0": (0, 1, 2, 3), "1": (0, 1)}
     status = {0: {"0": [12, 11], "1": [3, 3]}, 1: {"0": [9, 9], "1": [3, 3]},
               2: {"0": [12, 11]}, 3: {"0": [12, 11]}}
-    assert find_culprits(status, members, set()) == {
+    assert core(find_culprits(status, members, set())) == {
         "group": "0", "seq": 10, "culprits": [1], "waiting": [0, 2, 3]}
     same = {r: {"0": [12, 11]} for r in range(4)}
-    assert find_culprits(same, {"0": (0, 1, 2, 3)}, {2}) == {
-        "group": "0", "seq": 12, "culprits": [2], "waiting": [0, 1, 3]}
-    assert find_culprits(same, {"0": (0, 1, 2, 3)}, set())["culprits"] == []
+    found = find_culprits(same, {"0": (0, 1, 2, 3)}, {2})
+    assert core(found) == {"group": "0", "seq": 12, "culprits": [2], "waiting": [0, 1, 3]}
+    assert found["causes"] == {2: {"cause": "gone"}}
+    stuck = find_culprits(same, {"0": (0, 1, 2, 3)}, set())
+    assert stuck["culprits"] == [] and stuck["waiting"] == [0, 1, 2, 3]
+    assert {c["cause"] for c in stuck["causes"].values()} == {"stuck"}
     done = {r: {"0": [12, 12]} for r in range(4)}
     assert find_culprits(done, {"0": (0, 1, 2, 3)}, set()) is None
+
+
+def test_a_subgroup_chain_names_the_rank_at_its_end_alone():
+    """Rank 1 stops in Python; rank 0 waits for it in the subgroup {0,1}, rank 2 waits in the
+    default group for both: rank 1 alone is the culprit, rank 0 waits on it."""
+    members = {"0": (0, 1, 2), "1": (0, 1)}
+    status = {0: {"0": [15, 15], "1": [3, 2]}, 1: {"0": [15, 15], "1": [2, 2]},
+              2: {"0": [16, 15]}}
+    inflight = {0: [["1", 3, "all_gather", 100.0, 64]], 2: [["0", 16, "all_reduce", 99.0, 16]]}
+    found = wait_for_graph(status, members, inflight=inflight)
+    assert found["culprits"] == [1] and found["waiting"] == [0, 2]
+    assert found["causes"] == {1: {"cause": "python"}}
+    assert found["waits"][0] == {"group": "1", "seq": 3, "op": "all_gather", "t": 100.0,
+                                 "for": [1]}
+    assert found["waits"][2]["for"] == [0, 1] and found["waits"][2]["seq"] == 16
+    assert found["chains"] == [[2, 0, 1]]  # through rank 0, which waits itself
+
+
+def test_two_disjoint_subgroups_each_have_their_culprit():
+    members = {"0": (0, 1, 2, 3), "1": (0, 1), "2": (2, 3)}
+    status = {0: {"0": [5, 5], "1": [4, 3]}, 1: {"0": [5, 5], "1": [3, 3]},
+              2: {"0": [5, 5], "2": [4, 3]}, 3: {"0": [5, 5], "2": [3, 3]}}
+    found = wait_for_graph(status, members)
+    assert found["culprits"] == [1, 3] and found["waiting"] == [0, 2]
+    assert found["chains"] == [[0, 1], [2, 3]]
+    assert (found["waits"][0]["group"], found["waits"][2]["group"]) == ("1", "2")
+
+
+def test_a_rank_waiting_in_another_collective_is_a_link_not_an_end():
+    """Rank 0 waits in subgroup {0,1} for rank 1, which waits in subgroup {1,2} for rank 2:
+    the chain 0 -> 1 -> 2 ends at rank 2."""
+    members = {"0": (0, 1, 2), "1": (0, 1), "2": (1, 2)}
+    status = {0: {"0": [7, 7], "1": [2, 1]}, 1: {"0": [7, 7], "1": [1, 1], "2": [4, 3]},
+              2: {"0": [7, 7], "2": [3, 3]}}
+    found = wait_for_graph(status, members)
+    assert found["culprits"] == [2] and found["waiting"] == [0, 1]
+    assert found["chains"] == [[0, 1, 2]]
+    assert (found["group"], found["seq"]) == ("2", 4)
+
+
+def test_a_desync_names_the_rank_that_issued_another_op():
+    members = {"0": (0, 1, 2)}
+    status = {r: {"0": [5, 4]} for r in range(3)}
+    inflight = {0: [["0", 5, "all_reduce", 1.0, 16]], 1: [["0", 5, "all_reduce", 1.0, 16]],
+                2: [["0", 5, "all_gather", 1.0, 48]]}
+    found = wait_for_graph(status, members, inflight=inflight)
+    assert found["culprits"] == [2] and found["waiting"] == [0, 1]
+    assert found["causes"][2] == {"cause": "desync", "group": "0", "seq": 5}
+    (desync,) = found["desync"]
+    assert desync["ranks"] == [2] and desync["others"] == [0, 1]
+    assert desync["issued"][0] == {"op": "all_reduce", "bytes": 16, "ranks": [0, 1]}
+    assert found["waits"][0]["for"] == [2]  # the others wait for the odd one
+    sizes = {r: [["0", 5, "all_reduce", 1.0, 64 if r == 1 else 16]] for r in range(3)}
+    assert wait_for_graph(status, members, inflight=sizes)["culprits"] == [1]
+
+
+def test_teardown_and_deadlock():
+    members = {"0": (0, 1, 2)}
+    status = {0: {"0": [9, 9]}, 1: {"0": [9, 9]}, 2: {"0": [10, 9]}}
+    found = wait_for_graph(status, members, finished={0, 1})
+    assert found["culprits"] == [2] and found["waiting"] == []
+    assert found["causes"][2] == {"cause": "teardown", "for": [0, 1]}
+    # 0 waits in group 1 for 1, 1 waits in group 2 for 0: collectives in different orders
+    members = {"1": (0, 1), "2": (0, 1)}
+    status = {0: {"1": [1, 0], "2": [0, 0]}, 1: {"1": [0, 0], "2": [1, 0]}}
+    found = wait_for_graph(status, members)
+    assert found["culprits"] == [0, 1]
+    assert {c["cause"] for c in found["causes"].values()} == {"deadlock"}
+    assert found["chains"] == [[0, 1]]
 
 
 # --- the reducer ------------------------------------------------------------------------------
@@ -169,20 +247,31 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     assert st.hang(now=1005.0) is None  # not long enough
     hang = st.to_json(now=1037.5)["hang"]
     assert hang["culprits"] == [1] and hang["waiting"] == [0, 2]
-    assert (hang["group"], hang["op"], hang["seq"]) == ("default_pg", "all_reduce", 10)
+    assert (hang["group"], hang["op"], hang["seq"]) == ("default_pg [0,1,2]", "all_reduce", 10)
     assert hang["since_s"] == pytest.approx(37.5)
-    assert hang["text"] == ("rank 1 never issued all_reduce #10 of group default_pg; "
-                            "ranks 0,2 wait in it for 37 s")
+    assert hang["text"] == ("rank 1 never issued all_reduce #10 of default_pg [0,1,2] (in "
+                            "Python: train.py:1 in rank1()); ranks 0,2 wait in all_reduce #10 "
+                            "of default_pg [0,1,2] for rank 1 (37 s)")
+    assert hang["causes"] == [{
+        "rank": 1, "cause": "python", "culprit": True, "phase": "allreduce",
+        "frame": "train.py:1 in rank1()",
+        "text": "rank 1: python, train.py:1 in rank1(); never issued all_reduce #10 of "
+                "default_pg [0,1,2]"}]
+    assert [w["text"] for w in hang["waits"]] == [
+        f"rank {r}: waiting in all_reduce #10 of default_pg [0,1,2] for rank 1 (37 s)"
+        for r in (0, 2)]
+    assert hang["chains"] == [[0, 1], [2, 1]]
+    assert hang["ranks"]["1"]["frame"] == "train.py:1 in rank1()"
     assert set(hang["stacks"]) == {"0", "1", "2"} and "rank1" in hang["stacks"]["1"]
     text = format_snapshot(st.to_json(now=1037.5))  # `scalemon snapshot` for people
-    assert "HUNG: rank 1 never issued all_reduce #10 of group default_pg" in text
+    assert "HUNG: rank 1 never issued all_reduce #10 of default_pg [0,1,2]" in text
     assert "  state HUNG  " in text.splitlines()[0]  # not "running"
     assert 'rank 1 stack:\n    File "train.py", line 1, in rank1' in text
     st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
                                                       "reason": "process 101 is gone"}))
     hang = st.hang(now=1040.0)
     assert hang["culprits"] == [1] and hang["gone"] == [1]
-    assert "process gone (process 101 is gone)" in hang["text"]
+    assert "rank 1: lost: process 101 is gone; never issued all_reduce #10" in hang["text"]
     assert "no stack: the rank is lost" in hang["stacks"]["1"]
 
 
@@ -282,10 +371,12 @@ def test_a_stuck_training_thread_gets_its_stack_and_collectives_in_flight_report
     assert rec._stuck()
     rec.read_all(True)
     fields = rec.heartbeat_fields()
-    assert fields["inflight"] == [["0", 2, "all_reduce", 123.0]]
+    assert fields["inflight"] == [["0", 2, "all_reduce", 123.0, 4096]]  # with its bytes
     assert "test_a_stuck_training_thread" in fields["stack"]
+    assert rec.blocked() is True  # group 0 issued #2, completed #1
     rec.last_log = time.perf_counter  # it logged a step: no longer stuck
     assert not rec._stuck() and rec.heartbeat_fields()["stack"] is None
+    assert rec.blocked() is None
 
 
 def test_a_dump_lands_where_torchs_analyzer_looks_and_is_reported(tmp_path):
@@ -339,3 +430,30 @@ def test_nccl_ras_status_is_read_as_ncclras_does_and_its_absence_said():
     assert "Communicators" in report
     with pytest.raises(RasUnavailable, match="no NCCL RAS at 127.0.0.1"):
         ras_status("127.0.0.1", port, timeout_s=1.0)  # closed now
+
+
+def test_a_big_hang_stays_small_in_words_and_in_json():
+    """4096 ranks, half of them in Python, the other half waiting for them: one sentence per
+    kind of rank, awaited ranks as ranges, at most 64 of them listed per waiting rank."""
+    import json
+
+    n = 4096
+    st = JobState(hang_after_s=10.0)
+    st.groups = {"0": {"desc": "default_pg", "ranks": list(range(n))}}
+    st.last_step_t = 0.0
+    for r in range(n):
+        view = st.rank(r)
+        view.step, view.last_step_t = 5, 0.0
+        late = r < n // 2
+        view.metrics.update(groups={"0": [99, 99] if late else [100, 99]},
+                            inflight=None if late else [["0", 100, "all_reduce", 1.0, 64]],
+                            stack='  File "train.py", line 3, in step\n')
+    hang = st.hang(now=50.0)
+    assert hang["culprits"] == list(range(n // 2))
+    assert hang["text"] == (
+        "ranks 0-2047 never issued all_reduce #100 of default_pg [0-4095] (in Python: "
+        "train.py:3 in step()); ranks 2048-4095 wait in all_reduce #100 of default_pg [0-4095] "
+        "for ranks 0-2047 (49 s)")
+    assert {len(w["for"]) for w in hang["waits"]} == {64}
+    assert {w["for_count"] for w in hang["waits"]} == {2048}
+    assert len(json.dumps(hang)) < 8 << 20

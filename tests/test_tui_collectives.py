@@ -185,13 +185,20 @@ def test_a_hang_switches_to_the_hang_view_once_per_hang_naming_the_culprit_with_
             await until(pilot, lambda: isinstance(app.screen, HangScreen)
                         and "run_backward(" in screen_text(app))
             text = screen_text(app)
-            assert (f"rank 1 never issued all_reduce #{seq} of group default_pg; ranks 0,2 "
-                    "wait in it for 15 s") in text
-            assert line_with(text, " 1 ", "culprit", "data", f"{seq - 1}/{seq - 1}")
-            assert line_with(text, " 0 ", "waiting", "allreduce", f"default_pg #{seq}")
+            label = "default_pg [0,1,2]"
+            assert (f"rank 1 never issued all_reduce #{seq} of {label} (in Python: data.py:41 "
+                    f"in _load()); ranks 0,2 wait in all_reduce #{seq} of {label} for rank 1 "
+                    "(15 s)") in " ".join(text.split())
+            # the culprit with its cause and frame, the waiting ranks with what they wait in
+            assert line_with(text, "rank 1: python, data.py:41 in _load(); never issued")
+            assert line_with(text, f"ranks 0,2: waiting in all_reduce #{seq} of {label} for "
+                             "rank 1 (15 s)")
+            assert line_with(text, " 1 ", "culprit", "python", "data.py:41 in _load()",
+                             f"{seq - 1}/{seq - 1}")
+            assert line_with(text, " 0 ", "waiting", "collective", f"default_pg #{seq}")
             # a stack for every rank, shown as typed ("[0042]" is no markup)
             assert "rank 1  ·  culprit" in text and "shard-[0042].npy" in text
-            assert "ranks 0,2  ·  waiting in the collective  ·  the same stack" in text
+            assert "ranks 0,2  ·  waiting  ·  the same stack" in text
             assert "Variable._execution_engine.run_backward(" in text
             assert "NCCL RAS on node0 (via rank 0)" in text and report in text
 
@@ -253,6 +260,25 @@ def test_attach_passes_the_hang_threshold_to_the_dashboard(home):
     assert app.data.state.hang_after_s == 3.0
     app.data.reset()  # a hub with a new history: the threshold stays
     assert app.data.state.hang_after_s == 3.0
+
+
+def test_without_a_threshold_of_its_own_the_dashboard_takes_the_hubs(start_hub, zctx):
+    """One hang threshold: the hub's `--hang-after` comes with its seed; one given to `attach`
+    stands."""
+    hub = start_hub("tuiHT", "--hang-after", "2.5")
+    sim = SimJob(job="tuiHT", ranks=1, gpu=False, amp=False)
+    ranks = SimSender(zctx, hub.address, sim)
+    ranks.hello()
+
+    async def scenario(given: float | None, expected: float) -> None:
+        app = make_app(hub.address.base, hang_after_s=given)
+        assert isinstance(app, DashboardApp)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.data.seeded_at is not None)
+            assert app.data.state.hang_after_s == expected
+
+    asyncio.run(scenario(None, 2.5))
+    asyncio.run(scenario(4.0, 4.0))
 
 
 @pytest.mark.parametrize("ranks", [2, 5])

@@ -10,17 +10,16 @@ from typing import TextIO
 
 from scalemon.history import history_path
 from scalemon.jobs import HubAddress, live_jobs
-from scalemon.jobstate import HANG_AFTER_S
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
 
 
 def make_app(target: str | None, home: Path | None = None, stats_path: Path | None = None,
-             hang_after_s: float = HANG_AFTER_S) -> DashboardApp | str:
+             hang_after_s: float | None = None) -> DashboardApp | str:
     """The app for what the user typed, or an error text: an address attaches to that hub; a job
     id to its hub (its history file while it has none); nothing to the only live job, or
     offers a list when there are several. The job is hung after `hang_after_s` without a
-    completed step."""
+    completed step (None: the hub's threshold)."""
     if target and "://" in target:
         try:
             address = HubAddress.parse(target)
@@ -97,7 +96,7 @@ def wait_for_job(target: str | None, wait_s: float, home: Path | None = None,
 
 
 def attach(target: str | None, stats_path: Path | None = None,
-           hang_after_s: float = HANG_AFTER_S, wait_s: float = 0.0) -> int:
+           hang_after_s: float | None = None, wait_s: float = 0.0) -> int:
     """Run the dashboard, after waiting up to `wait_s` seconds for the job to appear; returns
     the exit code."""
     try:

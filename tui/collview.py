@@ -85,7 +85,7 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         table = st.collectives_table()
         samples = {r: list(dq) for r, dq in st.arrival.heat.items()}  # converted unlocked
         health = [_health(data, r) for r in sorted(st.ranks)]
-        groups = [f"{st.group_label(name)}: {len(g['ranks'])} ranks ({_span(g['ranks'])})"
+        groups = [f"{st.group_desc(name)}: {len(g['ranks'])} ranks ({_span(g['ranks'])})"
                   for name, g in sorted(st.groups.items())]
         bad = st.bad_collectives
     health.sort(key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))

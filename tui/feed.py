@@ -143,6 +143,7 @@ class HubFeed(Feed):
             return False
         finally:
             client.timeout_s = timeout
+        data.hub_hang_after(reply.get("hang_after_s"))  # one threshold, the hub's
         blob = reply.get("seed")
         if not isinstance(blob, bytes):
             self.seed_note = f"replayed the history: {reply.get('why') or 'no seed'}"

@@ -39,6 +39,7 @@ class HangView:
     stacks: list[tuple[str, str, str]]  # (heading, role, stack): one per distinct stack
     dump: list[tuple[str, str]]  # (text, style) lines about the latest dump
     ras: list[tuple[str, str]] = field(default_factory=list)  # (heading, NCCL RAS report)
+    why: list[tuple[str, str]] = field(default_factory=list)  # (line, role): causes, waits
 
 
 def judged_at(data: DashboardData, now: float) -> float:
@@ -66,16 +67,40 @@ def hang_view(data: DashboardData, now: float | None = None) -> HangView:
         if hang is None:
             return HangView(False, _no_hang_text(data, at), (), [], [], dump)
         offsets = {r: st.clock_offset(v) for r, v in st.ranks.items()}
-        labels = {name: st.group_label(name) for name in st.groups}
+        labels = {name: st.group_desc(name) for name in st.groups}  # the heading has ranks
         hosts = {str(r): v.host for r, v in st.ranks.items()}
     groups = _group_columns(hang)
-    headings = ("rank", "role", "state", "step", "phase", "stuck s",
-                *(f"{g} issued/done" for g in groups), "in flight")
+    headings = ("rank", "role", "state", "step", "phase", "stuck s", "frame",
+                *(f"{g}\nissued/done" for g in groups), "in flight")
     rows = [_row(int(r), _role(hang, int(r)), info, groups, labels,
                  at - offsets.get(int(r), 0.0)) for r, info in hang["ranks"].items()]
     rows.sort(key=lambda r: (_ORDER[r.role], r.rank))  # the culprits on top, however many
     return HangView(True, hang["text"], headings, rows, _stacks(rows, hang), dump,
-                    _ras(hang.get("nccl_ras") or {}, hosts))
+                    _ras(hang.get("nccl_ras") or {}, hosts), _why(hang))
+
+
+WHY_LINES = 24
+"""Lines about culprits and waiting ranks at most (the table has every rank)."""
+
+
+def _why(hang: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each culprit with its cause, then each waiting rank with what it waits in and for whom
+    (ranks alike together), then the wait-for chains."""
+    lines = [(c["text"], "culprit" if c["culprit"] else "waiting")
+             for c in hang.get("causes") or ()]
+    alike: dict[str, list[int]] = {}
+    for w in hang.get("waits") or ():
+        if not w["culprit"]:
+            alike.setdefault(w["text"].split(": ", 1)[1], []).append(w["rank"])
+    lines += [(f"{_ranks(ranks)}: {text}", "waiting") for text, ranks in alike.items()]
+    if len(lines) > WHY_LINES:
+        lines = [*lines[:WHY_LINES], (f"(+{len(lines) - WHY_LINES} more)", "")]
+    chains = [c for c in hang.get("chains") or () if len(c) > 2]
+    if chains:
+        shown = "; ".join(" → ".join(str(r) for r in c) for c in chains[:4])
+        more = f" (+{len(chains) - 4})" if len(chains) > 4 else ""
+        lines.append((f"waits for: {shown}{more}", ""))
+    return lines
 
 
 _ORDER = {"culprit": 0, "waiting": 1, "": 2}
@@ -109,7 +134,7 @@ def _row(rank: int, role: str, info: dict[str, Any], groups: list[str],
     """A rank's cells; in-flight ages on the rank's host clock (`local_now`)."""
     stuck = info["stuck_s"]
     cells = [str(rank), role or "-", info["state"], _opt(info["step"]), info["phase"] or NA,
-             NA if stuck is None else f"{stuck:.0f}"]
+             NA if stuck is None else f"{stuck:.0f}", info.get("frame") or NA]
     for label in groups:
         g = info["groups"].get(label)
         cells.append(f"{g['last_issued']}/{g['last_completed']}" if g else NA)
@@ -125,7 +150,7 @@ def _inflight(items: list[Any], labels: dict[str, str], local_now: float) -> str
             continue
         group, seq, op, t = item[:4]
         age = f" {local_now - t:.0f} s" if isinstance(t, (int, float)) else ""
-        parts.append(f"{labels.get(str(group), f'pg {group}')} #{seq} {op}{age}")
+        parts.append(f"{labels.get(str(group), f'group {group}')} #{seq} {op}{age}")
     more = f" (+{len(items) - 3})" if len(items) > 3 else ""
     return "; ".join(parts) + more if parts else "-"
 
@@ -139,7 +164,7 @@ def _stacks(rows: list[HangRow], hang: dict[str, Any]) -> list[tuple[str, str, s
         ranks.setdefault((row.role, hang["stacks"].get(str(row.rank), "")), []).append(row.rank)
     out = []
     for (role, stack), members in ranks.items():
-        what = {"culprit": "culprit", "waiting": "waiting in the collective", "": ""}[role]
+        what = {"culprit": "culprit", "waiting": "waiting", "": ""}[role]
         parts = [_ranks(members), what]
         if len(members) == 1:
             info = hang["ranks"][str(members[0])]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from scalemon.collectives import hang_after_default
 from scalemon.fold import (  # noqa: F401 - the dashboard's names for the fold's parts
     AGGREGATED,
     JobFold,
@@ -22,11 +23,11 @@ from scalemon.fold import (  # noqa: F401 - the dashboard's names for the fold's
     record_key,
     step_values,
 )
-from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
+from scalemon.jobstate import JobState, RankView
 from scalemon.protocol import Message
 
 FOLD_ATTRIBUTES = frozenset(JobFold().__dict__) - {
-    "_job", "_cap", "_hang_after_s", "_world_size", "watched"}
+    "_job", "_cap", "_hang_after_s", "_world_size", "watched", "hang_after_given"}
 """What a seed sets: what the fold folded, not how each side configured it."""
 CHUNK = 2000
 """Records folded per lock hold, so a long history never freezes the screen."""
@@ -94,8 +95,9 @@ class DashboardData(JobFold):
     rank completed a step for this long is hung (`JobState.hang`)."""
 
     def __init__(self, job: str | None = None, cap: int | None = None,
-                 hang_after_s: float = HANG_AFTER_S) -> None:
+                 hang_after_s: float | None = None) -> None:
         self.lock = threading.Lock()
+        self.hang_after_given = hang_after_s is not None  # else the hub's, once it said
         self.version = 0  # bumped on every change the screen may show
         self.conn = ConnState()
         self.rejected = 0  # records the receiver could not decode
@@ -107,7 +109,7 @@ class DashboardData(JobFold):
         """Watched ranks whose series start later than their records (rank -> first step)."""
         self._screen_idle = threading.Event()  # cleared while the screen is being drawn
         self._screen_idle.set()
-        super().__init__(job, cap, hang_after_s)
+        super().__init__(job, cap, hang_after_default() if hang_after_s is None else hang_after_s)
 
     def clear(self) -> None:
         """Forget every record folded (under the lock, or before the data is shared)."""
@@ -154,8 +156,16 @@ class DashboardData(JobFold):
     def set_hang_after(self, seconds: float) -> None:
         """Call the job hung after `seconds` without a completed step (kept across resets)."""
         with self.lock:
+            self.hang_after_given = True
             self._hang_after_s = self.state.hang_after_s = seconds
             self.version += 1
+
+    def hub_hang_after(self, seconds: object) -> None:
+        """The hub's threshold (its `seed` reply): this dashboard's too, unless one was given."""
+        if isinstance(seconds, (int, float)) and seconds > 0 and not self.hang_after_given:
+            with self.lock:
+                self._hang_after_s = self.state.hang_after_s = float(seconds)
+                self.version += 1
 
     def set_conn(self, status: str, detail: str = "") -> bool:
         """Record the receiver's status; True when it changed."""

@@ -211,7 +211,7 @@ class SimJob:
         for rank in range(self.ranks):
             late = rank == culprit
             body = self.heartbeat(rank, step)
-            body.update(phase="data" if late else "allreduce", phase_since_s=stuck_s - 0.5,
+            body.update(phase="python" if late else "collective", phase_since_s=stuck_s - 0.5,
                         groups={GROUP: [seq if late else seq + 1, seq]},
                         collectives_issued=seq + (not late), collectives_completed=seq,
                         inflight=None if late else [[GROUP, seq + 1, "all_reduce",

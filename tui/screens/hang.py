@@ -46,7 +46,8 @@ class HangScreen(DataScreen):
         yield Static(id="hang-title")
         yield Static(id="hang-text")
         with VerticalScroll(id="hang-body"):
-            yield Static(id="hang-ranks")
+            yield Static(id="hang-why")
+            yield Static(id="hang-ranks", classes="section")
             yield Static(id="hang-dump", classes="section")
             ras = Static(id="hang-ras", classes="section")
             ras.display = False  # while no node's NCCL RAS report came
@@ -66,6 +67,7 @@ class HangScreen(DataScreen):
             title.update("JOB HUNG  ·  d: Flight Recorder dump  ·  Esc back")
             headline.update(plain(view.text, style="bold red"))
             if plots or self.view is None:  # hundreds of rows: at the plots' pace
+                self.query_one("#hang-why", Static).update(_why(view))
                 self.query_one("#hang-ranks", Static).update(_table(view))
                 self.query_one("#hang-stacks", Static).update(_stacks(view))
                 ras = self.query_one("#hang-ras", Static)
@@ -103,8 +105,10 @@ class HangScreen(DataScreen):
 
 def _table(view: HangView) -> Table:
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
-    for heading in view.headings:  # "<group> issued/done": group names come from ranks
-        table.add_column(plain(heading, one_line=True), no_wrap=heading != "in flight")
+    for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
+        lines = heading.split("\n")  # each line shown as typed
+        title = Text("\n").join(plain(line, one_line=True) for line in lines)
+        table.add_column(title, no_wrap=heading != "in flight")
     for row in view.rows[:TABLE_ROWS]:
         style = ROLE_STYLES[row.role]
         table.add_row(*(plain(c, style=style) for c in row.cells))
@@ -115,6 +119,13 @@ def _table(view: HangView) -> Table:
                              "collective)", style="dim")
         table.caption_justify = "left"
     return table
+
+
+def _why(view: HangView) -> Text:
+    t = Text()
+    for i, (line, role) in enumerate(view.why):  # text from ranks' stacks: never markup
+        t.append(("\n" if i else "") + clean(line), style=ROLE_STYLES[role])
+    return t
 
 
 def _ras(view: HangView) -> Text:
