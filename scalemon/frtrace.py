@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from scalemon.collectives import find_culprits, op_name
+from scalemon.hangs import span_text
 
 MAX_FILE_BYTES = 256 << 20
 """A dump larger than this is not read (a ring of 2000 entries with stacks is a few MiB)."""
@@ -393,19 +394,21 @@ def _members(dumps: dict[int, RankDump], given: dict[str, Iterable[int]],
 
 
 def _labels(groups: dict[str, Any], desc: dict[str, str]) -> dict[str, str]:
-    """A group as people know it, as the live views name it: its description, with its name
-    where two groups share one; "pg NAME" without a description."""
+    """A group as people know it, as the live views name it (`JobState.group_label`): its
+    description, with its name where two groups share one, "group NAME" without a description,
+    then its ranks: "user_pg [0,1]", "group 1 [0,1]"."""
     counts: dict[str, int] = {}
     for name in groups:
         d = desc.get(name, "")
         counts[d] = counts.get(d, 0) + 1
     out = {}
-    for name in groups:
+    for name, ranks in groups.items():
         d = desc.get(name, "")
         if not d or d == "undefined":
-            out[name] = f"pg {name}"
+            short = f"group {name}"
         else:
-            out[name] = f"{d} ({name})" if counts[d] > 1 else d
+            short = f"{d} ({name})" if counts[d] > 1 else d
+        out[name] = f"{short} {span_text(list(ranks))}" if ranks else short
     return out
 
 
@@ -460,9 +463,15 @@ def _mismatches(dumps: dict[int, RankDump], group: str) -> dict[str, Any]:
     return {"count": len(found), "first": found[:MAX_MISMATCHES]}
 
 
+CHAINS_SHOWN = 16
+"""Wait-for chains kept in a report (each is a path to a culprit; the rest are alike)."""
+
+
 def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
              dumps: dict[int, RankDump]) -> dict[str, Any] | None:
-    """`find_culprits`' finding with the group's label and the op the waiting ranks wait in."""
+    """`find_culprits`' finding with the group's label and the op the waiting ranks wait in,
+    as JSON-ready data: each culprit's cause, the desyncs and the first wait-for chains (the
+    per-rank waits stay out: at thousands of ranks they are the bulk and say little more)."""
     if not finding:
         return None
     group, seq = finding["group"], finding["seq"]
@@ -472,14 +481,19 @@ def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
         op = dump.op_at(group, seq) if dump else None
         if op:
             break
-    return {**finding, "label": labels.get(group, f"pg {group}"), "op": op}
+    return {"group": group, "seq": seq, "culprits": finding["culprits"],
+            "waiting": finding["waiting"], "label": labels.get(group, f"group {group}"),
+            "op": op,
+            "causes": {str(r): c for r, c in (finding.get("causes") or {}).items()},
+            "desync": finding.get("desync") or [],
+            "chains": (finding.get("chains") or [])[:CHAINS_SHOWN]}
 
 
 def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
     """The finding in words, as the live hang view says it."""
     if not finding:
         return "no culprit: every rank completed the collectives it issued"
-    what = f"{finding['op'] or 'collective'} #{finding['seq']} of group {finding['label']}"
+    what = f"{finding['op'] or 'collective'} #{finding['seq']} of {finding['label']}"
     culprits, waiting = finding["culprits"], finding["waiting"]
     alive = [r for r in culprits if r not in gone]
     dead = [r for r in culprits if r in gone]
@@ -568,7 +582,7 @@ def _group_lines(group: dict[str, Any], gone: set[int]) -> list[tuple[str, str]]
     finding = group.get("finding")
     culprits = set(finding["culprits"]) if finding else set()
     waiting = set(finding["waiting"]) if finding else set()
-    title = f"group {group['label']} (name {group['name']}, {ranks_text(ranks)})"
+    title = f"{group['label']} (group name {group['name']}, {len(ranks)} ranks)"
     lines = [(title, "heading")]
     if finding:
         lines.append(("  " + finding_text(finding, gone), "finding"))

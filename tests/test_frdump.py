@@ -52,8 +52,14 @@ def analysed(directory: Path) -> dict[str, Any]:
     return frtrace.analyse_directory(directory)
 
 
+def culprit_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's headline finding without its causes, desyncs and chains."""
+    keys = ("group", "seq", "culprits", "waiting", "label", "op")
+    return {k: report["culprit"][k] for k in keys}
+
+
 def by_label(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {g["label"]: g for g in report["groups"]}
+    return {g["label"].split(" [")[0]: g for g in report["groups"]}  # "tp [2,3]" -> "tp"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -105,16 +111,18 @@ def _hung(real: Path) -> dict[int, dict[str, Any]]:
 
 def test_a_hang_in_real_dumps_names_the_rank_that_never_issued(real, tmp_path):
     report = analysed(write_dir(tmp_path / "d", _hung(real)))
-    assert report["culprit"] == {"group": "0", "seq": 6, "culprits": [1], "waiting": [0],
-                                 "label": "default_pg", "op": "barrier"}
-    assert report["text"] == "rank 1 never issued barrier #6 of group default_pg; rank 0 " \
+    assert culprit_of(report) == {"group": "0", "seq": 6, "culprits": [1], "waiting": [0],
+                                  "label": "default_pg [0,1]", "op": "barrier"}
+    assert report["culprit"]["causes"] == {"1": {"cause": "python"}}
+    assert report["culprit"]["chains"] == [[0, 1]]
+    assert report["text"] == "rank 1 never issued barrier #6 of default_pg [0,1]; rank 0 " \
                              "waits in it"
     status = by_label(report)["default_pg"]["status"]
     assert (status["0"]["last_issued"], status["0"]["last_completed"]) == (6, 5)
     assert (status["1"]["last_issued"], status["1"]["issued_op"]) == (5, "broadcast")
     assert by_label(report)["side"]["finding"] is None
     text = frtrace.report_text(report)
-    assert "culprit: rank 1 never issued barrier #6 of group default_pg" in text
+    assert "culprit: rank 1 never issued barrier #6 of default_pg [0,1]" in text
     assert "  1      #5 broadcast  #5 broadcast    culprit" in text
 
 
@@ -196,7 +204,7 @@ def test_a_truncated_dump_leaves_the_others_analysed(real, tmp_path):
     assert "rank 1 gave no dump: its dump could not be read: rank_1: a damaged pickle" \
         in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
-    assert "group default_pg (name 0, ranks 0,1)" in done.stdout
+    assert "default_pg [0,1] (group name 0, 2 ranks)" in done.stdout
 
 
 def test_dump_dir_without_dumps_or_directory_fails_with_one_line(tmp_path):
@@ -273,9 +281,9 @@ def test_nccl_format_dumps_name_the_rank_that_never_issued(tmp_path, as_json):
     done = cli("--dir", str(directory), "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["culprit"] == {"group": "0", "seq": 7, "culprits": [3],
-                                 "waiting": [0, 1, 2], "label": "default_pg",
-                                 "op": "all_reduce"}
+    assert culprit_of(report) == {"group": "0", "seq": 7, "culprits": [3],
+                                  "waiting": [0, 1, 2], "label": "default_pg [0-3]",
+                                  "op": "all_reduce"}
     groups = by_label(report)
     assert groups["default_pg"]["ranks"] == [0, 1, 2, 3]  # from pg_config: no hub needed
     assert groups["tp"]["ranks"] == [2, 3] and groups["tp"]["finding"] is None
@@ -314,9 +322,13 @@ def test_ranks_missing_and_gone_come_from_what_the_hub_knew(tmp_path):
     (directory / frtrace.CONTEXT_FILE).write_text(json.dumps(context))
     report = analysed(directory)
     assert report["read"] == [0, 1, 2] and report["gone"] == [3]
-    assert report["culprit"] == {"group": "0", "seq": 7, "culprits": [3], "waiting": [0, 1, 2],
-                                 "label": "default_pg", "op": "all_reduce"}
-    assert by_label(report)["tp"]["finding"]["culprits"] == [3]
+    assert culprit_of(report) == {"group": "0", "seq": 7, "culprits": [3],
+                                  "waiting": [0, 1, 2], "label": "default_pg [0-3]",
+                                  "op": "all_reduce"}
+    assert report["culprit"]["causes"] == {"3": {"cause": "gone"}}
+    # rank 2 completed all it issued in tp: nobody waits there, so no finding of its own
+    assert by_label(report)["tp"]["finding"] is None
+    assert by_label(report)["tp"]["status"]["3"]["note"] == "its process exited (killed by SIGKILL)"
     assert report["missing"] == {"3": "its process exited (killed by SIGKILL)"}
     assert "rank 3: process gone" in report["text"]
     assert by_label(report)["default_pg"]["status"]["3"]["note"] == \
@@ -346,9 +358,9 @@ def test_the_dump_panel_shows_the_analysis_as_tables_never_a_traceback(tmp_path)
                          "analysis": frtrace.report_text(report), "exit_code": None,
                          "report": report})
     text = "\n".join(t for t, _ in lines)
-    assert ("culprit: rank 3 never issued all_reduce #7 of group default_pg; ranks 0-2 wait "
+    assert ("culprit: rank 3 never issued all_reduce #7 of default_pg [0-3]; ranks 0-2 wait "
             "in it", "bold red") in lines
-    assert "group tp (name 1, ranks 2,3)" in text and "Traceback" not in text
+    assert "tp [2,3] (group name 1, 2 ranks)" in text and "Traceback" not in text
     assert "  ranks  last issued    last completed  role     note" in text
 
 
@@ -407,4 +419,4 @@ def test_reading_dumps_imports_no_torch(real):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "group side (name 1, ranks 0,1)" in done.stdout
+    assert "side [0,1] (group name 1, 2 ranks)" in done.stdout
