@@ -229,7 +229,7 @@ class Run:
     @guarded
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Time every `optimizer.step()` (step hooks; CUDA events on GPU)."""
-        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase))
+        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase, self.disable))
 
     @guarded
     def watch_scaler(self, scaler: Any) -> None:
@@ -261,7 +261,7 @@ class Run:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
         t = time.perf_counter()
         if self._pending_comm is not None:
-            self._install_comm_timer()
+            self._install_comm_timer()  # never raises
         phase = self.phase
         if phase.name != "forward-backward":
             phase.name, phase.since = "forward-backward", t
@@ -446,25 +446,21 @@ class Run:
         """Switch the monitor off after an internal error; training goes on.
 
         The hub hears why first (a `monitor_off` message, so the rank's row says so), then the
-        training thread's side stops: no more steps, the hooks removed (DDP's comm hook cannot
-        be: it stops keeping spans). The heartbeat and recorder threads go on, so the rank
-        still reads as alive, and its exit is still reported."""
+        training thread's side stops: no more steps, and the timers keep no spans. The hooks
+        stay until `finish()` (this may run inside one of them, whose registry cannot change
+        while it runs) and only say what the training thread is doing; the heartbeat and
+        recorder threads go on, so the rank still reads as alive, and its exit is reported."""
         if self.disabled:
             return
         self.disabled = True
         self._disabled_reason = reason = reason[:MONITOR_OFF_CHARS]
         log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
-        try:
+        with contextlib.suppress(Exception):
             self.sender.submit("monitor_off", {"reason": reason, "step": self.phase.step})
-            self.phase.set("monitor-off")
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
-            self._pending_comm = None
-            for timer in (self._opt_timer, self._comm_timer):
+        self._pending_comm = None
+        for timer in (self._opt_timer, self._comm_timer):
+            with contextlib.suppress(Exception):
                 timer.spans = deque(maxlen=0)  # type: ignore[assignment]  # keeps nothing
-        except Exception as exc:
-            log.warning("scalemon: switching the monitor off: %s: %s", type(exc).__name__, exc)
 
     def _counters(self) -> dict[str, Any]:
         return {"dropped": self.sender.dropped, "queued": self.sender.queued,

@@ -343,3 +343,32 @@ def test_values_the_agent_cannot_read_cost_that_value_never_the_monitor(start_hu
         assert caplog.text.count(said) == 1, said
     state = HubClient(hub.address).state()["state"]
     assert state["ranks"][0]["monitor_off"] is None and state["ranks"][0]["steps_received"] == 4
+
+
+def test_an_optimizer_hook_that_fails_switches_the_monitor_off_loudly_not_the_step(start_hub):
+    """The agent's optimizer hook fails inside `optimizer.step()`: the step still runs, the
+    monitor switches itself off from inside the hook (its registry untouched while torch
+    iterates it) and the hub hears why."""
+    from scalemon.agent.run import Run
+
+    hub = start_hub("hookfail")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = Run(model, opt, job="hookfail", hub=hub.address.base)
+    for step in range(1, 5):
+        if step == 3:
+            run._opt_timer.events = "broken"  # an internal error of the agent, forced
+        before = model.weight.detach().clone()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(before, model.weight), "the optimizer step did not run"
+        run.log(step, loss=float(step))
+    run.finish()
+    assert run.disabled
+    messages = hub_messages(hub)
+    off = [m.body for m in messages if m.type == "monitor_off"]
+    assert len(off) == 1 and off[0]["step"] == 2
+    assert off[0]["reason"].startswith("optimizer hook (before step): AttributeError")
+    assert [m.body["step"] for m in messages if m.type == "step"] == [1, 2]
+    assert messages[-1].type == "exit" and messages[-1].body["error"] == off[0]["reason"]
