@@ -11,9 +11,11 @@
   stepped with the optimizer, `optimizer.zero_grad()` with its defaults;
 - `completed_steps` counted from 1; the loss given as a Python float (`loss.item()`), no
   `tokens`, extras `lr` (float) and `epoch` (int);
+- batches from a `DataLoader` with worker processes (forked while the agent's threads run)
+  and a `DistributedSampler` reshuffled each epoch;
 - each epoch an eval under `torch.no_grad()` whose predictions are gathered from every rank
   and whose loss is averaged over them (collectives between steps), then `dist.barrier()`
-  ("wait for everyone"); `finish()` at the end.
+  ("wait for everyone"); `destroy_process_group()`, then `finish()`.
 
     torchrun --nproc-per-node 2 tests/corpus/accelerate_style.py
 """
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from corpus_common import VOCAB, Logged, TinyLM, batch
+from corpus_common import BATCH, VOCAB, Logged, TinyLM, batch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import scalemon.agent as sm
 
@@ -51,12 +54,16 @@ def main() -> None:
     run.watch_model(model)
     run.watch_optimizer(optimizer)
     run.watch_scaler(scaler)
+    inputs, targets = batch(0, size=BATCH * BATCHES * dist.get_world_size())
+    sampler = DistributedSampler(TensorDataset(inputs, targets), shuffle=True, seed=0)
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=BATCH, sampler=sampler,
+                        num_workers=2)
     logged = Logged()
     completed_steps = 0
     for epoch in range(EPOCHS):
         model.train()
-        for i in range(BATCHES):
-            inputs, targets = batch(epoch * BATCHES + i)
+        sampler.set_epoch(epoch)
+        for i, (inputs, targets) in enumerate(loader):
             sync = (i + 1) % ACCUM == 0
             with torch.autocast("cpu", dtype=torch.float16):
                 if sync:
@@ -98,8 +105,8 @@ def main() -> None:
     dist.barrier()
     logged.report("finished", ("all_reduce", "all_gather", "barrier"), scaler="on",
                   loss_scale=scaler.get_scale())
-    sm.finish()
     dist.destroy_process_group()
+    sm.finish()
 
 
 if __name__ == "__main__":

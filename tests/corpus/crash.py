@@ -2,8 +2,9 @@
 
 - `init(model=...)` with the bare model, before it is wrapped in DDP (the pre-hook then fires
   inside DDP's forward); plain SGD, `zero_grad(set_to_none=True)`;
-- the loss a 0-dim tensor, no `tokens`, steps from 1; no `finish()`: the exception ends the
-  process, and the agent reports it.
+- the loss a 0-dim tensor, no `tokens`, steps from 1; `main` under torch elastic's `@record`
+  (which writes the error file and re-raises, as torchtitan's does); no `finish()`: the
+  exception ends the process, and the agent reports it.
 
     torchrun --nproc-per-node 2 tests/corpus/crash.py
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from corpus_common import Logged, TinyLM, batch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import scalemon.agent as sm
@@ -21,6 +23,7 @@ CRASH_AT = 4
 MESSAGE = "corpus: batch 4 holds token ids out of range"
 
 
+@record
 def main() -> None:
     dist.init_process_group("gloo")
     raw = TinyLM()
