@@ -372,3 +372,19 @@ def test_an_optimizer_hook_that_fails_switches_the_monitor_off_loudly_not_the_st
     assert off[0]["reason"].startswith("optimizer hook (before step): AttributeError")
     assert [m.body["step"] for m in messages if m.type == "step"] == [1, 2]
     assert messages[-1].type == "exit" and messages[-1].body["error"] == off[0]["reason"]
+
+
+def test_a_disabled_scaler_reads_off_and_a_missing_one_n_a_in_rank_and_node_rows():
+    from scalemon import display, metrics
+
+    scale = metrics.BY_NAME["loss_scale"]
+    assert display.metric_text(scale, {"loss_scale": None, "scaler": "off"}) == "off"
+    assert display.metric_text(scale, {"loss_scale": None, "scaler": None}) == "n/a"
+    assert display.metric_text(scale, {"loss_scale": None, "scaler": "on"}) == "n/a"
+    assert display.metric_text(scale, {"loss_scale": 1024.0, "scaler": "on"}) == "1024"
+    columns = tuple(c for c in display.node_columns() if c.metric is scale)
+    off = [{"loss_scale": None, "scaler": "off"}] * 2
+    mixed = [{"loss_scale": None, "scaler": "off"}, {"loss_scale": None, "scaler": None}]
+    for values, text in ((off, "off"), (mixed, "n/a")):
+        cells = display.node_cells(columns, "node0", ["running"] * 2, "running", [1, 1], values)
+        assert cells == (text,) * len(columns)
