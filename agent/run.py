@@ -176,8 +176,22 @@ class Run:
             "torch_version": str(torch.__version__),
             "device": device,
             "backend": backend,
-            "config": config,
+            "config": self._plain_config(config),
         })
+
+    def _plain_config(self, config: Any) -> dict[str, Any] | None:
+        """`init(config=...)` as the protocol carries it: a script's configuration often holds
+        paths, dtypes, enums or tuples (`vars(args)`, `asdict(job_config)`); such values are
+        sent as their text (said once), where they would otherwise cost the rank its `hello`."""
+        if config is None:
+            return None
+        changed: list[str] = []
+        plain = _json_like(config if isinstance(config, dict) else {"config": config}, "",
+                           changed)
+        if changed:
+            self.warnings.once("config", "scalemon: init(config=...) holds values that are not "
+                               "JSON-like (%s); they are sent as text", ", ".join(changed[:5]))
+        return plain
 
     def _start_flags(self) -> None:
         """Report the flags; apply a process-group timeout toggled earlier in this run; follow
@@ -517,11 +531,28 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _cuda_device(model: torch.nn.Module | None) -> torch.device | None:
+def _json_like(value: Any, where: str, changed: list[str], depth: int = 0) -> Any:
+    """`value` with string keys, lists for tuples and sets, and the text of anything else that
+    is not a str, int, float, bool or None (noting where in `changed`); cut at depth 16."""
+    if type(value) in (str, int, float, bool, type(None)):
+        return value
+    if isinstance(value, dict) and depth < 16:
+        return {str(k): _json_like(v, f"{where}.{k}" if where else str(k), changed, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)) and depth < 16:
+        return [_json_like(v, where, changed, depth + 1) for v in value]
+    changed.append(f"{where or 'config'}: {type(value).__name__}")
+    return str(value)
+
+
+def _cuda_device(model: Any) -> torch.device | None:
     """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
     if not torch.cuda.is_available():
         return None
-    param = next(model.parameters(), None) if model is not None else None
+    try:
+        param = next(model.parameters(), None) if model is not None else None
+    except Exception:  # not an nn.Module: the current device, as without a model
+        param = None
     if param is not None:
         return param.device if param.is_cuda else None
     if torch.cuda.is_initialized():

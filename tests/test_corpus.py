@@ -158,13 +158,14 @@ def test_the_snapshot_has_every_step_and_the_last_loss_the_script_logged(corpus,
     assert sorted(got.printed) == list(range(nproc)), got.output[-3000:]
     ranks = {r["rank"]: r for r in got.state["ranks"]}
     assert sorted(ranks) == list(range(nproc)), got.table
+    assert sorted(got.state["info"]["config"]) == [str(r) for r in range(nproc)]  # hellos
     for rank, printed in got.printed.items():
         r = ranks[rank]
         where = f"{name} rank {rank}:\n{got.table}"
         assert r["steps_received"] == printed["steps"], where
         assert r["step"] == printed["step"], where
         assert r["loss"] == pytest.approx(printed["loss"], rel=1e-6), where
-        assert r["seq_gaps"] == 0 and r["dropped"] == 0, where
+        assert r["seq_gaps"] == 0 and r["dropped"] == 0 and r["host"], where
         for key, value in printed["extra"].items():
             assert r["extra"][key] == pytest.approx(value, rel=1e-6), f"{where}: {key}"
         assert r["tokens"] == printed.get("tokens"), where

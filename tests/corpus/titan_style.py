@@ -1,5 +1,7 @@
 """A loop written the way torchtitan's train.py is (our own code, its patterns):
 
+- the run's configuration a dataclass (`asdict` of it: a path, a dtype, a tuple inside) given
+  to `init(config=...)`;
 - `init(model=...)` before the model is sharded: each block compiled (`torch.compile`, the
   `aot_eager` backend here to keep CI fast) and wrapped with FSDP2 `fully_shard`, then the
   root; the optimizer made after `init()` and handed over with `watch_optimizer`;
@@ -17,6 +19,9 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from corpus_common import Logged, TinyLM, batch
@@ -27,10 +32,23 @@ import scalemon.agent as sm
 STEPS, ACCUM, LOG_FREQ = 5, 2, 2
 
 
+@dataclass
+class Training:
+    steps: int = STEPS
+    dump_folder: Path = Path("./outputs")
+    mixed_precision_param: torch.dtype = torch.bfloat16
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+@dataclass
+class JobConfig:
+    training: Training = field(default_factory=Training)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     model = TinyLM(blocks=2)
-    run = sm.init(model=model, config={"style": "torchtitan"})
+    run = sm.init(model=model, config={"style": "torchtitan", **asdict(JobConfig())})
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, backend="aot_eager")
         fully_shard(model.blocks[i])
