@@ -38,7 +38,7 @@ from .nvml import GpuReader, pci_bus_id_of
 from .recorder import Recorder
 from .scaler import ScaleReader
 from .steps import ScaleTracker, StepFinisher
-from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
+from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
 from .transport import Sender, local_value
 from .warn import Warnings
 
@@ -273,6 +273,8 @@ class Run:
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
+        if is_compiling():  # traced into a compiled model: leave no trace (fullgraph=True)
+            return
         t = time.perf_counter()
         if self._pending_comm is not None:
             self._install_comm_timer()  # never raises

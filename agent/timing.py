@@ -34,6 +34,12 @@ def _all_reduce(*args: Any, **kwargs: Any) -> Any:
     return original(dist.all_reduce)(*args, **kwargs)
 
 
+def is_compiling() -> bool:
+    """True while torch.compile traces the caller: a hook then returns at once, so dynamo
+    neither breaks the graph at it nor fails a `fullgraph=True` compile."""
+    return torch.compiler.is_compiling()
+
+
 Span = list  # [issued_at, start: float|Event, end: float|Event|None, sent: Tensor|None, ...]
 
 
@@ -110,6 +116,8 @@ class OptimizerTimer:
         ]
 
     def _pre(self, *_: Any) -> None:
+        if is_compiling():  # a compiled optimizer.step(): nothing to time from inside
+            return
         t = time.perf_counter()
         phase = self.phase
         phase.name, phase.since = "optimizer", t
@@ -121,6 +129,8 @@ class OptimizerTimer:
         phase.cost_s += time.perf_counter() - t
 
     def _post(self, *_: Any) -> None:
+        if is_compiling():
+            return
         t = time.perf_counter()
         span = self._open
         if span is not None:

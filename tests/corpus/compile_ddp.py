@@ -1,8 +1,9 @@
 """`torch.compile` and DDP, in both orders scripts use, with several optimizers:
 
-- `outer`: `torch.compile(DDP(model))` (DDP's graph split at bucket boundaries by dynamo);
-  `inner`: `DDP(torch.compile(model))`, as nanoGPT does; `init(model=...)` gets what the
-  script calls;
+- `outer`: `torch.compile(DDP(model))` (DDP's graph split at bucket boundaries by dynamo),
+  `init(model=...)` given that; `inner`: `DDP(torch.compile(model, fullgraph=True))`, as
+  nanoGPT does, with `init(model=...)` given the bare model before both (its forward hook is
+  then traced into the compiled graph, which must neither break nor fail);
 - two optimizers stepped one after the other (the body with AdamW, the head with SGD, as
   scripts pairing Muon with Adam do), each with its own scheduler (cosine, step), both
   watched (`init(optimizer=...)`, then `watch_optimizer`);
@@ -30,17 +31,19 @@ def main() -> None:
     order = sys.argv[1]
     dist.init_process_group("gloo")
     raw = TinyLM()
-    if order == "outer":
-        model = torch.compile(DDP(raw), backend="aot_eager")
-    else:
-        model = DDP(torch.compile(raw, backend="aot_eager"))
     head = list(raw.head.parameters())
     body = [p for p in raw.parameters() if all(p is not h for h in head)]
     opt_body = torch.optim.AdamW(body, lr=1e-2)
     opt_head = torch.optim.SGD(head, lr=0.1, momentum=0.9)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(opt_body, STEPS),
                   torch.optim.lr_scheduler.StepLR(opt_head, step_size=2, gamma=0.5)]
-    run = sm.init(model=model, optimizer=opt_body, config={"style": f"compile-{order}"})
+    config = {"style": f"compile-{order}"}
+    if order == "outer":
+        model = torch.compile(DDP(raw), backend="aot_eager")
+        run = sm.init(model=model, optimizer=opt_body, config=config)
+    else:
+        run = sm.init(model=raw, optimizer=opt_body, config=config)
+        model = DDP(torch.compile(raw, backend="aot_eager", fullgraph=True))
     assert run is not None
     run.watch_optimizer(opt_head)
     logged = Logged()
