@@ -1,7 +1,8 @@
 """A loop written the way Hugging Face accelerate's examples and transformers'
 `run_clm_no_trainer.py` are (our own code, their patterns):
 
-- `init()` first, with nothing (as trackers are started), the model built, wrapped in DDP and
+- `init()` first, with nothing, even before `init_process_group` (as trackers are started at
+  the top of a script), the model built, wrapped in DDP and
   its optimizer and scaler made afterwards, then handed over with `watch_model`,
   `watch_optimizer` and `watch_scaler`;
 - gradient accumulation: micro-steps under `model.no_sync()`, the loss divided by their count;
@@ -35,8 +36,8 @@ EPOCHS, BATCHES, ACCUM, WARMUP = 2, 4, 2, 2
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
     run = sm.init(config={"style": "accelerate"})
+    dist.init_process_group("gloo")
     model = DDP(TinyLM())
     no_decay = ("bias", "0.weight")  # biases and the blocks' LayerNorm weights
     groups = [
