@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,3 +390,33 @@ def test_a_disabled_scaler_reads_off_and_a_missing_one_n_a_in_rank_and_node_rows
     for values, text in ((off, "off"), (mixed, "n/a")):
         cells = display.node_cells(columns, "node0", ["running"] * 2, "running", [1, 1], values)
         assert cells == (text,) * len(columns)
+
+
+_ENDS_BEFORE_ITS_HUB = """
+import scalemon.agent as sm
+sm.init()
+for step in range(1, 4):
+    sm.log(step, loss=float(step))
+print("finishing", flush=True)
+sm.finish()
+"""
+
+
+def test_a_rank_that_ends_before_its_hub_started_still_reaches_it(home, start_hub):
+    """A short job on a loaded machine: the rank is done before the hub (that rank 0 starts)
+    listens. Its process waits for the hub a little at exit, so its steps are not lost."""
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+           "SCALEMON_JOB_ID": "slowhub", "OMP_NUM_THREADS": "1"}
+    rank = subprocess.Popen([sys.executable, "-c", _ENDS_BEFORE_ITS_HUB], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "finishing"
+        time.sleep(4.0)  # longer than the socket keeps unsent messages after its close
+        hub = start_hub("slowhub")
+        assert rank.wait(timeout=60) == 0
+    finally:
+        rank.kill()
+        rank.wait()
+    messages = hub_messages(hub)
+    assert [m.body["step"] for m in messages if m.type == "step"] == [1, 2, 3]
+    assert messages[0].type == "hello" and messages[-1].type == "exit"
