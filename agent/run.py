@@ -4,7 +4,8 @@ Per step the training thread calls `log()`, which costs a few microseconds: it n
 times, copies device scalars (loss, loss scale) into pinned host memory without blocking,
 records a CUDA event, and leaves the message for the sender thread once the event completed
 (checked on later calls, never waited for). Everything is wrapped so that a failure inside the
-monitor is logged once and switches the monitor off instead of reaching the training loop.
+monitor is logged once and switches the monitor off instead of reaching the training loop, and
+the hub hears why (`monitor_off`). A value it cannot read is left out instead, said once.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .recorder import Recorder
 from .scaler import ScaleReader
 from .steps import ScaleTracker, StepFinisher
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
-from .transport import Sender, local_value
+from .transport import Sender, local_value, plain_value
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -538,6 +539,10 @@ def _json_like(value: Any, where: str, changed: list[str], depth: int = 0) -> An
     is not a str, int, float, bool or None (noting where in `changed`); cut at depth 16."""
     if type(value) in (str, int, float, bool, type(None)):
         return value
+    with contextlib.suppress(Exception):  # NumPy scalars, 0-d tensors, str/int subclasses
+        value = plain_value(value)
+        if type(value) in (str, int, float, bool):
+            return value
     if isinstance(value, dict) and depth < 16:
         return {str(k): _json_like(v, f"{where}.{k}" if where else str(k), changed, depth + 1)
                 for k, v in value.items()}
