@@ -4,7 +4,8 @@ Per step the training thread calls `log()`, which costs a few microseconds: it n
 times, copies device scalars (loss, loss scale) into pinned host memory without blocking,
 records a CUDA event, and leaves the message for the sender thread once the event completed
 (checked on later calls, never waited for). Everything is wrapped so that a failure inside the
-monitor is logged once and switches the monitor off instead of reaching the training loop.
+monitor is logged once and switches the monitor off instead of reaching the training loop, and
+the hub hears why (`monitor_off`). A value it cannot read is left out instead, said once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,9 +38,10 @@ from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
 from .recorder import Recorder
+from .scaler import ScaleReader
 from .steps import ScaleTracker, StepFinisher
-from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer
-from .transport import Sender
+from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
+from .transport import Sender, local_value, plain_value
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -46,6 +49,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 FIRST_ANSWER_WARN_S = 5.0
 """A hub the user named (SCALEMON_HUB) runs already: after this long without its answer, the
 rank says nothing is being received (an auto-started hub gets the Sender's longer wait)."""
+HUB_START_GRACE_S = 10.0
+"""A process ending before the job's own hub (started by rank 0) ever answered waits this long
+for it at most, so a short job on a loaded machine still reaches its hub."""
+MONITOR_OFF_CHARS = 2000
+"""The reason a rank's monitor switched itself off is sent cut to this many characters."""
 OWN_DIRS = (Path(__file__).resolve().parent, Path(scalemon.__file__).resolve().parent)
 """scalemon's code: its frames are left out of the error a rank reports as its cause."""
 
@@ -108,11 +116,9 @@ class Run:
         self._hooks: list[Any] = []
         self._pending_comm: tuple[AllReduceTimer, Any] | None = None  # installed at 1st forward
         self._last_log_t: float | None = None
-        init_scale = getattr(scaler, "_init_scale", None)
-        self._steps = StepFinisher(
-            ScaleTracker(float(init_scale) if init_scale is not None else None), self.phase,
-            events, self.warnings,
-        )
+        self._scale = ScaleReader(scaler, self.warnings)
+        self._steps = StepFinisher(ScaleTracker(self._scale.init_scale), self.phase, events,
+                                   self.warnings, self._scale)
         self.agent_time_total_s = 0.0
         self._previous_log_s = 0.0
         self.steps_logged = 0
@@ -123,7 +129,8 @@ class Run:
                              rpc_endpoint=self.address.rpc, warnings=self.warnings,
                              configured_by=configured_by, hub_label=self._hub_label(hub),
                              server_key=self.address.server_key,
-                             first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None)
+                             first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None,
+                             start_grace_s=0.0 if configured_by else HUB_START_GRACE_S)
         self.sender.on_command = self._on_command
         self._watch_hub(hub)
         self._nccl = uses_nccl()
@@ -178,8 +185,22 @@ class Run:
             "torch_version": str(torch.__version__),
             "device": device,
             "backend": backend,
-            "config": config,
+            "config": self._plain_config(config),
         })
+
+    def _plain_config(self, config: Any) -> dict[str, Any] | None:
+        """`init(config=...)` as the protocol carries it: a script's configuration often holds
+        paths, dtypes, enums or tuples (`vars(args)`, `asdict(job_config)`); such values are
+        sent as their text (said once), where they would otherwise cost the rank its `hello`."""
+        if config is None:
+            return None
+        changed: list[str] = []
+        plain = _json_like(config if isinstance(config, dict) else {"config": config}, "",
+                           changed)
+        if changed:
+            self.warnings.once("config", "scalemon: init(config=...) holds values that are not "
+                               "JSON-like (%s); they are sent as text", ", ".join(changed[:5]))
+        return plain
 
     def _start_flags(self) -> None:
         """Report the flags; apply a process-group timeout toggled earlier in this run; follow
@@ -231,7 +252,16 @@ class Run:
     @guarded
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Time every `optimizer.step()` (step hooks; CUDA events on GPU)."""
-        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase))
+        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase, self.disable))
+
+    @guarded
+    def watch_scaler(self, scaler: Any) -> None:
+        """Read the AMP loss scale from `scaler` (one made after `init()`), from the next
+        step on."""
+        reader = ScaleReader(scaler, self.warnings)
+        if self._steps.scales.previous is None:
+            self._steps.scales.previous = reader.init_scale
+        self._scale = self._steps.scaler = reader
 
     @guarded
     def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
@@ -243,17 +273,20 @@ class Run:
         it (and the all-reduce goes untimed) instead of getting DDP's "can only be called
         once" error."""
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
-        if (time_collectives and isinstance(model, torch.nn.parallel.DistributedDataParallel)
-                and not group_uses_nccl(model.process_group)):
+        ddp = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model)): the DDP inside
+        if (time_collectives and isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+                and not group_uses_nccl(ddp.process_group)):
             calls = self.host_timer.calls if self.host_timer else None
             self._pending_comm = (AllReduceTimer(self._comm_timer, self.phase, self.warnings,
-                                                 calls), model)
+                                                 calls), ddp)
 
     def _on_forward(self, *_: Any) -> None:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
+        if is_compiling():  # traced into a compiled model: leave no trace (fullgraph=True)
+            return
         t = time.perf_counter()
         if self._pending_comm is not None:
-            self._install_comm_timer()
+            self._install_comm_timer()  # never raises
         phase = self.phase
         if phase.name != "forward-backward":
             phase.name, phase.since = "forward-backward", t
@@ -298,12 +331,12 @@ class Run:
         last, self._last_log_t = self._last_log_t, t0
         phase = self.phase
         if type(step) is not int:
-            step = _host_int(step, "step")
+            step = self._step_number(step)
         if tokens is not None and type(tokens) is not int:
-            tokens = _host_int(tokens, "tokens")
+            tokens = self._host_int(tokens, "tokens")
         phase.step = step
         hooks_s, phase.cost_s = phase.cost_s, 0.0
-        scale = self.scaler._scale if self.scaler is not None else None
+        scale = self._scale.read()
         if self._cuda:
             staged = self._steps.stage(loss, scale, extra)
             loss = scale = None
@@ -311,9 +344,9 @@ class Run:
         else:  # host values are read now: the caller may change them in place later
             staged = memory = None
             if loss is not None and type(loss) is not float:
-                loss = _host_float(loss)
+                loss = self._host_float(loss, "loss")
             if scale is not None:
-                scale = _host_float(scale)
+                scale = self._host_float(scale, "the loss scale")
         opt, comm = self._opt_timer, self._comm_timer
         opt_spans, opt.spans = opt.spans, []
         comm_spans, comm.spans = comm.spans, []
@@ -327,6 +360,38 @@ class Run:
         self._previous_log_s = log_s = phase.since - t0  # reported with the next step
         self.agent_time_total_s += hooks_s + log_s
         self.steps_logged += 1
+
+    def _step_number(self, step: Any) -> int:
+        """The step as an int (a NumPy integer, a CPU tensor); one that cannot be read without
+        a sync or at all is counted on from the previous step instead, said once."""
+        try:
+            if step is None:
+                raise TypeError("it is None")
+            return _host_int(step, "step")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once("log-step", "scalemon: log(step=...) %s; the monitor counts "
+                               "steps on from the previous one instead", _why(exc))
+        previous = self.phase.step
+        return 0 if previous is None else previous + 1
+
+    def _host_int(self, value: Any, name: str) -> int | None:
+        """`value` as an int, or None (said once) where it cannot be read without a sync."""
+        try:
+            return _host_int(value, name)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once(f"log-{name}", "scalemon: log(%s=...) %s; it is left out",
+                               name, _why(exc))
+            return None
+
+    def _host_float(self, value: Any, name: str) -> float | None:
+        """`value` as a float, or None (said once) for one that is not a number or a
+        one-element tensor (a loss of several elements, a string)."""
+        try:
+            return _host_float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once(f"log-{name}", "scalemon: %s given to log() %s; it is left out",
+                               name, _why(exc))
+            return None
 
     def _apply_flags(self, step: int) -> None:
         """Apply the toggles due at this step boundary (on the training thread)."""
@@ -403,11 +468,24 @@ class Run:
             self.finish(exit_code=None, reason="exit")
 
     def disable(self, reason: str) -> None:
-        """Switch the monitor off after an internal error; training goes on."""
-        if not self.disabled:
-            self.disabled = True
-            self._disabled_reason = reason
-            log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
+        """Switch the monitor off after an internal error; training goes on.
+
+        The hub hears why first (a `monitor_off` message, so the rank's row says so), then the
+        training thread's side stops: no more steps, and the timers keep no spans. The hooks
+        stay until `finish()` (this may run inside one of them, whose registry cannot change
+        while it runs) and only say what the training thread is doing; the heartbeat and
+        recorder threads go on, so the rank still reads as alive, and its exit is reported."""
+        if self.disabled:
+            return
+        self.disabled = True
+        self._disabled_reason = reason = reason[:MONITOR_OFF_CHARS]
+        log.warning("scalemon: monitoring disabled on rank %d: %s", self.env.rank, reason)
+        with contextlib.suppress(Exception):
+            self.sender.submit("monitor_off", {"reason": reason, "step": self.phase.step})
+        self._pending_comm = None
+        for timer in (self._opt_timer, self._comm_timer):
+            with contextlib.suppress(Exception):
+                timer.spans = deque(maxlen=0)  # type: ignore[assignment]  # keeps nothing
 
     def _counters(self) -> dict[str, Any]:
         recorder = self.recorder
@@ -473,11 +551,32 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _cuda_device(model: torch.nn.Module | None) -> torch.device | None:
+def _json_like(value: Any, where: str, changed: list[str], depth: int = 0) -> Any:
+    """`value` with string keys, lists for tuples and sets, and the text of anything else that
+    is not a str, int, float, bool or None (noting where in `changed`); cut at depth 16."""
+    if type(value) in (str, int, float, bool, type(None)):
+        return value
+    with contextlib.suppress(Exception):  # NumPy scalars, 0-d tensors, str/int subclasses
+        value = plain_value(value)
+        if type(value) in (str, int, float, bool):
+            return value
+    if isinstance(value, dict) and depth < 16:
+        return {str(k): _json_like(v, f"{where}.{k}" if where else str(k), changed, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)) and depth < 16:
+        return [_json_like(v, where, changed, depth + 1) for v in value]
+    changed.append(f"{where or 'config'}: {type(value).__name__}")
+    return str(value)
+
+
+def _cuda_device(model: Any) -> torch.device | None:
     """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
     if not torch.cuda.is_available():
         return None
-    param = next(model.parameters(), None) if model is not None else None
+    try:
+        param = next(model.parameters(), None) if model is not None else None
+    except Exception:  # not an nn.Module: the current device, as without a model
+        param = None
     if param is not None:
         return param.device if param.is_cuda else None
     if torch.cuda.is_initialized():
@@ -569,7 +668,12 @@ def _host_float(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
+        value = local_value(value)
         if value.is_cuda:
             return None  # never sync a device tensor on the training thread
         return float(value)
     return float(value)
+
+
+def _why(exc: Exception) -> str:
+    return f"cannot be read ({type(exc).__name__}: {exc})"

@@ -10,7 +10,7 @@ import torch
 
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
-from .transport import PLAIN_TYPES, plain_value
+from .transport import PLAIN_TYPES, local_value, plain_value
 from .warn import Warnings
 
 # What the training thread leaves per step, one tuple (cheaper to build than a dict there):
@@ -50,8 +50,9 @@ class StepFinisher:
     completed-collective count it advances on CUDA."""
 
     def __init__(self, scales: ScaleTracker, phase: Phase, events: EventPool | None,
-                 warnings: Warnings | None = None) -> None:
+                 warnings: Warnings | None = None, scaler: Any = None) -> None:
         self.scales = scales
+        self.scaler = scaler  # a ScaleReader: its `state` is `step.scaler`
         self.phase = phase
         self.events = events
         self.warnings = warnings or Warnings()
@@ -61,6 +62,7 @@ class StepFinisher:
         """Copy device scalars (loss, loss scale, and one-element CUDA tensors among the extra
         values) to pinned host memory behind a CUDA event (no sync)."""
         names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
+        loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
         free = self.pinned.get(len(values))
         buf = free.pop() if free else torch.empty(len(values), pin_memory=True)
@@ -68,8 +70,25 @@ class StepFinisher:
             if isinstance(value, torch.Tensor):
                 buf[i].copy_(value.detach().reshape(()), non_blocking=True)
             elif value is not None:
-                buf[i] = float(value)
+                buf[i] = value
         return (self.events.record(), buf, loss is not None, scale is not None, names)
+
+    def _stageable(self, value: Any, name: str) -> Any:
+        """`value` if it is a one-element tensor, else it as a float; None (said once) for a
+        value that is neither (a loss of several elements, a string)."""
+        if value is None:
+            return None
+        try:
+            if isinstance(value, torch.Tensor):
+                value = local_value(value)
+                if value.numel() == 1:
+                    return value
+                raise ValueError(f"a tensor of {value.numel()} elements")
+            return float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once(f"log-{name}", "scalemon: %s given to log() cannot be read "
+                               "(%s); it is left out", name, exc)
+            return None
 
     def finish(self, raw: RawStep, deadline: float | None) -> dict[str, Any] | None:
         """The finished body, or None while the device has not reached this step (waiting
@@ -77,7 +96,8 @@ class StepFinisher:
         (step, tokens, step_time, agent_time, extra, loss, scale, memory, opt_spans, comm_spans,
          staged) = raw
         body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
-                                "agent_time_s": agent_time, "loss": loss, "loss_scale": scale}
+                                "agent_time_s": agent_time, "loss": loss, "loss_scale": scale,
+                                "scaler": self.scaler.state if self.scaler is not None else None}
         body.update(memory or NO_DEVICE_MEMORY)
         if staged is not None:
             event, buf, has_loss, has_scale, names = staged
@@ -111,7 +131,12 @@ class StepFinisher:
         bad value never costs the step."""
         out = {}
         for name, value in extra.items():
-            value = plain_value(value)
+            try:
+                value = plain_value(value)
+            except Exception as exc:  # a DTensor that needs a collective, a failing __float__
+                self.warnings.once(f"extra:{name}", "scalemon: log(%s=...) cannot be read: %s; "
+                                   "that value is left out", name, exc)
+                continue
             if type(value) in PLAIN_TYPES:
                 out[name] = value
             else:
@@ -122,4 +147,5 @@ class StepFinisher:
 
 
 def _device_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_cuda and value.numel() == 1
+    """A one-element CUDA tensor (not a DTensor: `_sendable` reads those)."""
+    return type(value) is torch.Tensor and value.is_cuda and value.numel() == 1

@@ -14,6 +14,7 @@ tensor sent (its byte count is read later, on the sender thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -31,6 +32,12 @@ log = logging.getLogger("scalemon.agent")
 def _all_reduce(*args: Any, **kwargs: Any) -> Any:
     """torch's all_reduce, not the host timer's wrapper (the hook times its own)."""
     return original(dist.all_reduce)(*args, **kwargs)
+
+
+def is_compiling() -> bool:
+    """True while torch.compile traces the caller: a hook then returns at once, so dynamo
+    neither breaks the graph at it nor fails a `fullgraph=True` compile."""
+    return torch.compiler.is_compiling()
 
 
 Span = list  # [issued_at, start: float|Event, end: float|Event|None, sent: Tensor|None, ...]
@@ -97,9 +104,11 @@ def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -
 class OptimizerTimer:
     """Times every `optimizer.step()` through the optimizer's own step hooks."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, timer: SpanTimer, phase: Phase) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, timer: SpanTimer, phase: Phase,
+                 on_error: Any = None) -> None:
         self.timer = timer
         self.phase = phase
+        self.on_error = on_error  # called with the reason when a hook fails (never raises)
         self._open: Span | None = None
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
@@ -107,24 +116,42 @@ class OptimizerTimer:
         ]
 
     def _pre(self, *_: Any) -> None:
+        if is_compiling():  # a compiled optimizer.step(): nothing to time from inside
+            return
         t = time.perf_counter()
         phase = self.phase
         phase.name, phase.since = "optimizer", t
-        events = self.timer.events
-        self._open = [t, t if events is None else events.record(), None, None]
+        try:  # the optimizer step must go on whatever happens here
+            events = self.timer.events
+            self._open = [t, t if events is None else events.record(), None, None]
+        except Exception as exc:
+            self._failed("before", exc)
         phase.cost_s += time.perf_counter() - t
 
     def _post(self, *_: Any) -> None:
+        if is_compiling():
+            return
         t = time.perf_counter()
         span = self._open
         if span is not None:
-            events = self.timer.events
-            span[2] = t if events is None else events.record()
-            self.timer.spans.append(span)
             self._open = None
+            try:
+                events = self.timer.events
+                span[2] = t if events is None else events.record()
+                self.timer.spans.append(span)
+            except Exception as exc:
+                self._failed("after", exc)
         phase = self.phase
         phase.name, phase.since = "after-optimizer", t
         phase.cost_s += time.perf_counter() - t
+
+    def _failed(self, when: str, exc: Exception) -> None:
+        reason = f"optimizer hook ({when} step): {type(exc).__name__}: {exc}"
+        if self.on_error is not None:
+            with contextlib.suppress(Exception):
+                self.on_error(reason)
+        else:
+            log.warning("scalemon: %s", reason)
 
     def remove(self) -> None:
         """Unregister the hooks."""

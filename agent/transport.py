@@ -57,8 +57,11 @@ class Sender:
         first_answer_warn_s: float | None = None,
         hub_label: str | None = None,
         server_key: str | None = None,
+        start_grace_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
+        self.start_grace_s = start_grace_s
+        """At close, how long to wait for a hub that never answered (one being started)."""
         self.server_key = server_key  # the hub's Curve public key, for tcp endpoints
         self.rpc_endpoint = rpc_endpoint
         self.warnings = warnings or Warnings()
@@ -160,6 +163,8 @@ class Sender:
                 if stopping:  # wait a little for the device, then give up on what is stuck
                     self._drain_deferred(sock, time.monotonic() + self.close_timeout_s, True)
                     self._drain(sock)  # a last heartbeat queued while stopping
+                    if probe is not None:
+                        self._await_first_answer(probe)
                     break
                 self._drain_deferred(sock, None, False)
         except Exception as exc:  # never let the monitor take the rank down
@@ -170,6 +175,19 @@ class Sender:
                 probe.close(linger=0)
             sock.close()  # waits up to LINGER for queued frames to leave
             ctx.term()
+
+    def _await_first_answer(self, probe: zmq.Socket) -> None:
+        """At the end of a process whose hub never answered, wait up to `start_grace_s` for
+        it: in a short job on a loaded machine the hub rank 0 started may still be starting,
+        and closing now would lose every message of the run (they wait in the socket until
+        the hub binds, and the socket keeps them only `close_timeout_s`)."""
+        if self._answered is not None or self._failed or self.start_grace_s <= 0:
+            return
+        end = time.monotonic() + self.start_grace_s
+        while self._answered is None and time.monotonic() < end:
+            self._sync(probe)
+            if self._answered is None:
+                probe.poll(50, zmq.POLLIN)
 
     def _probe(self, ctx: zmq.Context) -> zmq.Socket | None:
         """The DEALER socket of the round trips with the hub's RPC socket."""
@@ -333,7 +351,7 @@ class Sender:
         """Send what is queued (bounded by `close_timeout_s`) and stop the thread."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=self.close_timeout_s * 2 + 1)
+        self._thread.join(timeout=self.close_timeout_s * 2 + 1 + self.start_grace_s)
 
 
 def plain_values(body: dict[str, Any]) -> dict[str, Any]:
@@ -348,10 +366,24 @@ _PLAIN = (bool, int, float, str, type(None))
 PLAIN_TYPES = _PLAIN  # what a message value may be once made plain
 
 
+def local_value(value: Any) -> Any:
+    """A DTensor as its local tensor where that holds the whole value (replicated, as the
+    grad norm `clip_grad_norm_` returns under FSDP2); anything else unchanged. Raises
+    ValueError for a sharded or partial DTensor: reading one takes a collective, which the
+    agent never issues (the ranks would have to issue it in the same order)."""
+    if type(value).__name__ != "DTensor":
+        return value
+    if all(p.is_replicate() for p in value.placements):
+        return value.to_local()
+    raise ValueError(f"it is a DTensor placed {tuple(value.placements)}: reading it takes a "
+                     "collective; pass .full_tensor()")
+
+
 def plain_value(value: Any) -> Any:
     """A NumPy scalar, one-element CPU tensor or str/int/float subclass as a plain Python value;
-    anything else unchanged."""
-    value = _plain(value)
+    anything else unchanged. A replicated DTensor is read from its local tensor (`local_value`);
+    a sharded or partial one raises ValueError."""
+    value = _plain(local_value(value))
     one_element_host_tensor = (
         type(value) not in _PLAIN and hasattr(value, "numel") and not getattr(value, "is_cuda", 1)
         and value.numel() == 1

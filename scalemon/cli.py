@@ -97,7 +97,9 @@ def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     if key == "state":
         reason = rank.get("state_reason")
         text = rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
-        return text + (", peer lost" if rank.get("peer_loss") else "")
+        text += ", peer lost" if rank.get("peer_loss") else ""
+        return text + (f"; monitor off: {rank['monitor_off']}" if rank.get("monitor_off")
+                       else "")
     return _fmt(rank.get(key))
 
 

@@ -12,6 +12,9 @@ from scalemon import metrics
 from scalemon.metrics import Metric
 
 NA = "n/a"
+OFF = "off"
+"""The loss scale of a rank whose AMP scaler is disabled (`scaler` "off"): no scaling, which is
+not the same as a value that cannot be known."""
 
 
 def num(value: float | None, digits: int = 4) -> str:
@@ -83,6 +86,8 @@ def metric_text(metric: Metric, values: Mapping[str, Any]) -> str:
         if value is None or total is None:
             return NA
         return f"{value * show.scale:.1f}/{total * show.scale:.0f}"
+    if value is None and show.style == "loss_scale" and values.get("scaler") == OFF:
+        return OFF
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return NA if value is None else str(value)
     shown = value * show.scale
@@ -222,7 +227,9 @@ def node_cells(columns: tuple[Column, ...], host: str | None, kinds: list[str], 
             spreads[name] = spread(v.get(name) for v in values)
         s = spreads[name]
         if s is None:
-            cells.append(NA)
+            off = c.metric.show is not None and c.metric.show.style == "loss_scale" and \
+                values and all(v.get("scaler") == OFF for v in values)
+            cells.append(OFF if off else NA)
             continue
         value = s[("min", "med", "max").index(c.key.rsplit(".", 1)[1])]
         shown = {name: value}

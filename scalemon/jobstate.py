@@ -62,6 +62,8 @@ class RankView:
     """When the rank exited or was found lost (its own clock for an exit, the hub's for lost)."""
     peer_loss: bool = False
     """Exited with an error that reads like a peer's death (`failures.is_peer_loss`)."""
+    monitor_off: str | None = None
+    """Why this rank's agent switched itself off (`monitor_off` message); None while it runs."""
     step: int | None = None
     steps_received: int = 0
     last_seen_t: float | None = None
@@ -182,7 +184,7 @@ class JobState:
         view.device, view.backend = b.get("device"), b.get("backend")
         view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
-        view.ended_t, view.peer_loss = None, False
+        view.ended_t, view.peer_loss, view.monitor_off = None, False, None
         self.world_size = max(self.world_size or 0, b["world_size"])
         if b.get("config") is not None:
             self.info.setdefault("config", {})[msg.rank] = b["config"]
@@ -247,6 +249,9 @@ class JobState:
         view.peer_loss = view.state == "exited" and is_peer_loss(view.error)
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
+
+    def _on_monitor_off(self, msg: Message, view: RankView) -> None:
+        view.monitor_off = msg.body["reason"]
 
     def _on_flags(self, msg: Message, view: RankView) -> None:
         self.flags.on_flags(msg)

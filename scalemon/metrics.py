@@ -153,6 +153,10 @@ METRICS: tuple[Metric, ...] = (
            "when `loss_scale` is null."),
     Metric("skipped_steps", "step", "int", "", "cumulative number of skipped steps on this rank "
            "process; absent when `loss_scale` is null"),
+    Metric("scaler", "step", "str", "", "the AMP scaler given to `init(scaler=...)`: `\"on\"` "
+           "when its scale is read, `\"off\"` when it is disabled (`GradScaler(enabled=False)`, "
+           "or a CUDA `GradScaler` without CUDA): no loss scaling, and the loss scale reads "
+           "\"off\"; null without a scaler or when the agent cannot read it"),
     Metric("mem_allocated_bytes", "step", "int", "bytes", "bytes held by tensors at the `log()` "
            "call (the caching allocator's `allocated_bytes.all.current`, what "
            "`torch.cuda.memory_allocated()` returns); null on CPU ranks",

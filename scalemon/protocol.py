@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -86,6 +86,12 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "step": (_OPT_INT, False),
         "error": (_OPT_STR, False),
         "dropped": (_OPT_INT, False),
+    },
+    # The agent switched itself off after an internal error (1.5): why, at which step. Sent
+    # once, before anything else it stops sending; heartbeats go on, the exit comes as usual.
+    "monitor_off": {
+        "reason": ((str,), True),
+        "step": (_OPT_INT, False),
     },
     # Written by the hub: a Flight Recorder dump it asked every rank for, and its analysis
     # (`state`: "requested", then "analysed"; `report`: `scalemon.frtrace.analyse`'s result).

@@ -36,6 +36,8 @@ MAX_LINES = 4
 
 COLUMNS: tuple[Column, ...] = display.rank_columns()
 """The rank table: rank, state, step, one column per metric of the table that has one, host."""
+MONITOR_OFF = "mon. off"
+"""The state cell of a rank whose agent switched itself off (the reason is in its detail)."""
 DETAIL_PANELS: tuple[tuple[str, tuple[Metric, ...]], ...] = tuple(metrics.plot_panels())
 """The rank detail's plot panels from the table: (title, metrics), before the extra values."""
 
@@ -286,6 +288,8 @@ def _row(data: DashboardData, v: RankView, now: float, straggler: bool,
             state = "failed 1st"
         elif v.peer_loss:
             state = "peer lost"
+    elif v.monitor_off:  # its steps stopped for that reason, not because it is stuck
+        state, style = MONITOR_OFF, "stuck"
     elif v.state == "finished":
         style = "finished"
     elif since is not None and phase and since > max(10.0, 10.0 * (median_step or 0.0)):
@@ -446,6 +450,8 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
         ("restarts", _opt(v.restart_count)),
         ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
     ]
+    if v.monitor_off:
+        facts.insert(1, ("monitor off", f"{v.monitor_off} (no steps since)"))
     if v.rank in data.partial_series:
         facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
                                "big job's rank's latest records for them (all in its history)"))
