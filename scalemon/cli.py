@@ -15,17 +15,19 @@ from scalemon.jobs import (
     JobFile,
     JobLookupError,
     hub_gone_text,
-    live_jobs,
     node_name,
     resolve_hub,
+    serving_jobs,
 )
 from scalemon.jobstate import JobState
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN/inf and bytes become strings, keys strings, so the output is strict JSON."""
+    """NaN and infinities become the strings "NaN", "Infinity" and "-Infinity" (how
+    JavaScript and most JSON readers spell them), bytes hex strings and keys strings, so the
+    output is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
     if isinstance(value, dict):
@@ -80,8 +82,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"scalemon snapshot: {why}; replaying {reply['source']}{skipped}",
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
-    if args.json:
-        print(json.dumps(_json_safe(out), indent=1))
+    if args.json:  # strict JSON: NaN and infinities as strings (docs/protocol.md 9.3)
+        print(json.dumps(_json_safe(out), indent=1, allow_nan=False))
     else:
         print(format_snapshot(out))
     return 0
@@ -235,20 +237,31 @@ def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """List live hubs."""
-    jobs = live_jobs()
+    """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
+    jobs = serving_jobs()
     if args.json:
-        print(json.dumps([j.__dict__ for j in jobs], indent=1))
+        print(json.dumps([{**j.__dict__, "live": j.state == "running"} for j in jobs],
+                         indent=1))
         return 0
     if not jobs:
         print("no live scalemon hubs")
+    width = max((len(j.job) for j in jobs), default=0)
+    states = max((len(j.state) for j in jobs), default=0)
     for j in jobs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started))
         address = j.hub_address()
         where = address.base + (" (CurveZMQ)" if address.rpc.startswith("tcp://") else "")
-        print(f"{j.job}  world size {_fmt(j.world_size)}  hub pid {j.pid} on {j.host}"
-              f"  since {started}  {where}{_reachability(j)}")
+        print(f"{j.job:<{width}}  {j.state:<{states}}  world size {_fmt(j.world_size)}  hub pid "
+              f"{j.pid} on {j.host}  since {started}{_ended_text(j)}  {where}{_reachability(j)}")
     return 0
+
+
+def _ended_text(job: JobFile) -> str:
+    """"  ended 12:03:04, hub lingers" for an ended job whose hub still serves it."""
+    if job.state == "running":
+        return ""
+    when = time.strftime("%H:%M:%S", time.localtime(job.ended)) if job.ended else "?"
+    return f"  ended {when}, hub lingers"
 
 
 def _reachability(job: JobFile) -> str:
@@ -311,8 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     snap.set_defaults(func=cmd_snapshot)
 
     jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user",
-                          description="List the live jobs (hubs) of this user under "
-                                      "$SCALEMON_HOME: job id, world size, hub pid and address.")
+                          description="List the jobs of this user under $SCALEMON_HOME whose "
+                                      "hubs serve: job id, state (running, or how an ended "
+                                      "job ended while its hub lingers), world size, hub pid "
+                                      "and address.")
     jobs.add_argument("--json", action="store_true", help="machine-readable JSON")
     jobs.set_defaults(func=cmd_jobs)
 
