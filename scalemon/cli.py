@@ -99,7 +99,9 @@ def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     if key == "state":
         reason = rank.get("state_reason")
         text = rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
-        return text + (", peer lost" if rank.get("peer_loss") else "")
+        text += ", peer lost" if rank.get("peer_loss") else ""
+        alerts = rank.get("alerts") or []
+        return text + "".join(f"; ALERT: {a['text']}" for a in alerts)
     return _fmt(rank.get(key))
 
 
@@ -112,8 +114,14 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
         f"{'HUNG' if state.get('hang') else state['state']}"
         f"  messages {state['messages']}",
     ]
+    if state.get("stop") and state["state"] in ("stopped", "stopping"):
+        stop = state["stop"]
+        who = f" by {stop['user']}@{stop['host']}" if stop.get("user") else ""
+        lines.append(f"{state['state']}: the user asked{who}"
+                     + (f" ({stop['reason']})" if stop.get("reason") else ""))
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
+    lines.extend(f"ALERT: {a['text']}" for a in state.get("alerts") or [])
     if len(state["ranks"]) >= display.AGGREGATE_AT:  # a line per node, not per rank
         lines.extend(display.node_snapshot_lines(state["ranks"], width))
     else:
