@@ -242,3 +242,26 @@ def test_the_dashboard_turns_a_rank_with_a_nan_loss_red_with_its_step(start_hub,
             assert "ALERT" not in header(app)
 
     asyncio.run(scenario())
+
+
+def test_the_dashboard_says_stopped_by_user_and_colours_the_stopped_ranks():
+    from scalemon.protocol import HUB_RANK, Message
+    from scalemon.tui.model import DashboardData
+    from scalemon.tui.sim import SimJob
+    from scalemon.tui.views import overview
+    from scalemon.tui.widgets.header import STATE_STYLES
+
+    sim = SimJob(ranks=2, gpu=False, amp=False)
+    data = DashboardData()
+    data.apply_messages(sim.run(5))
+    t = sim.end_t(5)
+    data.apply_messages([
+        Message("job_stop", sim.job, HUB_RANK, 1, t, {"reason": demo.QUIT_REASON,
+                                                     "user": "ann", "host": "n1"}),
+        *(Message("rank_state", sim.job, HUB_RANK, 2 + r, t + 1, {
+            "target": r, "state": "lost", "reason": "process gone"}) for r in (0, 1))])
+    view = overview(data, now=t + 2, plots=False)
+    assert view.summary.state == "stopped" and STATE_STYLES["stopped"] == "bold cyan"
+    assert view.summary.state_text == ("stopped by user (scalemon demo: quit (q); ann@n1)")
+    assert view.summary.failure == "" and view.summary.alert == ""
+    assert [row.style for row in view.rows] == ["stopped", "stopped"]

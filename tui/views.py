@@ -455,6 +455,7 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
         ("restarts", _opt(v.restart_count)),
         ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
     ]
+    facts.extend(("ALERT", a["text"]) for a in alerting.rank_alerts(v.rank, v.alerts))
     if v.rank in data.partial_series:
         facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
                                "big job's rank's latest records for them (all in its history)"))
