@@ -27,6 +27,7 @@ SKIPPED_IN_A_ROW = 3
 """This many optimizer steps skipped one after the other (inf/NaN gradients) is an alert;
 one skipped step now and then is how AMP finds its scale."""
 
+_INF = math.inf
 SHORT = {LOSS_NOT_FINITE: "{value} loss", LOSS_SCALE_FLOOR: "scale<1", SKIPPED_STEPS: "skipping"}
 """What a rank table's state cell says, before `@<since step>`."""
 
@@ -46,12 +47,17 @@ def fold_step(alerts: dict[str, dict[str, Any]], streak: list[int] | None, step:
               body: dict[str, Any], t: float) -> list[int] | None:
     """Update a rank's `alerts` with one step message (`body`, at envelope time `t`); returns
     the rank's run of skipped steps ([first step, count], None when the last step was not
-    skipped), which the caller keeps for the next step."""
+    skipped), which the caller keeps for the next step. A healthy step of a healthy rank (the
+    hub folds every step of every rank) costs a few comparisons."""
     loss = body.get("loss")
-    _set(alerts, LOSS_NOT_FINITE, _number(loss) and not math.isfinite(loss), step, t, loss)
     scale = body.get("loss_scale")
-    _set(alerts, LOSS_SCALE_FLOOR, _number(scale) and scale < SCALE_FLOOR, step, t, scale)
     skipped = body.get("skipped")
+    if (not alerts and streak is None and skipped is not True
+            and (loss is None or (type(loss) is float and -_INF < loss < _INF))
+            and (scale is None or (type(scale) is float and scale >= SCALE_FLOOR))):
+        return None
+    _set(alerts, LOSS_NOT_FINITE, _number(loss) and not math.isfinite(loss), step, t, loss)
+    _set(alerts, LOSS_SCALE_FLOOR, _number(scale) and scale < SCALE_FLOOR, step, t, scale)
     streak = ([streak[0], streak[1] + 1] if streak else [step, 1]) if skipped is True else None
     count = streak[1] if streak else 0
     if count >= SKIPPED_IN_A_ROW:
