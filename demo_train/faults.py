@@ -16,7 +16,8 @@
                                trainer goes on; otherwise it is skipped (it would hang)
     --inject-overflow STEP     rank 0's backward of step STEP yields inf gradients (all ranks
                                see them after the all-reduce): with --amp fp16 the loss scaler
-                               skips that step and halves the scale
+                               skips that step and halves the scale (train.py refuses it
+                               without --amp fp16: the weights would turn NaN)
 """
 
 from __future__ import annotations

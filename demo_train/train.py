@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject-crash", type=rank_step, metavar="RANK:STEP",
                    help="that rank raises before that step (first attempt only)")
     p.add_argument("--inject-overflow", type=positive_int, metavar="STEP",
-                   help="inf gradients at that step (skipped under --amp fp16)")
+                   help="inf gradients at that step, which GradScaler skips (needs --amp fp16)")
     p.add_argument("--slow-rank", type=rank_delay, metavar="RANK:SECONDS",
                    help="that rank sleeps before every backward: a planted straggler")
     p.add_argument("--inject-desync", type=rank_step, metavar="RANK:STEP",
@@ -183,6 +183,10 @@ def flag_conflict(args: argparse.Namespace, world_size: int) -> str | None:
     if (args.resume or args.resume_or_start) and not args.ckpt_dir:
         flag = "--resume" if args.resume else "--resume-or-start"
         return f"{flag} needs --ckpt-dir (where the checkpoints are)"
+    if args.inject_overflow is not None and args.amp != "fp16":
+        return (f"--inject-overflow needs --amp fp16 (not {args.amp}): only fp16's GradScaler "
+                "skips a step with inf gradients; without it they turn the weights and every "
+                "later loss into NaN")
     for flag in ("inject_hang", "inject_crash", "slow_rank", "inject_desync"):
         planted = getattr(args, flag)
         if planted is not None and planted.rank >= world_size:

@@ -112,7 +112,7 @@ class Relay:
             jf = JobFile.read(path)
         except ValueError:
             jf = None
-        if jf is not None and jf.state == "running" and jf.tcp:
+        if jf is not None and jf.serving() and jf.tcp:
             return HubAddress(jf.tcp["ingest"], jf.tcp["feed"], jf.tcp["rpc"],
                               server_key=jf.server_key)
         waited = time.monotonic() - self._looking_since

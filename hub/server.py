@@ -32,6 +32,7 @@ from scalemon import protocol, seed
 from scalemon.fold import JobFold
 from scalemon.history import HISTORY_FILE, RETRY_S, History
 from scalemon.jobs import (
+    ENDED_STATES,
     HubAddress,
     JobFile,
     jobs_dir,
@@ -135,6 +136,7 @@ class Hub:
         self._ending_state: str | None = None
         self._stop = threading.Event()
         self._job_file: JobFile | None = None
+        self._feed: _FanOut | None = None  # while serving: where `stop` records go
         self._replay_history()
         self.toggles = Toggles(self.run_dir, self.state)
         self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
@@ -247,7 +249,9 @@ class Hub:
             bound[label] = f"tcp://{name}:{port}"
         return bound
 
-    def _write_job_file(self) -> None:
+    def _write_job_file(self, state: str = "running", ended: float | None = None) -> None:
+        """(Re)write the job file: `state` "running" while the job runs, else the job's final
+        state (from the moment it ended: a lingering hub serves an ended job, not a live one)."""
         self._job_file = JobFile(
             job=self.job,
             address=self.address.base,
@@ -257,6 +261,8 @@ class Hub:
             world_size=self.state.world_size,
             run_dir=str(self.run_dir),
             protocol=list(protocol.PROTOCOL_VERSION),
+            state=state,
+            ended=ended,
             tcp=self.tcp_endpoints,
             server_key=self._keys.public.decode() if self._keys else None,
         )
@@ -270,7 +276,7 @@ class Hub:
         """On the way out: an ended job's file says so (readers tell it from a dead hub); a
         hub stopped while its job runs removes its file (a successor writes its own)."""
         path = jobs_dir(self.home) / f"{self.job}.json"
-        if self._ending_state not in ("finished", "ended", "abandoned"):
+        if self._ending_state not in ENDED_STATES:
             path.unlink(missing_ok=True)
             return
         try:
@@ -281,7 +287,8 @@ class Hub:
             return  # another hub took over
         try:
             dataclasses.replace(self._job_file, state=self._ending_state,
-                                ended=time.time()).write(self.home)
+                                ended=self._job_file.ended or time.time(),
+                                hub_stopped=time.time()).write(self.home)
         except OSError as exc:
             log.error("could not mark the job file of %s %s: %s", self.job,
                       self._ending_state, exc)
@@ -303,7 +310,7 @@ class Hub:
         ingest, feed_main, rpc, control, *extra = sockets
         ingests = [ingest, *extra[:1]]
         rpcs = [rpc, *extra[2:3]]
-        feed = _FanOut([feed_main, *extra[1:2]])
+        feed = self._feed = _FanOut([feed_main, *extra[1:2]])
         self._write_job_file()
         log.info("hub for job %s listening on %s%s", self.job, self.address.base,
                  f" and (CurveZMQ) {self.tcp_endpoints}" if self.tcp_endpoints else "")
@@ -326,6 +333,7 @@ class Hub:
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(feed, now)
+            self._end_stopped_ranks(feed)
         finally:
             self._shutdown(ctx, sockets)
 
@@ -469,24 +477,48 @@ class Hub:
         while self.relays.records:
             self._record(feed, "relay", self.relays.records.pop(0))
         self._detect_lost(feed, now)
-        if self._job_file and self._job_file.world_size != self.state.world_size:
-            self._write_job_file()
         job_state = self._lifecycle_state(now)
         if job_state != self._ending_state:  # each ending state counts its own linger
             self._ending_state, self._ended_since = job_state, now
-        if job_state in ("finished", "ended", "waiting", "abandoned"):
+            self._note_job_state(job_state)
+        elif self._job_file and self._job_file.world_size != self.state.world_size:
+            self._write_job_file(self._job_file.state, self._job_file.ended)
+        if job_state in (*ENDED_STATES, "waiting"):
             # a hub whose ranks never came waits at least WAITING_S before giving up
             wait_s = max(self.linger_s, WAITING_S) if job_state == "waiting" else self.linger_s
             if now - self._ended_since >= wait_s:
                 log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
 
+    def _note_job_state(self, job_state: str) -> None:
+        """Say in the job file, at once, that the job ended (its final state) or runs again:
+        `scalemon jobs`, `attach` and `snapshot` then never take a lingering hub's ended job
+        for a live one."""
+        if self._job_file is None:
+            return
+        state = job_state if job_state in ENDED_STATES else "running"
+        if state != self._job_file.state or self._job_file.world_size != self.state.world_size:
+            self._write_job_file(state, time.time() if state != "running" else None)
+
+    def _end_stopped_ranks(self, feed: _FanOut) -> None:
+        """On the way out after the user's stop request: the ranks that have not reported
+        their end yet are written off (as `stopped`, by the reducer), so the history tells
+        how the job ended, also when replayed after the hub has gone."""
+        if self.state.stop is None:
+            return
+        for rank, view in sorted(self.state.ranks.items()):
+            if view.state == "running":
+                self._record(feed, "rank_state", {
+                    "target": rank, "state": "lost",
+                    "reason": "the hub stopped before the rank reported its end"})
+        self._ending_state = self._lifecycle_state(time.monotonic())
+
     def _lifecycle_state(self, now: float) -> str:
         """The job state, plus `abandoned`: every rank seen has stopped or is lost and none
         spoke for `linger_s`, though fewer than world_size ever reported (ranks elsewhere)."""
         job_state = self.state.state
         views = self.state.ranks.values()
-        if (job_state in ("running", "degraded") and views
+        if (job_state in ("running", "degraded", "stopping") and views
                 and all(v.state != "running" for v in views)
                 and now - self._last_any_recv >= self.linger_s):
             return "abandoned"
@@ -570,6 +602,8 @@ class Hub:
             return {"t0": args["t"], "t": time.time()}
         if op == "command":
             return self._command(args["name"])
+        if op == "stop":
+            return self._user_stop(args)
         if op == "toggle":
             reply = self.toggles.request(args["name"], args["value"], args["restart"],
                                          args["user"], args["host"])
@@ -624,6 +658,16 @@ class Hub:
         chosen = older[len(older) - min(max(0, limit), FETCH_LIMIT, len(older)):]
         return {"records": self.history.pick(chosen), "head": len(self.history),
                 "complete": rank not in self._ranks_trimmed and len(chosen) == len(older)}
+
+    def _user_stop(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The job's user is stopping the job: record it (once) before the ranks are
+        signalled, so that their end reads "stopped by user"."""
+        if self.state.stop is None and self._feed is not None:
+            log.info("job %s: stop requested by %s@%s (%s)", self.job, args["user"],
+                     args["host"], args["reason"])
+            self._record(self._feed, "job_stop", {"reason": args["reason"] or None,
+                                                  "user": args["user"], "host": args["host"]})
+        return {"state": self.state.state}
 
     # --- commands to the ranks -------------------------------------------------------------
     def _command(self, name: str) -> dict[str, Any]:

@@ -15,17 +15,19 @@ from scalemon.jobs import (
     JobFile,
     JobLookupError,
     hub_gone_text,
-    live_jobs,
     node_name,
     resolve_hub,
+    serving_jobs,
 )
 from scalemon.jobstate import JobState
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN/inf and bytes become strings, keys strings, so the output is strict JSON."""
+    """NaN and infinities become the strings "NaN", "Infinity" and "-Infinity" (how
+    JavaScript and most JSON readers spell them), bytes hex strings and keys strings, so the
+    output is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
     if isinstance(value, dict):
@@ -80,8 +82,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"scalemon snapshot: {why}; replaying {reply['source']}{skipped}",
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
-    if args.json:
-        print(json.dumps(_json_safe(out), indent=1))
+    if args.json:  # strict JSON: NaN and infinities as strings (docs/protocol.md 9.3)
+        print(json.dumps(_json_safe(out), indent=1, allow_nan=False))
     else:
         print(format_snapshot(out))
     return 0
@@ -98,8 +100,9 @@ def _frame_cell(key: str, rank: dict[str, Any]) -> str:
         reason = rank.get("state_reason")
         text = rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
         text += ", peer lost" if rank.get("peer_loss") else ""
-        return text + (f"; monitor off: {rank['monitor_off']}" if rank.get("monitor_off")
-                       else "")
+        text += f"; monitor off: {rank['monitor_off']}" if rank.get("monitor_off") else ""
+        alerts = rank.get("alerts") or []
+        return text + "".join(f"; ALERT: {a['text']}" for a in alerts)
     return _fmt(rank.get(key))
 
 
@@ -112,8 +115,14 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
         f"{'HUNG' if state.get('hang') else state['state']}"
         f"  messages {state['messages']}",
     ]
+    if state.get("stop") and state["state"] in ("stopped", "stopping"):
+        stop = state["stop"]
+        who = f" by {stop['user']}@{stop['host']}" if stop.get("user") else ""
+        lines.append(f"{state['state']}: the user asked{who}"
+                     + (f" ({stop['reason']})" if stop.get("reason") else ""))
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
+    lines.extend(f"ALERT: {a['text']}" for a in state.get("alerts") or [])
     if len(state["ranks"]) >= display.AGGREGATE_AT:  # a line per node, not per rank
         lines.extend(display.node_snapshot_lines(state["ranks"], width))
     else:
@@ -246,20 +255,31 @@ def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """List live hubs."""
-    jobs = live_jobs()
+    """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
+    jobs = serving_jobs()
     if args.json:
-        print(json.dumps([j.__dict__ for j in jobs], indent=1))
+        print(json.dumps([{**j.__dict__, "live": j.state == "running"} for j in jobs],
+                         indent=1))
         return 0
     if not jobs:
         print("no live scalemon hubs")
+    width = max((len(j.job) for j in jobs), default=0)
+    states = max((len(j.state) for j in jobs), default=0)
     for j in jobs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started))
         address = j.hub_address()
         where = address.base + (" (CurveZMQ)" if address.rpc.startswith("tcp://") else "")
-        print(f"{j.job}  world size {_fmt(j.world_size)}  hub pid {j.pid} on {j.host}"
-              f"  since {started}  {where}{_reachability(j)}")
+        print(f"{j.job:<{width}}  {j.state:<{states}}  world size {_fmt(j.world_size)}  hub pid "
+              f"{j.pid} on {j.host}  since {started}{_ended_text(j)}  {where}{_reachability(j)}")
     return 0
+
+
+def _ended_text(job: JobFile) -> str:
+    """"  ended 12:03:04, hub lingers" for an ended job whose hub still serves it."""
+    if job.state == "running":
+        return ""
+    when = time.strftime("%H:%M:%S", time.localtime(job.ended)) if job.ended else "?"
+    return f"  ended {when}, hub lingers"
 
 
 def _reachability(job: JobFile) -> str:
@@ -322,8 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     snap.set_defaults(func=cmd_snapshot)
 
     jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user",
-                          description="List the live jobs (hubs) of this user under "
-                                      "$SCALEMON_HOME: job id, world size, hub pid and address.")
+                          description="List the jobs of this user under $SCALEMON_HOME whose "
+                                      "hubs serve: job id, state (running, or how an ended "
+                                      "job ended while its hub lingers), world size, hub pid "
+                                      "and address.")
     jobs.add_argument("--json", action="store_true", help="machine-readable JSON")
     jobs.set_defaults(func=cmd_jobs)
 

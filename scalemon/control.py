@@ -43,6 +43,13 @@ class Controller:
         return self.client.request("toggle", name=name, value=value, restart=restart,
                                    user=getpass.getuser(), host=node_name())
 
+    def stop(self, reason: str) -> dict[str, Any]:
+        """Tell the hub that the job's user is stopping the job (`reason`: how, e.g.
+        "scalemon demo: q"), before the ranks are signalled: their end then reads "stopped
+        by user". Raises ProtocolError (refused) or HubUnreachable."""
+        return self.client.request("stop", reason=reason, user=getpass.getuser(),
+                                   host=node_name())
+
     def command(self, name: str) -> dict[str, Any]:
         """A command for every rank (`dump_fr`)."""
         return self.client.request("command", name=name)

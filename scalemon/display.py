@@ -162,9 +162,11 @@ def straggler_bar(median_step_s: float | None) -> float:
 
 def rank_kind(state: str, exit_code: int | None) -> str:
     """What a node row counts a rank as: running (restarting included), lost, failed (exited
-    other than with 0) or finished (exited with 0 too)."""
+    other than with 0) or finished (exited with 0, or stopped by its user, too)."""
     if state == "lost":
         return "lost"
+    if state == "stopped":
+        return "finished"
     if state == "exited":
         return "finished" if exit_code == 0 else "failed"
     return "finished" if state == "finished" else "running"

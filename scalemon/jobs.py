@@ -3,7 +3,7 @@
 Layout (all directories mode 0700, since ipc sockets are reachable by whoever can open them)::
 
     $SCALEMON_HOME/                       default ~/.scalemon (often on the cluster's shared home)
-        jobs/<job>.json                   one per live hub: endpoints, host, pid, world size
+        jobs/<job>.json                   one per hub: endpoints, host, pid, world size, state
         keys/                             CurveZMQ keys (scalemon.keys)
         run/<job>/ingest.sock  feed.sock  rpc.sock  hub.lock  history.smlog  hub.log
     $SCALEMON_RUNTIME_DIR/                default /tmp/scalemon-<uid>: on the node's own disk
@@ -183,10 +183,14 @@ class JobFile:
     run_dir: str
     protocol: list[int]
     state: str = "running"
-    """"running" while the hub serves; the job's final state ("finished", "ended",
-    "abandoned") once the hub exited after it, so readers can tell an ended job from a hub
-    that died (its file still says "running" and its pid is gone)."""
+    """"running" while the job runs; from the moment it ended, its final state (`ENDED_STATES`:
+    "finished", "stopped", "crashed", "lost", "abandoned"), also while the hub lingers to serve
+    it, so readers never count an ended job as live. A hub that died leaves "running" with a
+    pid that is gone."""
     ended: float | None = None
+    """When the job ended (files of older hubs: when the hub exited after it)."""
+    hub_stopped: float | None = None
+    """When the hub exited after the job ended; None while it serves (lingering included)."""
     tcp: dict[str, str] | None = None
     """The hub's CurveZMQ tcp endpoints {"ingest", "feed", "rpc"} with a host name other nodes
     resolve; None for an ipc-only hub."""
@@ -207,11 +211,14 @@ class JobFile:
         """Parse a job file; raises ValueError naming the file when it is unreadable."""
         try:
             data = json.loads(path.read_text())
-            optional = {"state", "ended", "tcp", "server_key"}  # not in older hubs' files
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__
-                          if k not in optional or k in data})
+            optional = {"state", "ended", "hub_stopped", "tcp", "server_key"}  # older hubs
+            jf = cls(**{k: data[k] for k in cls.__dataclass_fields__
+                        if k not in optional or k in data})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable job file {path}: {exc}") from None
+        if "hub_stopped" not in data and jf.state != "running":  # older hubs: only at exit
+            jf.hub_stopped = jf.ended or jf.started
+        return jf
 
     def hub_address(self) -> HubAddress:
         """The hub's endpoints: ipc on the hub's host, else its Curve tcp ones; its control
@@ -225,11 +232,24 @@ class JobFile:
             control = f"ipc://{Path(self.run_dir) / 'control.sock'}"
         return HubAddress(address.ingest, address.feed, address.rpc, control, self.server_key)
 
-    def is_alive(self) -> bool:
-        """True when the hub process still runs (always assumed for another host)."""
-        if self.state != "running":
+    def serving(self) -> bool:
+        """True when the hub process still runs, lingering after the job ended included
+        (always assumed for another host until the file says the hub exited)."""
+        if self.hub_stopped is not None:
             return False
         return self.host != node_name() or pid_alive(self.pid)
+
+    def is_alive(self) -> bool:
+        """True when the job is live: it runs, and its hub serves."""
+        return self.state == "running" and self.serving()
+
+
+ENDED_STATES = ("finished", "stopped", "crashed", "lost", "abandoned")
+"""A job file's `state` once its job ended (older hubs also wrote "ended")."""
+STATE_WORDS = {"finished": "finished", "stopped": "was stopped by its user",
+               "crashed": "crashed", "lost": "lost a rank", "abandoned": "was abandoned",
+               "ended": "ended"}
+"""A job file's final `state` in a sentence: "the job was stopped by its user"."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -241,8 +261,9 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
-    """Job files of live hubs, newest first; stale ones of dead hubs are removed when `clean`."""
+def serving_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """Job files of hubs that serve, newest first: live jobs, and ended jobs whose hub still
+    lingers (`state` says which); stale files are removed when `clean`."""
     found = []
     directory = jobs_dir(home)
     if not directory.is_dir():
@@ -255,13 +276,26 @@ def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
                 if clean and time.time() - path.stat().st_mtime > 60:
                     path.unlink(missing_ok=True)
             continue
-        if jf.is_alive():
+        if jf.serving():
             found.append(jf)
         elif clean:  # an ended job, or a hub that died: kept a week, so readers can tell
             with contextlib.suppress(OSError):
                 if time.time() - path.stat().st_mtime > STALE_JOB_FILE_S:
                     path.unlink(missing_ok=True)
     return sorted(found, key=lambda j: j.started, reverse=True)
+
+
+def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """Job files of live jobs (running, their hub serving), newest first; a hub that lingers
+    after its job ended is not live (`serving_jobs` has it)."""
+    return [jf for jf in serving_jobs(home, clean) if jf.state == "running"]
+
+
+def default_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """What to attach to when the user names no job: the live jobs; with none, the ended
+    jobs whose hubs still serve them."""
+    serving = serving_jobs(home, clean)
+    return [jf for jf in serving if jf.state == "running"] or serving
 
 
 STALE_JOB_FILE_S = 7 * 24 * 3600.0
@@ -276,8 +310,12 @@ def hub_gone_text(job: str, home: Path | None = None) -> str | None:
     except ValueError:
         return None
     if jf.state != "running":
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(jf.ended or jf.started))
-        return f"the job {jf.state} (its hub exited at {when})"
+        when = time.strftime("%Y-%m-%d %H:%M:%S",
+                             time.localtime(jf.hub_stopped or jf.ended or jf.started))
+        words = STATE_WORDS.get(jf.state, jf.state)
+        if jf.serving():
+            return f"the job {words}; its hub still serves it"
+        return f"the job {words} (its hub exited at {when})"
     if jf.host == node_name() and not pid_alive(jf.pid):
         return (f"its hub (pid {jf.pid}) died while the job was running: the job may still be "
                 "running unmonitored, or have ended since")
@@ -288,13 +326,14 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
     """Turn what the user typed (nothing, a job id or an address) into (job, address)."""
     if target and ("://" in target):
         return target, HubAddress.parse(target)
-    jobs = live_jobs(home)
+    serving = serving_jobs(home)
     if target:
-        for jf in jobs:
+        for jf in serving:
             if jf.job == target:
                 return jf.job, jf.hub_address()
-        names = ", ".join(j.job for j in jobs) or "none"
+        names = ", ".join(j.job for j in serving if j.state == "running") or "none"
         raise JobLookupError(f"no live hub for job {target!r} (live jobs: {names})")
+    jobs = default_jobs(home, clean=False)
     if not jobs:
         where = jobs_dir(home)
         raise JobLookupError(
@@ -302,6 +341,9 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
             "or pass a job id or an address (ipc:///dir, tcp://host:port)"
         )
     if len(jobs) > 1:
-        lines = "\n".join(f"  {j.job}  (pid {j.pid}, world size {j.world_size})" for j in jobs)
-        raise JobLookupError(f"several live jobs; name one:\n{lines}")
+        lines = "\n".join(f"  {j.job}  ({j.state}, pid {j.pid}, world size {j.world_size})"
+                          for j in jobs)
+        what = ("several live jobs" if jobs[0].state == "running" else
+                "no live job, and several ended jobs whose hubs still serve them")
+        raise JobLookupError(f"{what}; name one:\n{lines}")
     return jobs[0].job, jobs[0].hub_address()

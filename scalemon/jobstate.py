@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from scalemon import alerts as alerting
 from scalemon import metrics
 from scalemon.collectives import (
     HANG_AFTER_S,
@@ -32,7 +33,13 @@ HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
 EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
 logs a new name every step cannot grow the state without bound."""
-TERMINAL_STATES = ("exited", "finished")
+TERMINAL_STATES = ("exited", "finished", "stopped")
+"""Rank states of a process that ended and said so (or was stopped by its user)."""
+ENDED_RANK_STATES = (*TERMINAL_STATES, "lost")
+JOB_ENDED_STATES = ("finished", "stopped", "crashed", "lost")
+"""Job states of a job whose every rank ended: every rank finished; the user stopped it; a rank
+failed first with an error of its own; a rank failed first by vanishing without an exit."""
+STOPPED_BY_USER = "stopped by user"
 
 
 def _no_values() -> dict[str, Any]:
@@ -72,6 +79,10 @@ class RankView:
     seq_gaps: int = 0
     metrics: dict[str, Any] = field(default_factory=_no_values)
     extra: dict[str, Any] = field(default_factory=dict)
+    alerts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Training-health alerts in force (`scalemon.alerts`), by kind."""
+    skip_streak: list[int] | None = field(default=None, repr=False)
+    """[first step, count] of the steps skipped in a row so far (None: the last was not)."""
     last_step_t: float | None = None
     lateness: deque[float] | None = field(default=None, repr=False)
     collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
@@ -93,9 +104,11 @@ class RankView:
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """A JSON-ready dict: identity and state, then every metric under its own name."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("metrics", "extra", "lateness", "collectives")}
+               if f.name not in ("metrics", "extra", "lateness", "collectives", "alerts",
+                                 "skip_streak")}
         out.update(self.metrics)
         out["extra"] = dict(self.extra)
+        out["alerts"] = alerting.rank_alerts(self.rank, self.alerts)
         for m in metrics.KEPT:
             if m.source == "hub":
                 out[m.name] = self.value(m.name, now)
@@ -130,6 +143,9 @@ class JobState:
     """Flags in effect per rank, the toggles asked for, NCCL's and torch's log lines."""
     relays: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each node's relay as the hub last recorded it (state, counts, clock offset, gaps)."""
+    stop: dict[str, Any] | None = None
+    """The user's request to stop the job (`job_stop` record: t, reason, user, host), while
+    it holds: ranks that end after it are `stopped`, not failed."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -178,6 +194,9 @@ class JobState:
 
     def _on_hello(self, msg: Message, view: RankView) -> None:
         b = msg.body
+        if self.stop is not None and self.state in JOB_ENDED_STATES:
+            self.stop = None  # a new run of the job, after the stopped one
+        view.alerts, view.skip_streak = {}, None
         view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
         self.hosts.add(b["host"])
         view.restart_count = b.get("restart_count")
@@ -198,6 +217,7 @@ class JobState:
             self.last_step_t = msg.t
         # absent fields -> None
         view.metrics.update(zip(STEP_FIELDS, map(b.get, STEP_FIELDS), strict=True))
+        view.skip_streak = alerting.fold_step(view.alerts, view.skip_streak, b["step"], b, msg.t)
         extra = b.get("extra")
         if extra:
             if len(view.extra) + len(extra) <= EXTRA_NAMES_MAX:
@@ -243,6 +263,8 @@ class JobState:
         b = msg.body
         view.state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
         view.state_reason = b["reason"]
+        if view.state == "exited" and self.stop is not None:
+            view.state, view.state_reason = "stopped", self.stop_text(b["reason"])
         view.exit_code = b.get("exit_code")
         view.error = b.get("error")
         view.ended_t = msg.t
@@ -288,18 +310,39 @@ class JobState:
         b = msg.body
         view = self.rank(b["target"])
         view.state, view.state_reason = b["state"], b.get("reason")
+        if view.state in ("lost", "exited") and self.stop is not None:
+            view.state, view.state_reason = "stopped", self.stop_text(b.get("reason"))
         if b.get("exit_code") is not None:
             view.exit_code = b["exit_code"]
-        if view.state in ("lost", "exited") and view.ended_t is None:
+        if view.state in ENDED_RANK_STATES and view.ended_t is None:
             view.ended_t = msg.t
         return None
 
+    def _on_job_stop(self, msg: Message) -> None:
+        self.stop = {"t": msg.t, "reason": msg.body.get("reason"),
+                     "user": msg.body.get("user"), "host": msg.body.get("host")}
+
+    def stop_text(self, how: str | None = None) -> str:
+        """"stopped by user (scalemon demo: q; process 4242 gone)": why a rank that ended
+        after the user's stop request is `stopped`, with what the rank or the hub saw."""
+        stop = self.stop or {}
+        who = f"{stop['user']}@{stop['host']}" if stop.get("user") and stop.get("host") else ""
+        details = [d for d in (stop.get("reason"), who, how) if d]
+        return STOPPED_BY_USER + (f" ({'; '.join(details)})" if details else "")
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The job's training-health alerts, one per kind over the ranks (`scalemon.alerts`)."""
+        return alerting.job_alerts((r, v.alerts) for r, v in sorted(self.ranks.items())
+                                 if v.alerts)
+
     def failed(self) -> list[RankView]:
-        """Ranks that failed (exited other than by finishing with 0, or lost), in the order
+        """Ranks that failed (lost, or exited with a non-zero code or an error), in the order
         that explains the job: ranks that failed for a reason of their own before those that
-        only lost a peer, each kind earliest first."""
+        only lost a peer, each kind earliest first. A script that just ends without calling
+        `finish()` exits with no code and no error (its agent's atexit): not a failure."""
         views = [v for v in self.ranks.values()
-                 if v.state == "lost" or (v.state == "exited" and v.exit_code != 0)]
+                 if v.state == "lost" or (v.state == "exited" and (
+                     v.exit_code not in (0, None) or v.error or v.peer_loss))]
         return sorted(views, key=lambda v: (v.peer_loss, v.ended_t or float("inf"), v.rank))
 
     def first_failure(self) -> dict[str, Any] | None:
@@ -320,18 +363,24 @@ class JobState:
 
     @property
     def state(self) -> str:
-        """running, finished (every rank finished), ended (all stopped), degraded or waiting."""
+        """waiting (no rank yet), running, degraded (a rank failed, others run), restarting,
+        stopping (the user asked to stop it), or once every rank ended: finished, stopped (by
+        its user), crashed (the first failure is a rank's error) or lost (the first failure
+        is a rank that vanished without an exit). A hang is told by `hang()`, not here."""
         views = list(self.ranks.values())
         expected = self.world_size or len(views)
         if not views:
             return "waiting"
         states = [v.state for v in views]
-        if len(views) >= expected and all(s == "finished" for s in states):
-            return "finished"
-        if len(views) >= expected and all(s in (*TERMINAL_STATES, "lost") for s in states):
-            return "ended"
+        if len(views) >= expected and all(s in ENDED_RANK_STATES for s in states):
+            failed = self.failed()
+            if failed:
+                return "lost" if failed[0].state == "lost" else "crashed"
+            return "stopped" if "stopped" in states else "finished"
         if "restarting" in states:
             return "restarting"
+        if self.stop is not None:
+            return "stopping"
         if any(s in ("lost", "exited") for s in states):
             return "degraded"
         return "running"
@@ -419,12 +468,15 @@ class JobState:
         (in Python, gone, desynchronised, stuck in teardown) with their cause, phase and top
         user frame, what each waiting rank waits in and for whom, each rank's stack."""
         now = time.time() if now is None else now
-        if self.last_step_t is None or self.state in ("finished", "ended", "waiting",
-                                                      "restarting"):
+        if self.last_step_t is None or self.state in (*JOB_ENDED_STATES, "waiting",
+                                                      "restarting", "stopping"):
             return None
         since = now - self.last_step_t
         if since < self.hang_after_s:
             return None
+        running = [v for v in self.ranks.values() if v.state == "running"]
+        if running and all(v.monitor_off for v in running):
+            return None  # no rank reports steps any more: silence is no sign of a hang
         report = HangReport(self, now)
         finding = report.finding
         group, seq = finding.get("group"), finding.get("seq")
@@ -461,10 +513,13 @@ class JobState:
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
         now = time.time() if now is None else now
+        hang = self.hang(now)
         return {
             "job": self.job,
             "world_size": self.world_size,
-            "state": self.state,
+            "state": "hung" if hang else self.state,
+            "alerts": self.alerts(),
+            "stop": dict(self.stop) if self.stop else None,
             "messages": self.messages,
             "started_t": self.started_t,
             "last_t": self.last_t,
@@ -478,7 +533,7 @@ class JobState:
             "groups": {self.group_desc(n): {"name": n, "label": self.group_label(n), **g}
                        for n, g in self.groups.items()},
             "collectives": self.collectives_table(),
-            "hang": self.hang(now),
+            "hang": hang,
             "first_failure": self.first_failure(),
             "hang_after_s": self.hang_after_s,
             "fr_dumps": list(self.fr_dumps),

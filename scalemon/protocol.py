@@ -176,10 +176,17 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "reason": (_OPT_STR, False),
         "exit_code": (_OPT_INT, False),
     },
+    # Written by the hub (1.5): the job's user asked to stop it (RPC `stop` on the control
+    # socket, e.g. `scalemon demo`'s quit); ranks that end after it are `stopped`, not failed.
+    "job_stop": {
+        "reason": (_OPT_STR, False),
+        "user": (_OPT_STR, False),
+        "host": (_OPT_STR, False),
+    },
 }
 
 RANK_STATES = ("running", "lost", "exited", "finished")
-HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay")
+HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
 
 
@@ -406,6 +413,9 @@ RPC_OPS = {
     # socket. `value` "" unsets; `restart` asks for the restart tier whatever the flag's
     # tier; `user` and `host` name who asked, for the audit
     "toggle": {"name": str, "value": str, "restart": bool, "user": str, "host": str},
+    # the job's user stops the job (1.5; only on the control socket): the hub records a
+    # `job_stop` before whoever asked signals the ranks, so their end reads "stopped by user"
+    "stop": {"reason": str, "user": str, "host": str},
     "state": {},
     "fetch": {"since": int, "limit": int},
     # the hub's fold of its whole history (`scalemon.seed`), for a dashboard that attaches:
@@ -419,7 +429,7 @@ RANK_RECORDS_KEPT = 4096
 """The hub serves `rank_records` from each rank's latest this many record numbers."""
 
 
-CONTROL_OPS = ("command", "toggle")
+CONTROL_OPS = ("command", "toggle", "stop")
 """Requests that steer the job: accepted only on the hub's control socket, an ipc socket in its
 run directory (mode 0700), so only the job's owner on the hub's host reaches it."""
 

@@ -73,7 +73,7 @@ import sys
 import scalemon.protocol as p
 p.PROTOCOL_VERSION = tuple(int(v) for v in sys.argv.pop(1).split("."))
 p._OUR_VERSION = list(p.PROTOCOL_VERSION)
-for op, since in {"seed": (1, 4), "rank_records": (1, 4)}.items():  # ops it would not know
+for op, since in {"seed": (1, 4), "rank_records": (1, 4), "stop": (1, 5)}.items():
     if p.PROTOCOL_VERSION < since:
         del p.RPC_OPS[op]
 from scalemon.hub.main import main

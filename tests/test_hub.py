@@ -228,13 +228,14 @@ def test_exit_messages_set_finished_and_exited_and_the_hub_lingers_then_leaves(s
         r.hello()
     ranks[0].send("exit", {"reason": "finished", "exit_code": 0, "step": 3})
     ranks[1].send("exit", {"reason": "exception", "exit_code": 1, "error": "boom"})
-    state = wait_for(lambda: (s := hub_state(hub)["state"])["state"] == "ended" and s)
+    state = wait_for(lambda: (s := hub_state(hub)["state"])["state"] == "crashed" and s)
     assert [r["state"] for r in state["ranks"]] == ["finished", "exited"]
     assert state["ranks"][1]["exit_code"] == 1 and state["ranks"][1]["error"] == "boom"
     hub.proc.wait(timeout=10)
     assert hub.proc.returncode == 0
     ended = JobFile.read(jobs_dir(hub.home) / "jobG.json")  # kept, saying the job ended
-    assert ended.state == "ended" and ended.ended is not None and not ended.is_alive()
+    assert ended.state == "crashed" and ended.ended is not None and not ended.is_alive()
+    assert ended.hub_stopped is not None and not ended.serving()
 
 
 def test_restarted_hub_keeps_history_and_numbering(start_hub, zctx):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
+from scalemon import alerts
 from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, Message
 
@@ -49,7 +54,7 @@ def test_rank_and_job_states_follow_hellos_losses_and_exits():
     assert state.ranks[0].error == "boom" and state.ranks[0].metrics["dropped"] == 4
     assert state.state == "degraded"
     state.apply(msg("exit", 1, 2, {"reason": "finished", "exit_code": 0}))
-    assert state.state == "ended"  # all stopped, not all finished
+    assert state.state == "crashed"  # all stopped, the first failure a rank's own error
     state.apply(hello(0, seq=0))  # rank 0 restarted by torchrun
     assert state.ranks[0].state == "running" and state.ranks[0].error is None
     state.apply(msg("exit", 0, 1, {"reason": "finished", "exit_code": 0}))
@@ -72,3 +77,139 @@ def test_messages_of_a_newer_minor_type_change_nothing_but_bookkeeping():
     state.apply(msg("future_thing", 0, 0, {"anything": 1}))
     view = state.ranks[0]
     assert view.seq_seen == 1 and view.step is None and state.messages == 1
+
+
+def lost(rank: int, reason: str = "process 101 is gone without reporting an exit (killed?)",
+         seq: int = 1) -> Message:
+    return msg("rank_state", HUB_RANK, seq, {"target": rank, "state": "lost", "reason": reason})
+
+
+def two_ranks() -> JobState:
+    state = JobState()
+    state.apply(hello(0))
+    state.apply(hello(1))
+    return state
+
+
+def test_ranks_that_end_after_the_users_stop_are_stopped_not_lost_or_failed():
+    state = two_ranks()
+    state.apply(msg("job_stop", HUB_RANK, 1, {"reason": "scalemon demo: quit (q)",
+                                              "user": "ann", "host": "n1"}))
+    assert state.state == "stopping"
+    state.apply(lost(0))  # killed by the stop's SIGTERM: no exit of its own
+    state.apply(msg("exit", 1, 1, {"reason": "exit", "exit_code": 143}))  # saved, then exited
+    views = state.ranks
+    assert [views[0].state, views[1].state] == ["stopped", "stopped"]
+    assert views[0].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
+                                     "process 101 is gone without reporting an exit (killed?))")
+    assert views[1].state_reason.startswith("stopped by user (") and views[1].exit_code == 143
+    assert state.state == "stopped" and state.failed() == [] and state.first_failure() is None
+    as_json = state.to_json(now=2.0)
+    assert as_json["state"] == "stopped" and as_json["stop"]["user"] == "ann"
+    state.apply(hello(0, seq=0))  # the job id runs again: the old stop no longer holds
+    state.apply(lost(0))
+    assert state.stop is None and state.ranks[0].state == "lost"
+
+
+def test_crashed_lost_hung_and_stopped_are_distinct_job_states():
+    crashed = two_ranks()
+    crashed.apply(msg("exit", 1, 1, {"reason": "exception", "exit_code": 1,
+                                     "error": "InjectedCrash: boom"}, t=5.0))
+    crashed.apply(msg("exit", 0, 1, {"reason": "exception", "exit_code": 1, "error":
+                                     "RuntimeError: Connection closed by peer"}, t=6.0))
+    assert crashed.state == "crashed" and crashed.first_failure()["rank"] == 1
+    gone = two_ranks()
+    gone.apply(lost(1))  # kill -9; rank 0 then fails only because its peer went away
+    gone.apply(msg("exit", 0, 1, {"reason": "exception", "exit_code": 1, "error":
+                                  "RuntimeError: Connection closed by peer"}, t=9.0))
+    assert gone.state == "lost" and gone.first_failure()["rank"] == 1
+    hung = two_ranks()
+    hung.apply(msg("step", 0, 1, {"step": 1}, t=10.0))
+    assert hung.to_json(now=11.0)["state"] == "running"
+    assert hung.to_json(now=10.0 + hung.hang_after_s + 1)["state"] == "hung"
+    assert hung.state == "running"  # the property knows no time; the JSON and hang() do
+
+
+def test_a_job_whose_every_monitor_switched_off_is_not_called_hung():
+    state = two_ranks()
+    state.apply(msg("step", 0, 1, {"step": 1}, t=10.0))
+    late = 10.0 + state.hang_after_s + 1
+    state.apply(msg("monitor_off", 0, 2, {"reason": "log: boom", "step": 1}, t=10.5))
+    assert state.hang(now=late) is not None  # rank 1 still reports: its silence counts
+    state.apply(msg("monitor_off", 1, 1, {"reason": "log: boom", "step": 0}, t=10.5))
+    assert state.hang(now=late) is None
+    assert state.to_json(now=late)["state"] == "running"
+
+
+def test_a_script_that_ends_without_finish_has_not_failed():
+    state = two_ranks()
+    for rank in (0, 1):  # what the agent's atexit sends: no exit code, no error
+        state.apply(msg("exit", rank, 1, {"reason": "exit", "exit_code": None}, t=5.0))
+    assert [state.ranks[r].state for r in (0, 1)] == ["exited", "exited"]
+    assert state.first_failure() is None and state.state == "finished"
+    state.apply(msg("exit", 1, 2, {"reason": "exception", "exit_code": 1,
+                                   "error": "ValueError: bad batch"}, t=6.0))
+    assert state.first_failure()["rank"] == 1 and state.state == "crashed"
+
+
+def step(rank: int, seq: int, n: int, **body: object) -> Message:
+    return msg("step", rank, seq, {"step": n, **body}, t=float(n))
+
+
+def test_a_nan_loss_is_an_alert_on_the_very_message_that_carries_it():
+    state = two_ranks()
+    for n in range(1, 7):
+        state.apply(step(0, n, n, loss=2.0))
+        state.apply(step(1, n, n, loss=2.0))
+    assert state.to_json(now=7.0)["alerts"] == []
+    state.apply(step(1, 7, 7, loss=float("nan")))
+    (alert,) = state.to_json(now=7.0)["alerts"]
+    assert alert["kind"] == "loss_not_finite" and alert["ranks"] == [1]
+    assert alert["since_step"] == 7 and alert["text"] == "loss is NaN on rank 1 since step 7"
+    assert state.to_json(now=7.0)["ranks"][1]["alerts"][0]["since_step"] == 7
+    state.apply(step(0, 7, 7, loss=float("inf")))
+    state.apply(step(1, 8, 8, loss=float("nan")))
+    (alert,) = state.alerts()
+    assert alert["ranks"] == [0, 1] and alert["since_step"] == 7  # where it began
+    state.apply(step(0, 8, 8, loss=1.0))
+    state.apply(step(1, 9, 9, loss=1.0))
+    assert state.alerts() == []  # a finite loss again clears it
+    assert state.state == "running"  # an alert is not a lifecycle state
+
+
+@pytest.mark.parametrize("scales, since", [
+    ([65536.0, 2.0, 1.0, 0.5, 0.25], 4),  # halved below the floor at step 4
+    ([0.5], 1),
+])
+def test_a_loss_scale_below_its_floor_is_an_alert_from_the_step_it_fell(scales, since):
+    state = two_ranks()
+    for n, scale in enumerate(scales, start=1):
+        state.apply(step(0, n, n, loss=1.0, loss_scale=scale))
+    (alert,) = state.alerts()
+    assert alert["kind"] == "loss_scale_floor" and alert["since_step"] == since
+    assert alert["value"] == scales[-1] and alerts.SCALE_FLOOR == 1.0
+    state.apply(step(0, 9, 9, loss=1.0, loss_scale=2.0))
+    assert state.alerts() == []
+
+
+def test_steps_skipped_in_a_row_are_an_alert_from_the_first_of_them():
+    state = two_ranks()
+    skipped = [False, True, False, True, True, True, True, False]
+    for n, was in enumerate(skipped, start=1):
+        state.apply(step(0, n, n, loss=1.0, loss_scale=1024.0, skipped=was))
+        found = state.alerts()
+        if n in (6, 7):  # the 3rd and 4th skipped in a row (steps 4..7)
+            assert [a["kind"] for a in found] == ["skipped_steps"]
+            assert found[0]["since_step"] == 4 and found[0]["value"] == n - 3
+            assert found[0]["text"].startswith(f"{n - 3} optimizer steps skipped in a row")
+        else:
+            assert found == [], n
+    assert alerts.SKIPPED_IN_A_ROW == 3
+
+
+def test_a_restarted_rank_starts_without_alerts():
+    state = two_ranks()
+    state.apply(step(0, 1, 1, loss=math.nan))
+    assert state.alerts()
+    state.apply(hello(0, seq=0))
+    assert state.alerts() == [] and state.ranks[0].alerts == {}

@@ -210,7 +210,7 @@ def test_the_login_node_says_which_hub_is_unreachable_and_what_to_check(
             server_key=hub_keypair(cluster["login"]).public.decode()).write(cluster["login"])
     listed = subprocess.run([sys.executable, "-m", "scalemon", "jobs"], capture_output=True,
                             text=True, env=env, timeout=60)
-    assert "gone  world size 8  hub pid 1 on node7" in listed.stdout
+    assert "gone  running  world size 8  hub pid 1 on node7" in listed.stdout
     assert re.search(r"unreachable from here: no answer from the hub at tcp://127.0.0.1:\d+ "
                      r".*check that the hub still runs on 127.0.0.1 .*authorized", listed.stdout)
     snap = subprocess.run([sys.executable, "-m", "scalemon", "snapshot", "gone"],

@@ -405,6 +405,8 @@ def test_sync_clock_leaves_sleeps_and_warm_up_out() -> None:
     (("--keep", "-2"), "argument --keep: must be at least 0, not -2"),
     (("--log-every", "0"), "argument --log-every: must be at least 1, not 0"),
     (("--inject-overflow", "0"), "argument --inject-overflow: must be at least 1, not 0"),
+    (("--inject-overflow", "3"), "--inject-overflow needs --amp fp16 (not auto)"),
+    (("--inject-overflow", "3", "--amp", "bf16"), "--inject-overflow needs --amp fp16 (not bf16)"),
     (("--step-delay", "-1"), "argument --step-delay: must be 0 or more, not -1"),
     (("--step-delay", "inf"), "argument --step-delay: must be 0 or more, not inf"),
     (("--batch-size", "2.5"), "argument --batch-size: '2.5' is not a whole number"),

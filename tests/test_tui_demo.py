@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -78,6 +79,13 @@ def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home:
             f"scalemon demo: stopped job {job} on quit (SIGTERM); torchrun ended: exit code 143")
         assert (f"scalemon demo: stopped job {job} (log: {home / 'demo' / job}.log); "
                 f"`scalemon snapshot {job}` replays its history") in tmux.joined()
+        replay = subprocess.run([str(scalemon), "snapshot", job, "--json"], capture_output=True,
+                                text=True, timeout=60, env={**os.environ,
+                                                            "SCALEMON_HOME": str(home)})
+        state = json.loads(replay.stdout)  # q told the hub first: stopped by user, not lost
+        assert state["state"] == "stopped", replay.stdout[-3000:]
+        assert [r["state"] for r in state["ranks"]] == ["stopped", "stopped"]
+        assert "the job was stopped by its user" in replay.stderr
     finally:
         print(tmux.screen())
         tmux.kill()

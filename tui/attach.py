@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from scalemon.history import history_path
-from scalemon.jobs import HubAddress, live_jobs
+from scalemon.jobs import HubAddress, default_jobs, serving_jobs
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
 
@@ -18,8 +18,9 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
              hang_after_s: float | None = None) -> DashboardApp | str:
     """The app for what the user typed, or an error text: an address attaches to that hub; a job
     id to its hub (its history file while it has none); nothing to the only live job, or
-    offers a list when there are several. The job is hung after `hang_after_s` without a
-    completed step (None: the hub's threshold)."""
+    offers a list when there are several (with no live job: the ended jobs whose hubs still
+    linger). The job is hung after `hang_after_s` without a completed step (None: the hub's
+    threshold)."""
     if target and "://" in target:
         try:
             address = HubAddress.parse(target)
@@ -27,18 +28,19 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
             return str(exc)
         return DashboardApp(HubFeed(address=address), stats_path=stats_path,
                             hang_after_s=hang_after_s)
-    jobs = live_jobs(home)
     if target:
-        known = any(j.job == target for j in jobs)
+        serving = serving_jobs(home)
+        known = any(j.job == target for j in serving)
         try:
             has_history = history_path(target, home).exists()
         except ValueError as exc:
             return str(exc)
         if not known and not has_history:
-            names = ", ".join(j.job for j in jobs) or "none"
+            names = ", ".join(j.job for j in serving if j.state == "running") or "none"
             return f"no live hub and no history for job {target!r} (live jobs: {names})"
         return DashboardApp(HubFeed(job=target, home=home), home=home, stats_path=stats_path,
                             hang_after_s=hang_after_s)
+    jobs = default_jobs(home)
     if not jobs:
         return ("no live scalemon job found: start one with --monitor (or `scalemon demo`), "
                 "or pass a job id or a hub address (ipc:///dir, tcp://host:port)")
@@ -53,11 +55,11 @@ def can_attach(target: str | None, home: Path | None = None) -> bool:
     mend): an address, a job id with a live hub or a history file, or a live job."""
     if target and "://" in target:
         return True  # the dashboard retries an address by itself
-    jobs = live_jobs(home, clean=False)
     if not target:
-        return bool(jobs)
+        return bool(default_jobs(home, clean=False))
     try:
-        return any(j.job == target for j in jobs) or history_path(target, home).exists()
+        return (any(j.job == target for j in serving_jobs(home, clean=False))
+                or history_path(target, home).exists())
     except ValueError:
         return True  # a bad job id: say so at once
 

@@ -2,9 +2,11 @@
 
 The job runs under torchrun in its own session (`--device auto`, NCCL, when NVML counts a GPU
 per rank, else `--device cpu` with gloo), its output goes to a log file, and the dashboard
-attaches to it by job id. Quitting the dashboard stops the job and its hub; `scalemon snapshot
-<job>` can still replay the history afterwards. A job that ends by itself with an error shows
-the last lines of its log on the dashboard, and `scalemon demo` then exits with its code.
+attaches to it by job id. Quitting the dashboard stops the job and its hub, first telling the
+hub that its user stops it, so that the ranks' end reads "stopped by user" (live and in the
+history); `scalemon snapshot <job>` can still replay the history afterwards. A job that ends
+by itself with an error shows the last lines of its log on the dashboard, and `scalemon demo`
+then exits with its code.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from scalemon.jobs import (
     HubAddress,
     JobFile,
     jobs_dir,
-    live_jobs,
     node_name,
     private_dir,
     run_dir,
     scalemon_home,
+    serving_jobs,
 )
 
 MAX_RANKS = 64
 """More ranks than this on one machine is a typo, not a demo."""
+QUIT_REASON = "scalemon demo: quit (q)"
+"""How the demo's user stopped the job, as the hub records it (`job_stop`)."""
 
 
 def preset_names() -> list[str]:
@@ -154,12 +158,40 @@ def exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
+def tell_hub_stopping(job: str, reason: str = QUIT_REASON, timeout_s: float = 3.0) -> bool:
+    """Tell the live job's hub (on its control socket) that its user stops the job, so the
+    ranks' end reads "stopped by user" instead of lost or failed; False when there was no
+    live hub to tell or it did not answer (the job is stopped all the same)."""
+    from scalemon.control import ControlError, Controller, HubUnreachable
+    from scalemon.protocol import ProtocolError
+
+    try:
+        jf = JobFile.read(jobs_dir() / f"{job}.json")
+    except ValueError:
+        return False
+    if not jf.is_alive():
+        return False
+    try:
+        controller = Controller(jf.hub_address(), timeout_s=timeout_s)
+    except ControlError:
+        return False
+    try:
+        controller.stop(reason)
+        return True
+    except (HubUnreachable, ProtocolError):
+        return False
+    finally:
+        controller.close()
+
+
 def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0,
              log_path: Path | None = None) -> None:
-    """Stop the job's process group (SIGTERM, then SIGKILL) and then its hub. torchrun shuts
-    its workers down on SIGTERM; the log (when given) then ends with a line that says the demo
-    stopped the job."""
+    """Stop the job: tell its hub that the user stops it, then stop its process group
+    (SIGTERM, then SIGKILL), then its hub. torchrun shuts its workers down on SIGTERM; the log
+    (when given) then ends with a line that says the demo stopped the job."""
     running = proc.poll() is None
+    if running:
+        tell_hub_stopping(job)
     sent = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
@@ -213,7 +245,7 @@ def job_problem(job: str) -> str | None:
         HubAddress.for_directory(run_dir(job))
     except ValueError as exc:
         return str(exc)
-    if any(j.job == job for j in live_jobs()):
+    if any(j.job == job for j in serving_jobs()):
         return (f"a live job is named {job} already (see `scalemon jobs`): pass another --job, "
                 "or leave it out")
     return None

@@ -21,7 +21,7 @@ import zmq
 from scalemon import protocol, seed
 from scalemon.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.history import ID_SUFFIX, history_path, read_messages
-from scalemon.jobs import HubAddress, hub_gone_text, live_jobs
+from scalemon.jobs import HubAddress, hub_gone_text, serving_jobs
 from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
 
@@ -61,10 +61,10 @@ class HubFeed(Feed):
         self.seed_note = ""  # how the last attach from scratch started (seed or replay)
 
     def _resolve(self) -> HubAddress | None:
-        """The job's live hub (None when it has none: a stale address is no use), or the
-        address given."""
+        """The job's hub while it serves, lingering after the job ended included (None when
+        it has none: a stale address is no use), or the address given."""
         if self.job is not None:
-            for jf in live_jobs(self.home, clean=False):
+            for jf in serving_jobs(self.home, clean=False):
                 if jf.job == self.job:
                     self.address = jf.hub_address()  # with its control socket on this host
                     return self.address

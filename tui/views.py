@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from scalemon import alerts as alerting
 from scalemon import display, metrics
 from scalemon.display import AGGREGATE_AT, NA, Column
-from scalemon.jobstate import RankView
+from scalemon.jobstate import JOB_ENDED_STATES, RankView
 from scalemon.metrics import Metric
 from scalemon.tui import nodeview
 from scalemon.tui.flagview import header_note
@@ -70,6 +71,7 @@ class Summary:
     flag_note: str = ""  # a flag change under way, or flags that differ across ranks
     flag_style: str = ""
     failure: str = ""  # which rank failed first and why (JobState.first_failure), or ""
+    alert: str = ""  # the job's training-health alerts (JobState.alerts), or ""
 
 
 @dataclass
@@ -78,7 +80,7 @@ class Row:
 
     rank: int
     cells: tuple[str, ...]
-    style: str  # "", "straggler", "lost", "exited", "stuck", "finished"
+    style: str  # "", "straggler", "lost", "exited", "stuck", "finished", "stopped", "alert"
 
 
 @dataclass
@@ -176,9 +178,11 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     hub_down = _hub_down_text(data, now)
     if job_state == "waiting":
         state_text = "waiting for ranks"
+    elif job_state in ("stopped", "stopping"):
+        state_text = st.stop_text() if job_state == "stopped" else "stopping: " + st.stop_text()
     elif hang is not None:
         job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
-    elif hub_down is not None and job_state not in ("finished", "ended"):
+    elif hub_down is not None and job_state not in JOB_ENDED_STATES:
         job_state, state_text = "hub down", hub_down
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
@@ -194,7 +198,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
              if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
     step_rates = [s for s, _ in rates if s is not None]
     token_rates = [k for _, k in rates if k is not None]
-    ended = job_state in ("finished", "ended")
+    ended = job_state in JOB_ENDED_STATES
     elapsed = None
     if st.started_t is not None:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
@@ -211,6 +215,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
         flag_note=flag_note, flag_style=flag_style,
         failure=failure["text"] if failure else "",
+        alert="; ".join(a["text"] for a in st.alerts()),
     )
 
 
@@ -292,6 +297,10 @@ def _row(data: DashboardData, v: RankView, now: float, straggler: bool,
         state, style = MONITOR_OFF, "stuck"
     elif v.state == "finished":
         style = "finished"
+    elif v.state == "stopped":
+        style = "stopped"
+    elif (alert := alerting.worst(v.alerts)) is not None:
+        state, style = alerting.short_text(alert), "alert"
     elif since is not None and phase and since > max(10.0, 10.0 * (median_step or 0.0)):
         state, style = f"{PHASES.get(phase, phase)} {since:.0f}s", "stuck"
     elif straggler:
@@ -452,6 +461,7 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
     ]
     if v.monitor_off:
         facts.insert(1, ("monitor off", f"{v.monitor_off} (no steps since)"))
+    facts.extend(("ALERT", a["text"]) for a in alerting.rank_alerts(v.rank, v.alerts))
     if v.rank in data.partial_series:
         facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
                                "big job's rank's latest records for them (all in its history)"))

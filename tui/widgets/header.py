@@ -18,7 +18,12 @@ STATE_STYLES = {
     "hung": "bold white on red",
     "degraded": "bold red",
     "ended": "bold red",
+    "stopping": "bold yellow",
+    "stopped": "bold cyan",
+    "crashed": "bold red",
+    "lost": "bold red",
 }
+ALERT_STYLE = "bold white on red"
 CONN_STYLES = {
     "connected": "green",
     "offline": "grey50",
@@ -31,7 +36,8 @@ CONN_STYLES = {
 
 def header_text(s: Summary) -> Text:
     """Three lines: identity and state; progress, rates, drops and a flag note; hub link and
-    stragglers. A fourth, once a rank failed: which one failed first, and why."""
+    stragglers. Then, once a rank failed: which one failed first, and why; while a rank's
+    training is unhealthy (NaN loss, loss scale collapsed, steps skipped): the alerts."""
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("job ", style="dim").append(s.job or "?", style="bold")
     world = display.NA if s.world_size is None else str(s.world_size)
@@ -75,13 +81,16 @@ def header_text(s: Summary) -> Text:
     if s.failure:
         t.append("\n")
         t.append(s.failure, style="bold red")
+    if s.alert:
+        t.append("\n")
+        t.append(f"ALERT: {s.alert}", style=ALERT_STYLE)
     return t
 
 
 class JobHeader(Widget):
-    """The overview's header: three lines (four once a rank failed), repainted only when their
-    text changes (a fixed height, so an update re-lays out the screen only when a failure
-    line comes or goes)."""
+    """The overview's header: three lines (and a failure line, an alert line), repainted only
+    when their text changes (a fixed height, so an update re-lays out the screen only when a
+    failure or alert line comes or goes)."""
 
     DEFAULT_CSS = """
     JobHeader { height: 3; padding: 0 1; background: $boost; text-wrap: nowrap;
@@ -101,7 +110,7 @@ class JobHeader(Widget):
         text = header_text(summary)
         if text.plain != self._text.plain or text.spans != self._text.spans:
             self._text = text
-            height = 4 if summary.failure else 3
+            height = 3 + bool(summary.failure) + bool(summary.alert)
             if self.styles.height is None or self.styles.height.value != height:
                 self.styles.height = height  # re-lays out once
             self.refresh()

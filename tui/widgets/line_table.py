@@ -34,6 +34,8 @@ ROW_STYLES = {
     "exited": Style(color="red"),
     "stuck": Style(color="magenta", bold=True),
     "finished": Style(color="green"),
+    "stopped": Style(color="cyan"),
+    "alert": Style(color="white", bgcolor="red", bold=True),
 }
 NA_STYLE = Style(dim=True)
 
