@@ -68,6 +68,8 @@ class Summary:
     stragglers: list[tuple[int, float]]  # (rank, seconds late or slower), largest first
     straggler_basis: str  # ARRIVAL_BASIS, COMPUTE_BASIS or ""
     conn: ConnState
+    hub_note: str | None = None
+    """The hub's last note (it repaired the history or skipped records), on the hub's line."""
     flag_note: str = ""  # a flag change under way, or flags that differ across ranks
     flag_style: str = ""
     failure: str = ""  # which rank failed first and why (JobState.first_failure), or ""
@@ -192,8 +194,6 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         state_text += f", lost ranks: {_rank_list(lost)}"
     if exited:
         state_text += f", exited: {_rank_list(exited)}"
-    if st.hub_notes:  # the hub repaired the history or skipped records: say so
-        state_text += f"; hub: {st.hub_notes[-1]['text']}"
     rates = [t.rates(now) for r, t in data.tracks.items()
              if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
     step_rates = [s for s, _ in rates if s is not None]
@@ -213,6 +213,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
+        hub_note=st.hub_notes[-1]["text"] if st.hub_notes else None,
         flag_note=flag_note, flag_style=flag_style,
         failure=failure["text"] if failure else "",
         alert="; ".join(a["text"] for a in st.alerts()),

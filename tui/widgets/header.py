@@ -78,6 +78,8 @@ def header_text(s: Summary) -> Text:
         t.append(f" ({s.straggler_basis})", style="dim")
     else:
         t.append("none" if s.straggler_basis else display.NA)
+    if s.hub_note:  # on the hub's own line: a long hang text on the first cannot hide it
+        t.append("  hub note: ", style="dim").append(s.hub_note, style="yellow")
     if s.failure:
         t.append("\n")
         t.append(s.failure, style="bold red")
