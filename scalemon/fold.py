@@ -144,13 +144,19 @@ def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]
     return out
 
 
-def step_values(body: dict[str, Any]) -> dict[str, float]:
+def step_values(body: dict[str, Any], derive_rate: bool = False) -> dict[str, float]:
     """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
-    with the well-known extras and the dashboard's `compute_s`; absent ones left out."""
+    with the well-known extras and the dashboard's `compute_s`; absent ones left out.
+    `derive_rate`: the rank never sent a `tokens_per_s` of its own, so `tokens / step_time_s`
+    stands for it (never mixed into a series of the script's own measurements)."""
     out = _numbers(body, STEP_PLOTTED)
     extra = body.get("extra")
     if extra:
         out.update(_numbers(extra, EXTRA_PLOTTED))
+    if derive_rate and "tokens_per_s" not in out:
+        rate = metrics.tokens_per_s(body)
+        if rate is not None:
+            out["tokens_per_s"] = rate
     step_time = out.get("step_time_s")
     if step_time is not None:
         busy = out.get("allreduce_time_s", 0.0) + out.get("optimizer_time_s", 0.0)
@@ -269,7 +275,7 @@ class JobFold:
     def _on_step(self, msg: Message, view: RankView) -> None:
         track = self.track(msg.rank)
         step = msg.body["step"]
-        values = step_values(msg.body)
+        values = step_values(msg.body, derive_rate="tokens_per_s" not in view.extra)
         if self.keeps_series(msg.rank):
             track.add_step_series(msg.body, values)
         if msg.body.get("skipped"):
@@ -351,13 +357,15 @@ class JobFold:
         track.series, track.extras = {}, {}
         first: int | None = None
         step: int | None = None
+        view = self.state.ranks.get(rank)
+        derive_rate = view is None or "tokens_per_s" not in view.extra
         for msg in messages or ():
             if msg.rank != rank:
                 continue
             if msg.type == "step":
                 step = msg.body["step"]
                 first = step if first is None else min(first, step)
-                track.add_step_series(msg.body, step_values(msg.body))
+                track.add_step_series(msg.body, step_values(msg.body, derive_rate))
             elif msg.type == "heartbeat":
                 track.add_heartbeat_series(msg.body, step)
         self.watched.add(rank)

@@ -92,6 +92,8 @@ class RankView:
         the messages, from `extra` for well-known extra names, or computed (`now` for ages)."""
         metric = metrics.BY_NAME[name]
         if metric.source == "extra":
+            if name == "tokens_per_s" and name not in self.extra:  # the script measures none
+                return metrics.tokens_per_s(self.metrics)
             return self.extra.get(name)
         if name == "heartbeat_age_s":  # a rank that ended sends none: no age to count
             if self.last_seen_t is None or self.state in TERMINAL_STATES:

@@ -21,6 +21,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SOURCES = ("step", "heartbeat", "extra", "hub", "dashboard")
 """Where a value comes from: a field of the `step` or `heartbeat` message; a well-known name a
@@ -135,9 +136,10 @@ METRICS: tuple[Metric, ...] = (
            show=Show(unit="ms", scale=1e3, plot="compute", group="step time")),
     Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank, as the script "
            "measured it between two host syncs (`log(tokens_per_s=...)`; the demo trainer sends "
-           "it on every logged step)",
+           "it on every logged step); for a script that never sends it, the step's `tokens` over "
+           "its `step_time_s`",
            show=Show(style="si", column="tok/s", width=6, plot="tokens/s",
-                     na="the script does not log(tokens_per_s=...)")),
+                     na="the script gives neither log(tokens=...) nor log(tokens_per_s=...)")),
     Metric("mfu", "extra", "float", "", "model FLOPs utilisation: achieved over peak FLOP/s of "
            "the device, a fraction (`log(mfu=...)`; the demo trainer sends it where it knows the "
            "GPU's peak)",
@@ -361,6 +363,15 @@ def render_docs(text: str) -> str:
 
     return _BLOCK.sub(block, text)
 
+def tokens_per_s(values: dict[str, Any]) -> float | None:
+    """`tokens / step_time_s` of a step's values (a step body, or a rank's latest metrics), the
+    rate of a script that gives `log(tokens=...)` but measures no rate of its own; else None."""
+    tokens, step_time = values.get("tokens"), values.get("step_time_s")
+    if type(tokens) is not int or type(step_time) is not float or not step_time > 0:
+        return None
+    return tokens / step_time
+
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m scalemon.metrics`: print the table, or rewrite the docs' generated blocks."""
@@ -382,3 +393,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
