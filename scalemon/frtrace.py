@@ -344,11 +344,18 @@ def analyse(
             status[rank] = {g: list(v) for g, v in seen.items()}
             source[rank] = "heartbeat"
     labels = _labels(groups, desc)
+    overall = _finding(find_culprits(status, groups, gone_set), labels, dumps)
+    waits_of = {r: w for w in (overall or {}).get("waits", ()) for r in w["ranks"]}
     out_groups = []
     for name, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         alone = {r: {name: s[name]} for r, s in status.items() if name in s}
         finding = find_culprits(alone, {name: ranks}, gone_set)  # this group by itself
+        # a rank behind in this group that waits in another: a link of a chain, not its end
+        behind = {str(r): f"waits in {w['op'] or 'collective'} #{w['seq']} of {w['label']}"
+                  for r in (finding or {}).get("culprits", ())
+                  if (w := waits_of.get(r)) is not None and w["group"] != name}
         out_groups.append({
+            "behind": behind,
             "name": name, "label": labels[name], "ranks": list(ranks),
             "status": {str(r): _rank_status(dumps.get(r), status, source, r, name, gone_set,
                                             missing)
@@ -356,7 +363,6 @@ def analyse(
             "mismatches": _mismatches(dumps, name),
             "finding": _finding(finding, labels, dumps),
         })
-    overall = _finding(find_culprits(status, groups, gone_set), labels, dumps)
     versions = sorted({v for d in dumps.values() for v in d.versions})
     return {
         "directory": directory,
@@ -467,44 +473,84 @@ CHAINS_SHOWN = 16
 """Wait-for chains kept in a report (each is a path to a culprit; the rest are alike)."""
 
 
+WAITS_SHOWN = 16
+"""Distinct waits (group, collective, awaited ranks) kept in a report's finding."""
+
+
 def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
              dumps: dict[int, RankDump]) -> dict[str, Any] | None:
-    """`find_culprits`' finding with the group's label and the op the waiting ranks wait in,
-    as JSON-ready data: each culprit's cause, the desyncs and the first wait-for chains (the
-    per-rank waits stay out: at thousands of ranks they are the bulk and say little more)."""
+    """`find_culprits`' finding as JSON-ready data, with the group's label and op: each
+    culprit's cause, what it never issued, the desyncs, the first wait-for chains, and the
+    waits grouped by what they wait in and for whom (at thousands of ranks one line each)."""
     if not finding:
         return None
+
+    def op_of(group: str, seq: int, ranks: Iterable[int]) -> str | None:
+        for rank in [*ranks, *dumps]:
+            dump = dumps.get(rank)
+            op = dump.op_at(group, seq) if dump else None
+            if op:
+                return op
+        return None
+
     group, seq = finding["group"], finding["seq"]
-    op = None
-    for rank in [*finding["waiting"], *dumps]:
-        dump = dumps.get(rank)
-        op = dump.op_at(group, seq) if dump else None
-        if op:
-            break
+    waits: dict[tuple[str, int, tuple[int, ...]], list[int]] = {}
+    for rank, wait in sorted((finding.get("waits") or {}).items()):
+        waits.setdefault((wait["group"], wait["seq"], tuple(wait["for"])), []).append(rank)
+    grouped = [{"group": g, "seq": q, "label": labels.get(g, f"group {g}"),
+                "op": op_of(g, q, ranks), "ranks": ranks, "for": list(awaited)}
+               for (g, q, awaited), ranks in waits.items()]
+    missed: dict[str, list[str]] = {}
+    for wait in grouped:
+        what = f"{wait['op'] or 'collective'} #{wait['seq']} of {wait['label']}"
+        for rank in wait["for"]:
+            if what not in missed.setdefault(str(rank), []):
+                missed[str(rank)].append(what)
     return {"group": group, "seq": seq, "culprits": finding["culprits"],
             "waiting": finding["waiting"], "label": labels.get(group, f"group {group}"),
-            "op": op,
+            "op": op_of(group, seq, finding["waiting"]),
             "causes": {str(r): c for r, c in (finding.get("causes") or {}).items()},
+            "never_issued": {r: m for r, m in missed.items()
+                             if int(r) in finding["culprits"]},
+            "waits": grouped[:WAITS_SHOWN], "waits_count": len(grouped),
             "desync": finding.get("desync") or [],
             "chains": (finding.get("chains") or [])[:CHAINS_SHOWN]}
 
 
 def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
-    """The finding in words, as the live hang view says it."""
+    """The finding in words, as the live hang view says it: each culprit with what it never
+    issued (or why it cannot), then what each waiting rank waits in and for whom."""
     if not finding:
         return "no culprit: every rank completed the collectives it issued"
     what = f"{finding['op'] or 'collective'} #{finding['seq']} of {finding['label']}"
-    culprits, waiting = finding["culprits"], finding["waiting"]
-    alive = [r for r in culprits if r not in gone]
-    dead = [r for r in culprits if r in gone]
-    parts = []
-    if alive:
-        parts.append(f"{ranks_text(alive)} never issued {what}")
-    if dead:
-        parts.append(f"{ranks_text(dead)}: process gone")
-    if waiting:
-        verb = "waits" if len(waiting) == 1 else "wait"
-        parts.append(f"{ranks_text(waiting)} {verb} in {'it' if culprits else what}")
+    culprits = finding["culprits"]
+    causes, never = finding.get("causes") or {}, finding.get("never_issued") or {}
+    parts: list[str] = []
+    alike: dict[str, list[int]] = {}  # culprits in Python that missed the same collectives
+    for rank in culprits:
+        cause = (causes.get(str(rank)) or {}).get("cause")
+        if rank in gone or cause == "gone":
+            parts.append(f"rank {rank}: process gone")
+        elif cause in ("desync", "teardown", "deadlock"):
+            parts.append(f"rank {rank}: {cause}")
+        else:
+            alike.setdefault(" nor ".join(never.get(str(rank)) or [what]), []).append(rank)
+    parts[:0] = [f"{ranks_text(ranks)} never issued {missed}" for missed, ranks in alike.items()]
+    waits = finding.get("waits")
+    if waits is None:  # a report of an older scalemon: no waits of its own
+        waits = [{"ranks": finding["waiting"], "for": [], "op": finding["op"],
+                  "seq": finding["seq"], "label": finding["label"]}] if finding["waiting"] else []
+    for wait in waits:
+        ranks = [r for r in wait["ranks"] if r not in culprits]
+        if not ranks:
+            continue
+        verb = "waits" if len(ranks) == 1 else "wait"
+        awaited = f" for {ranks_text(wait['for'])}" if wait["for"] else ""
+        parts.append(f"{ranks_text(ranks)} {verb} in {wait['op'] or 'collective'} "
+                     f"#{wait['seq']} of {wait['label']}{awaited}")
+    more = finding.get("waits_count", 0) - len(waits)
+    if more > 0:
+        parts.append(f"{more} more waits (scalemon dump --json lists them)")
     if not culprits:
         parts.append("every rank issued it: a network or communication-library problem, not "
                      "a late rank")
@@ -586,16 +632,18 @@ def _group_lines(group: dict[str, Any], gone: set[int]) -> list[tuple[str, str]]
     lines = [(title, "heading")]
     if finding:
         lines.append(("  " + finding_text(finding, gone), "finding"))
+    behind = group.get("behind") or {}
     rows: dict[tuple[str, str, str, str], list[int]] = {}
     for rank_text, s in (group.get("status") or {}).items():
         rank = int(rank_text)
-        role = "culprit" if rank in culprits else "waiting" if rank in waiting else ""
+        role = ("behind" if rank_text in behind else "culprit" if rank in culprits
+                else "waiting" if rank in waiting else "")
         issued = _seq_text(s["last_issued"], s["issued_op"])
         completed = _seq_text(s["last_completed"], s["completed_op"])
-        note = s.get("note") or ""
+        note = behind.get(rank_text) or s.get("note") or ""
         rows.setdefault((role, issued, completed, note), []).append(rank)
     table = [("ranks", "last issued", "last completed", "role", "note")]
-    order = {"culprit": 0, "waiting": 1, "": 2}
+    order = {"culprit": 0, "behind": 1, "waiting": 2, "": 3}
     for (role, issued, completed, note), members in sorted(
             rows.items(), key=lambda kv: (order[kv[0][0]], min(kv[1]))):
         table.append((ranks_text(members).split(" ", 1)[1], issued, completed, role or "-",

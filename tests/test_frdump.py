@@ -116,7 +116,7 @@ def test_a_hang_in_real_dumps_names_the_rank_that_never_issued(real, tmp_path):
     assert report["culprit"]["causes"] == {"1": {"cause": "python"}}
     assert report["culprit"]["chains"] == [[0, 1]]
     assert report["text"] == "rank 1 never issued barrier #6 of default_pg [0,1]; rank 0 " \
-                             "waits in it"
+                             "waits in barrier #6 of default_pg [0,1] for rank 1"
     status = by_label(report)["default_pg"]["status"]
     assert (status["0"]["last_issued"], status["0"]["last_completed"]) == (6, 5)
     assert (status["1"]["last_issued"], status["1"]["issued_op"]) == (5, "broadcast")
@@ -359,7 +359,7 @@ def test_the_dump_panel_shows_the_analysis_as_tables_never_a_traceback(tmp_path)
                          "report": report})
     text = "\n".join(t for t, _ in lines)
     assert ("culprit: rank 3 never issued all_reduce #7 of default_pg [0-3]; ranks 0-2 wait "
-            "in it", "bold red") in lines
+            "in all_reduce #7 of default_pg [0-3] for rank 3", "bold red") in lines
     assert "tp [2,3] (group name 1, 2 ranks)" in text and "Traceback" not in text
     assert "  ranks  last issued    last completed  role     note" in text
 
@@ -407,7 +407,8 @@ def test_a_report_too_big_for_the_history_keeps_its_findings():
     small = _fitting(report)
     assert len(json.dumps(small)) <= REPORT_MAX_BYTES and "analysis.json" in small["cut"]
     assert small["culprit"]["culprits"] == [0] and small["culprit"]["waiting"] == ranks[1:]
-    assert "ranks 1-4095 wait in it" in frtrace.report_text(small)
+    assert "ranks 1-4095 wait in collective #9 of default_pg [0-4095] for rank 0" in \
+        frtrace.report_text(small)
     text = frtrace.report_text(report)
     assert "  1-4095  #9" in text  # ranks with the same row share it
 

@@ -77,7 +77,8 @@ def test_dump_of_a_hung_2_rank_gloo_job_names_the_rank_that_never_issued(home, t
         assert status(report, "default_pg", 1) == (one, one)
         assert report["culprit"]["seq"] == zero and report["culprit"]["op"] == "all_reduce"
         assert report["text"] == (f"rank 1 never issued all_reduce #{zero} of "
-                                  "default_pg [0,1]; rank 0 waits in it")
+                                  f"default_pg [0,1]; rank 0 waits in all_reduce #{zero} of "
+                                  "default_pg [0,1] for rank 1")
         assert Path(report["directory"], "rank_0").exists()
 
         text = dump(home)
@@ -174,6 +175,16 @@ def test_dump_of_a_3_rank_job_with_a_subgroup(home, tmp_path):
         assert report["culprit"]["culprits"] == [2]
         assert report["culprit"]["causes"] == {"2": {"cause": "python"}}
         assert report["culprit"]["chains"] == [[0, 1, 2]]
+        # the headline says who waits in what for whom, as the live hang view does
+        text = report["text"]
+        assert text.startswith("rank 2 never issued "), text
+        assert (f"rank 0 waits in all_reduce #{zero} of default_pg [0,1,2] for ranks 1,2"
+                in text), text
+        assert f"#{one['pair']} of pair [1,2] for rank 2" in text, text
+        # in the default group rank 1 is behind only because it waits in pair: not a culprit
+        assert groups["default_pg"]["behind"] == {"1": next(
+            f"waits in {w['op']} #{w['seq']} of pair [1,2]"
+            for w in report["culprit"]["waits"] if w["ranks"] == [1])}
     finally:
         kill_tree(proc)
 
