@@ -42,6 +42,7 @@ from scalemon.collectives import (
     CollectiveStats,
     buffer_bytes,
     op_name,
+    pg_config_ranks,
     size_bucket,
 )
 
@@ -327,7 +328,7 @@ class Recorder:
             name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
             self._pg_names[str(e.get("pg_id"))] = name
             if name and name not in self._group_info:
-                ranks = _config_ranks(config.get(name)) or group_ranks(name)
+                ranks = pg_config_ranks(config.get(name)) or group_ranks(name)
                 self._group_info[name] = {"desc": desc, "ranks": ranks or []}
 
     def _take(self, source: RecorderSource, entries: list[dict[str, Any]],
@@ -469,19 +470,6 @@ def _trim(mapping: dict, keep: int) -> None:
     """Forget the oldest items of an insertion-ordered map beyond `keep`."""
     for key in list(itertools.islice(mapping, max(0, len(mapping) - keep))):
         del mapping[key]
-
-
-def _config_ranks(config: Any) -> list[int] | None:
-    """Ranks from the recorder's `pg_config` entry (NCCL writes them as text: "[0, 1]")."""
-    if not isinstance(config, dict):
-        return None
-    ranks = config.get("ranks")
-    if isinstance(ranks, str):
-        try:
-            ranks = [int(r) for r in ranks.strip("[] ").split(",") if r.strip()]
-        except ValueError:
-            return None
-    return list(ranks) if isinstance(ranks, list) and ranks else None
 
 
 def group_ranks(name: str) -> list[int] | None:

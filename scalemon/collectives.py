@@ -60,6 +60,22 @@ def bus_factor(op: str, n: int) -> float | None:
     return None
 
 
+def pg_config_ranks(config: Any) -> list[int] | None:
+    """A group's ranks from a Flight Recorder `pg_config` item, sorted: NCCL writes them as text
+    ("[0, 1]", in every format so far), others as a list; None when absent or malformed."""
+    if not isinstance(config, dict):
+        return None
+    ranks = config.get("ranks")
+    if isinstance(ranks, str):
+        try:
+            ranks = [int(r) for r in ranks.strip("[] ").split(",") if r.strip()]
+        except ValueError:
+            return None
+    if isinstance(ranks, list) and ranks and all(type(r) is int for r in ranks):
+        return sorted(ranks)
+    return None
+
+
 def op_name(profiling_name: str) -> str:
     """The op as torch names it, from the recorder's `profiling_name` ("nccl:all_reduce")."""
     return profiling_name.split(":", 1)[-1]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scalemon.collectives import find_culprits, op_name
+from scalemon.collectives import find_culprits, op_name, pg_config_ranks
 from scalemon.hangs import span_text
 
 MAX_FILE_BYTES = 256 << 20
@@ -178,7 +178,7 @@ class RankDump:
                 self.ops[entry.group, entry.seq] = entry.op
         config = dump.get("pg_config")
         for key, value in (config.items() if isinstance(config, dict) else ()):
-            ranks = _config_ranks(value)
+            ranks = pg_config_ranks(value)
             if not key or not ranks:
                 continue  # gloo writes one empty placeholder
             seen = self.groups.setdefault(str(key), GroupSeen())
@@ -220,21 +220,6 @@ def _int(value: Any) -> int | None:
             return int(value)
         except ValueError:
             return None
-    return None
-
-
-def _config_ranks(config: Any) -> list[int] | None:
-    """Ranks of a `pg_config` item: "[0, 1]" (text in every format so far) or a list."""
-    if not isinstance(config, dict):
-        return None
-    ranks = config.get("ranks")
-    if isinstance(ranks, str):
-        try:
-            ranks = [int(r) for r in ranks.strip("[] ").split(",") if r.strip()]
-        except ValueError:
-            return None
-    if isinstance(ranks, list) and ranks and all(type(r) is int for r in ranks):
-        return sorted(ranks)
     return None
 
 
