@@ -86,13 +86,19 @@ non_negative_int = int_at_least(0)
 
 class FlagParser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are said once per node: under torchrun every rank
-    parses the same flags, and only local rank 0 prints (every rank exits with code 2)."""
+    parses the same flags, and only local rank 0 prints (every rank exits with code 2). The
+    other ranks wait up to `QUIET_RANK_WAIT_S` first: torchrun ends every rank once one exits,
+    and a quiet rank that exited first could have local rank 0 ended before it said why."""
+
+    QUIET_RANK_WAIT_S = 10.0
 
     def error(self, message: str) -> NoReturn:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
             sys.stderr.flush()
+        else:
+            time.sleep(self.QUIET_RANK_WAIT_S)  # ended sooner by torchrun, once rank 0 said it
         sys.exit(2)
 
 

@@ -181,7 +181,11 @@ def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start
     data = DashboardData()  # the dashboard's header, folding what the hub serves
     data.apply_batch(read_messages(path, "jobC")[0])
     summary = views.overview(data, plots=False).summary
-    assert "hub: history reopened damaged: 1211 intact records kept" in summary.state_text
+    assert summary.hub_note.startswith("history reopened damaged: 1211 intact records kept")
+    from scalemon.tui.widgets.header import header_text
+
+    hub_line = header_text(summary).plain.splitlines()[2]  # the hub's own line
+    assert "hub note: history reopened damaged: 1211 intact records kept" in hub_line
 
 
 def test_replay_validates_every_record_and_counts_what_it_skips(start_hub, zctx, home):

@@ -254,7 +254,7 @@ def test_the_overview_of_a_big_job_shows_nodes_and_drills_down_to_a_rank(big):
             assert isinstance(screen, OverviewScreen) and screen.showing_nodes
             assert node_table(app).display and not screen.query_one(RankTable).display
             assert screen.query_one(RankTable).rows == {}  # no rank row built
-            assert node_table(app).has_focus
+            await until(pilot, lambda: node_table(app).has_focus)  # focus follows a paint
             slowest = screen.query_one("#slowest", TextPanel).plain()
             assert re.search(rf"{STRAGGLER} +node64 +\+2\d\.\d ms", slowest)
             failed = screen.query_one("#failed", TextPanel).plain()
