@@ -92,5 +92,9 @@ def _spawn(cmd: list[str], log_path: Path) -> int:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
+            # in its run directory: a `scalemon/` folder where the job was started (a checkout
+            # of scalemon itself) cannot shadow the installed package, and the job's working
+            # directory is not held by a process that outlives it
+            cwd=log_path.parent,
         )
     return proc.pid

@@ -39,7 +39,7 @@ from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
 from .recorder import Recorder
 from .scaler import ScaleReader
-from .steps import ScaleTracker, StepFinisher
+from .steps import ScaleTracker, StepFinisher, cuda_memory
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
 from .transport import Sender, local_value, plain_value
 from .warn import Warnings
@@ -110,15 +110,16 @@ class Run:
         self.scaler = scaler
         self.device = _cuda_device(model)  # the model's GPU, None on CPU
         self._cuda = self.device is not None
-        events = EventPool(self.device) if self._cuda else None
+        events = EventPool(self.device, _direct_calls(), self.warnings) if self._cuda else None
         self._opt_timer = SpanTimer(events)
         self._comm_timer = SpanTimer(events)
         self._hooks: list[Any] = []
         self._pending_comm: tuple[AllReduceTimer, Any] | None = None  # installed at 1st forward
         self._last_log_t: float | None = None
         self._scale = ScaleReader(scaler, self.warnings)
-        self._steps = StepFinisher(ScaleTracker(self._scale.init_scale), self.phase, events,
-                                   self.warnings, self._scale)
+        self._steps = StepFinisher(
+            ScaleTracker(self._scale.init_scale), self.phase, events, self.warnings,
+            self._scale, functools.partial(cuda_memory, self.device) if self._cuda else None)
         self.agent_time_total_s = 0.0
         self._previous_log_s = 0.0
         self.steps_logged = 0
@@ -338,9 +339,8 @@ class Run:
         hooks_s, phase.cost_s = phase.cost_s, 0.0
         scale = self._scale.read()
         if self._cuda:
-            staged = self._steps.stage(loss, scale, extra)
-            loss = scale = None
-            memory = cuda_memory(self.device)
+            staged = self._steps.stage(loss, scale, extra)  # memory: read by the sender
+            loss = scale = memory = None
         else:  # host values are read now: the caller may change them in place later
             staged = memory = None
             if loss is not None and type(loss) is not float:
@@ -584,6 +584,15 @@ def _cuda_device(model: Any) -> torch.device | None:
     return None
 
 
+def _direct_calls() -> Any:
+    """CUDA calls that keep the GIL (cudart.py), unless SCALEMON_CUDA_DIRECT=0 or unavailable."""
+    if os.environ.get("SCALEMON_CUDA_DIRECT", "1") == "0":
+        return None
+    from .cudart import CudaDirect
+
+    return CudaDirect.load()
+
+
 def _log_dir(job: str) -> Path | None:
     """The job's run directory on this node, where NCCL's and torch's logs are written."""
     try:
@@ -640,19 +649,6 @@ def dist_backend() -> str | None:
         return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
     except Exception:
         return None
-
-
-def cuda_memory(device: torch.device) -> dict[str, int | None]:
-    """Allocator counters of `device` (host-side, no sync), from one call: each of
-    `torch.cuda.memory_allocated()` and friends flattens and sorts the allocator's whole
-    statistics (some hundred entries) in Python, three times the work for three numbers."""
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    allocated = stats.get("allocated_bytes", {}).get("all", {})
-    return {
-        "mem_allocated_bytes": allocated.get("current"),
-        "mem_reserved_bytes": stats.get("reserved_bytes", {}).get("all", {}).get("current"),
-        "mem_peak_bytes": allocated.get("peak"),
-    }
 
 
 def _host_int(value: Any, name: str) -> int | None:

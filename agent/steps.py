@@ -4,6 +4,7 @@ microseconds, and the sender thread turns them into the `step` body once they ar
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,11 +17,14 @@ from .warn import Warnings
 # What the training thread leaves per step, one tuple (cheaper to build than a dict there):
 # step, tokens, step time, agent time, extra, loss and loss scale (host floats; None on CUDA),
 # device memory (dict or None), optimizer spans, all-reduce spans, and on CUDA the staged device
-# scalars (event, pinned buffer, has loss, has scale, names of staged `extra` values), else None.
+# scalars (event, (pinned buffer, its 0-d slots), has loss, has scale, names of staged `extra`
+# values), else None. On CUDA the memory counters are read by the sender thread (`finish`).
 RawStep = tuple[
     int, "int | None", "float | None", float, "dict | None", "float | None", "float | None",
     "dict | None", list[Span], list[Span], "tuple | None",
 ]
+MEMORY_READ_EVERY_S = 0.2
+"""CUDA memory counters are read at most this often (steps in between carry the last read)."""
 NO_DEVICE_MEMORY = {"mem_allocated_bytes": None, "mem_reserved_bytes": None, "mem_peak_bytes": None}
 
 
@@ -50,13 +54,17 @@ class StepFinisher:
     completed-collective count it advances on CUDA."""
 
     def __init__(self, scales: ScaleTracker, phase: Phase, events: EventPool | None,
-                 warnings: Warnings | None = None, scaler: Any = None) -> None:
+                 warnings: Warnings | None = None, scaler: Any = None,
+                 read_memory: Callable[[], dict[str, Any]] | None = None) -> None:
         self.scales = scales
+        self.read_memory = read_memory  # CUDA: the allocator's counters, read when finishing
+        self._memory: dict[str, Any] | None = None
+        self._memory_at = 0.0
         self.scaler = scaler  # a ScaleReader: its `state` is `step.scaler`
         self.phase = phase
         self.events = events
         self.warnings = warnings or Warnings()
-        self.pinned: dict[int, list[torch.Tensor]] = {}  # free pinned buffers by length
+        self.pinned: dict[int, list[tuple]] = {}  # free (pinned buffer, slots) by length
 
     def stage(self, loss: Any, scale: torch.Tensor | None, extra: dict[str, Any] | None) -> tuple:
         """Copy device scalars (loss, loss scale, and one-element CUDA tensors among the extra
@@ -65,13 +73,38 @@ class StepFinisher:
         loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
         free = self.pinned.get(len(values))
-        buf = free.pop() if free else torch.empty(len(values), pin_memory=True)
-        for i, value in enumerate(values):
+        buf, slots = free.pop() if free else _pinned_slots(len(values))
+        events = self.events
+        direct, stream = events.direct, events.stream_handle()
+        for slot, value in zip(slots, values):  # noqa: B905 - same length by construction
             if isinstance(value, torch.Tensor):
-                buf[i].copy_(value.detach().reshape(()), non_blocking=True)
+                if direct is not None and _direct_copyable(value, events.index):
+                    try:
+                        direct.copy_scalar(slot, value, stream)
+                        continue
+                    except Exception as exc:  # torch's copy from now on
+                        events.no_direct(exc)
+                        direct = None
+                if value.requires_grad:
+                    value = value.detach()
+                slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
             elif value is not None:
-                buf[i] = value
-        return (self.events.record(), buf, loss is not None, scale is not None, names)
+                slot.fill_(value)
+        return (events.record(), (buf, slots), loss is not None, scale is not None, names)
+
+    def _add_memory(self, body: dict[str, Any]) -> None:
+        """The allocator's counters, read here on the sender thread rather than on the
+        training thread (tens of microseconds of Python, during which the training thread
+        cannot run Python either), and at most every `MEMORY_READ_EVERY_S`: the values of a
+        moment after the step, or of the last read."""
+        now = time.monotonic()
+        try:
+            if self._memory is None or now - self._memory_at >= MEMORY_READ_EVERY_S:
+                self._memory, self._memory_at = self.read_memory(), now
+            body.update(self._memory)
+        except Exception as exc:  # memory shows n/a; the step still goes
+            self.warnings.once("cuda-memory", "scalemon: reading the CUDA allocator's counters "
+                               "failed (%s: %s); memory is n/a", type(exc).__name__, exc)
 
     def _stageable(self, value: Any, name: str) -> Any:
         """`value` if it is a one-element tensor, else it as a float; None (said once) for a
@@ -100,18 +133,20 @@ class StepFinisher:
                                 "scaler": self.scaler.state if self.scaler is not None else None}
         body.update(memory or NO_DEVICE_MEMORY)
         if staged is not None:
-            event, buf, has_loss, has_scale, names = staged
+            event, pinned, has_loss, has_scale, names = staged
             while not event.query():
                 if deadline is None or time.monotonic() >= deadline:
                     return None
                 time.sleep(0.001)
-            values = buf.tolist()  # host memory, written by the completed copy
+            values = pinned[0].tolist()  # host memory, written by the completed copy
             body["loss"] = values[0] if has_loss else None
             body["loss_scale"] = values[1] if has_scale else None
             for name, value in zip(names, values[2:], strict=True):
                 extra[name] = value
-            self.pinned.setdefault(len(values), []).append(buf)
+            self.pinned.setdefault(len(values), []).append(pinned)
             self.events.put(event)
+            if self.read_memory is not None:
+                self._add_memory(body)
         if extra:
             body["extra"] = self._sendable(extra)
         wall_offset = time.time() - time.perf_counter()
@@ -144,6 +179,34 @@ class StepFinisher:
                                    "numbers, strings and one-element tensors are sent, so that "
                                    "value is left out", name, type(value).__name__)
         return out
+
+
+def _pinned_slots(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A pinned host buffer of `n` floats and a 0-d view of each element (made once, so that
+    staging a value costs one copy launch)."""
+    buf = torch.empty(n, pin_memory=True)
+    return buf, list(buf.unbind())
+
+
+def cuda_memory(device: torch.device) -> dict[str, int | None]:
+    """Allocator counters of `device` (host-side, no sync; thread-safe in the allocator), from
+    one call: each of `torch.cuda.memory_allocated()` and friends flattens the allocator's
+    whole statistics (some hundred entries) in Python, three times the work for three
+    numbers."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    allocated = stats.get("allocated_bytes", {}).get("all", {})
+    return {
+        "mem_allocated_bytes": allocated.get("current"),
+        "mem_reserved_bytes": stats.get("reserved_bytes", {}).get("all", {}).get("current"),
+        "mem_peak_bytes": allocated.get("peak"),
+    }
+
+
+def _direct_copyable(value: torch.Tensor, index: int) -> bool:
+    """A float32 tensor of one element on CUDA device `index` (the stream's), whose 4 bytes a
+    raw copy can take."""
+    return (value.dtype is torch.float32 and value.is_cuda and value.numel() == 1
+            and value.get_device() == index)
 
 
 def _device_scalar(value: Any) -> bool:

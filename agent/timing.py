@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .cudart import CudaDirect
 from .heartbeat import Phase
 from .hosttiming import group_seq, original
 from .warn import Warnings
@@ -40,22 +41,76 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+"""The current stream of a device as a hashable key, without building a `Stream` object."""
+
+
+def _event_record() -> Any:
+    """`Event.record(stream)` without the Python wrapper's own current-stream lookup (the C
+    method where `torch.cuda.Event` is the C event class's subclass, as in torch 2.4-2.13)."""
+    base = getattr(torch._C, "_CudaEventBase", None)
+    if base is not None and hasattr(base, "record") and issubclass(torch.cuda.Event, base):
+        return base.record
+    return lambda ev, stream: ev.record(stream)
+
+
+_record = _event_record()
+
 Span = list  # [issued_at, start: float|Event, end: float|Event|None, sent: Tensor|None, ...]
 
 
 class EventPool:
-    """Reusable CUDA timing events of one device (creating one costs more than recording it)."""
+    """Reusable CUDA timing events of one device (creating one costs more than recording it).
 
-    def __init__(self, device: torch.device) -> None:
+    `record()` runs on the training thread several times a step, so it skips what torch's
+    Python wrappers redo on every call: the current stream is looked up as a plain tuple (one
+    C call) and turned into a `Stream` object only when it changed. With `direct` (cudart.py)
+    a reused event is recorded without releasing the GIL; a new one goes through torch, which
+    creates it."""
+
+    def __init__(self, device: torch.device, direct: CudaDirect | None = None,
+                 warnings: Warnings | None = None) -> None:
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.direct = direct
+        self.warnings = warnings or Warnings()
         self._free: list[torch.cuda.Event] = []
+        self._stream_key: tuple | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._handle = 0  # the current stream's raw cudaStream_t
+
+    def stream_handle(self) -> int:
+        """The raw handle of the current stream of the model's device (cached by stream)."""
+        key = _current_stream(self.index)
+        if key != self._stream_key:
+            self._stream = torch.cuda.current_stream(self.device)
+            self._handle = self._stream.cuda_stream
+            self._stream_key = key
+        return self._handle
 
     def record(self) -> torch.cuda.Event:
         """A free event, recorded now on the current stream of the model's device (which need
         not be the current device)."""
-        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
+        handle = self.stream_handle()
+        if self._free:
+            ev = self._free.pop()
+            if self.direct is not None:
+                try:
+                    self.direct.record(ev, handle)
+                    return ev
+                except Exception as exc:  # torch's calls from now on
+                    self.no_direct(exc)
+        else:
+            ev = torch.cuda.Event(enable_timing=True)
+        _record(ev, self._stream)
         return ev
+
+    def no_direct(self, exc: Exception) -> None:
+        """Stop using the direct calls after one failed (said once)."""
+        self.direct = None
+        self.warnings.once("cuda-direct", "scalemon: a direct CUDA call failed (%s); the agent "
+                           "uses torch's calls instead", exc)
 
     def put(self, *events: torch.cuda.Event) -> None:
         """Return events once their elapsed time was read."""

@@ -159,8 +159,9 @@ METRICS: tuple[Metric, ...] = (
            "when its scale is read, `\"off\"` when it is disabled (`GradScaler(enabled=False)`, "
            "or a CUDA `GradScaler` without CUDA): no loss scaling, and the loss scale reads "
            "\"off\"; null without a scaler or when the agent cannot read it"),
-    Metric("mem_allocated_bytes", "step", "int", "bytes", "bytes held by tensors at the `log()` "
-           "call (the caching allocator's `allocated_bytes.all.current`, what "
+    Metric("mem_allocated_bytes", "step", "int", "bytes", "bytes held by tensors just after the "
+           "step (read by the agent's sender thread, at most every 0.2 s: steps in between "
+           "carry the last reading; the caching allocator's `allocated_bytes.all.current`, what "
            "`torch.cuda.memory_allocated()` returns); null on CPU ranks",
            show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="alloc", width=6,
                      plot="alloc", group="GPU memory, torch", na=_NO_GPU)),

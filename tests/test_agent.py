@@ -309,6 +309,8 @@ def test_cuda_run_logs_device_values_without_syncing(start_hub):
             torch.cuda.set_sync_debug_mode("default")
         losses.append(loss.item())
     assert not run.disabled, run._disabled_reason
+    # the loss and scale went through the GIL-keeping direct calls (cudart.py), not torch's
+    assert run._steps.events.direct is not None, "libcudart not found: the direct path untested"
     run.finish()
     msgs = hub_messages(hub)
     steps = [m.body for m in msgs if m.type == "step"]
@@ -362,7 +364,8 @@ def test_a_step_whose_gpu_values_never_become_ready_is_dropped_and_said_once(zct
     finisher = StepFinisher(ScaleTracker(None), Phase(), FakeEventPool(), warnings)
 
     def raw(step: int, event: object) -> tuple:
-        staged = (event, torch.tensor([float(step), 0.0]), True, False, [])  # loss on "device"
+        buf = torch.tensor([float(step), 0.0])  # loss on "device"
+        staged = (event, (buf, list(buf.unbind())), True, False, [])
         return (step, 8, 0.1, 1e-5, None, None, None, None, [], [], staged)
 
     def received(timeout_ms: int = 5000) -> protocol.Message:
