@@ -7,7 +7,8 @@ from a background thread (setenv is not thread-safe in glibc), and every rank ch
 step boundary. What each tier does:
 
 - live: set the variable and make the running process take it (NCCL: `ncclResetDebugInit()`
-  through ctypes on the loaded libnccl; torch: `set_debug_level_from_env()`,
+  through ctypes on the loaded libnccl, with NCCL_DEBUG_SUBSYS made to include COLL where the
+  user set none, and a count of NCCL's lines after 3 s; torch: `set_debug_level_from_env()`,
   `_set_pg_timeout()`, `_enable_collectives_timing()`).
 - new communicator: set the variable; where the script registered `on_new_communicator`, call it
   so it moves its work to new groups now; otherwise it holds for groups created later.
@@ -39,7 +40,7 @@ from scalemon.flags import (
     FlagError,
 )
 
-from . import overrides
+from . import nccllog, overrides
 from .env import RankEnv
 from .warn import Warnings
 
@@ -54,7 +55,9 @@ class FlagControl:
                  checkpoint: Callable[[int], Any] | None = None,
                  on_new_communicator: Callable[[list[str]], Any] | None = None,
                  log_dir: Path | None = None,
-                 on_log_file: Callable[[Path, str], None] | None = None) -> None:
+                 on_log_file: Callable[[Path, str, int | None], bool] | None = None,
+                 on_nccl_probe: Callable[[dict[str, Any], int, str], bool] | None = None,
+                 ) -> None:
         self.env = env
         self.submit = submit
         self.warnings = warnings
@@ -63,6 +66,12 @@ class FlagControl:
         self.on_new_communicator = on_new_communicator
         self.log_dir = log_dir
         self.on_log_file = on_log_file
+        self.on_nccl_probe = on_nccl_probe
+        """`fn(command, step, text)`: count NCCL's lines after an applied toggle and report the
+        count later; True when a count will come."""
+        self.redirected: str | None = None  # NCCL_DEBUG_FILE as the agent set it
+        self.nccl_path: Path | None = None  # the NCCL log file followed, if any
+        self.auto_subsys: str | None = None  # NCCL_DEBUG_SUBSYS as a toggle set it (not the user)
         self.pending: list[dict[str, Any]] = []  # appended by the sender thread
         self.applied_ids: set[int] = set()
 
@@ -83,10 +92,9 @@ class FlagControl:
         """Where a flag's tier on this rank differs from the table's, and why."""
         notes: dict[str, list[str]] = {}
         nccl_lib = nccl_library()
-        for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
-            if nccl_lib is not None and reset_debug_symbol(nccl_lib) is None:
-                notes[name] = [RESTART, f"{nccl_lib} has no ncclResetDebugInit(): NCCL keeps "
-                                        "the debug settings it read at its first use"]
+        if nccl_lib is not None and reset_debug_symbol(nccl_lib) is None:
+            for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
+                notes[name] = [RESTART, no_reset_why(nccl_lib)]
         no_cache = os.environ.get("NCCL_NO_CACHE", "")
         for name in NCCL_NO_CACHE_FLAGS:
             if no_cache.upper() != "ALL" and name not in no_cache.split(","):
@@ -157,7 +165,14 @@ class FlagControl:
             outcome, text = "failed", str(exc)
         except Exception as exc:  # a failed toggle never stops training
             outcome, text = "failed", f"{type(exc).__name__}: {exc}"
-        self._result(command, name, value, outcome, effective, text)
+        probe = (outcome == "applied" and self.on_nccl_probe is not None
+                 and name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
+                 and nccllog.verbose(os.environ.get("NCCL_DEBUG")))
+        if probe and self.on_nccl_probe(command, effective, text):
+            self._result(command, name, value, outcome, effective, text,
+                         log_window_s=nccllog.PROBE_S)
+        else:
+            self._result(command, name, value, outcome, effective, text)
         if outcome == "applied":
             self._persist({name: value or None})
         self.report()
@@ -168,7 +183,8 @@ class FlagControl:
             return set_pg_timeout(float(value))
         _setenv(name, value)
         if name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
-            return self._nccl_debug(value)
+            said = self._subsys(name)
+            return self._nccl_debug(value) + said
         if name == "TORCH_DISTRIBUTED_DEBUG":
             import torch.distributed as dist
 
@@ -189,22 +205,64 @@ class FlagControl:
         return "; " + (said if isinstance(said, str) and said else
                        "the script moved its work to new process groups")
 
+    def _subsys(self, name: str) -> str:
+        """Where NCCL_DEBUG turns INFO lines on and the user set no NCCL_DEBUG_SUBSYS, ask for
+        COLL too (NCCL's default subsystems print nothing for a running communicator); returns
+        what was done or what to know, in words ("" for nothing)."""
+        level, subsys = os.environ.get("NCCL_DEBUG"), os.environ.get("NCCL_DEBUG_SUBSYS")
+        if name == "NCCL_DEBUG_SUBSYS":
+            self.auto_subsys = None  # the user's own from now on
+        elif nccllog.verbose(level) and subsys is None:
+            os.environ["NCCL_DEBUG_SUBSYS"] = self.auto_subsys = nccllog.LIVE_SUBSYS
+            return (f"; NCCL_DEBUG_SUBSYS was unset, so scalemon set it to "
+                    f"{nccllog.LIVE_SUBSYS}: NCCL's default subsystems "
+                    f"({nccllog.DEFAULT_SUBSYS}) print nothing for a communicator that is "
+                    "already running, COLL prints a line per collective")
+        elif not nccllog.verbose(level) and self.auto_subsys is not None:
+            if subsys == self.auto_subsys:
+                os.environ.pop("NCCL_DEBUG_SUBSYS", None)
+            self.auto_subsys = None
+            return "; NCCL_DEBUG_SUBSYS unset again (scalemon had set it)"
+        if nccllog.verbose(level) and not nccllog.prints_when_running(subsys):
+            return (f"; note: NCCL_DEBUG_SUBSYS={subsys} has no COLL or P2P, so a running "
+                    "communicator may print nothing (new communicators print their INIT lines)")
+        return ""
+
     def _nccl_debug(self, value: str) -> str:
-        if os.environ.get("NCCL_DEBUG") and self.log_dir is not None \
-                and "NCCL_DEBUG_FILE" not in os.environ:
-            path = self.log_dir / f"nccl.{self.env.host}.{os.getpid()}.log"
-            os.environ["NCCL_DEBUG_FILE"] = str(path)
-            if self.on_log_file is not None:
-                self.on_log_file(path, "nccl")
+        self.nccl_file()
         lib = nccl_library()
         if lib is None:
             return ("NCCL is not loaded in this process (gloo job or CPU build): set for any "
                     "NCCL communicator it creates")
         reset = reset_debug_symbol(lib)
         if reset is None:
-            raise FlagError(f"{lib} has no ncclResetDebugInit(): restart the job for this flag")
+            raise FlagError(no_reset_why(lib))
         reset()
-        return f"NCCL re-read its debug settings (ncclResetDebugInit in {Path(lib).name})"
+        symbol = getattr(reset, "__name__", RESET_SYMBOLS[0])
+        return f"NCCL re-read its debug settings ({symbol} in {Path(lib).name})"
+
+    def nccl_file(self, tee_fd: int | None = None) -> Path | None:
+        """With NCCL_DEBUG set, the file NCCL writes its lines to, followed (as source "nccl"):
+        the user's NCCL_DEBUG_FILE (%h, %p expanded), else one this sets in the job's run
+        directory, whose lines also go to `tee_fd` when given. None when NCCL writes to stdout
+        (no run directory)."""
+        if not os.environ.get("NCCL_DEBUG"):
+            return None
+        template = os.environ.get("NCCL_DEBUG_FILE")
+        if template:
+            path = nccllog.expand_debug_file(template)
+            tee_fd = None  # the user chose the file: their stdout never had these lines
+        elif self.log_dir is not None:
+            # %p: NCCL puts its pid there, so a child process never truncates this one's file
+            template = str(self.log_dir).replace("%", "%%") + f"/nccl.{self.env.host}.%p.log"
+            path = nccllog.expand_debug_file(template)
+            os.environ["NCCL_DEBUG_FILE"] = self.redirected = template
+        else:
+            return None
+        self.nccl_path = path
+        if self.on_log_file is not None:
+            self.on_log_file(path, "nccl", tee_fd)
+        return path
 
     def _restart(self, command: dict[str, Any], name: str, value: str, step: int,
                  stop_worker: Callable[[int], None]) -> None:
@@ -228,9 +286,10 @@ class FlagControl:
                                exc)
 
     def _result(self, command: dict[str, Any], name: str, value: str, outcome: str,
-                step: int, text: str) -> None:
+                step: int, text: str, **extra: Any) -> None:
         self.submit("toggle_result", {"id": command["id"], "name": name, "value": value,
-                                      "outcome": outcome, "step": step, "text": text[:500]})
+                                      "outcome": outcome, "step": step, "text": text[:700],
+                                      **extra})
 
 
 def _planned(command: dict[str, Any]) -> int:
@@ -257,12 +316,31 @@ def nccl_library() -> str | None:
     return None
 
 
+RESET_SYMBOLS = ("ncclResetDebugInit", "ncclResetDebugInitInternal")
+"""What makes NCCL read its debug settings again: the exported function (deprecated since NCCL
+2.28.3) and the internal one it calls, exported with default visibility since 2.28.3."""
+
+
 def reset_debug_symbol(path: str) -> Callable[[], Any] | None:
-    """NCCL's `ncclResetDebugInit` in the library at `path`, or None."""
+    """NCCL's `ncclResetDebugInit` (or `ncclResetDebugInitInternal`) in the library at `path`,
+    or None."""
     try:
-        return ctypes.CDLL(path).ncclResetDebugInit
-    except (OSError, AttributeError):
+        lib = ctypes.CDLL(path)
+    except OSError:
         return None
+    for name in RESET_SYMBOLS:
+        try:
+            return getattr(lib, name)
+        except AttributeError:
+            continue
+    return None
+
+
+def no_reset_why(lib: str) -> str:
+    """Why NCCL_DEBUG needs a restart with a libnccl that cannot be told to read it again."""
+    return (f"{Path(lib).name} exports no ncclResetDebugInit(): NCCL reads NCCL_DEBUG once, at "
+            "its first log line, and a new communicator does not read it again (NCCL "
+            "src/debug.cc), so only a restart changes it")
 
 
 def torch_debug_level() -> str | None:

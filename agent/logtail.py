@@ -19,6 +19,11 @@ never calls into this module on its hot path; the files are only written by NCCL
 process's own stderr, and writes to a regular file never block, so even a stalled or dead
 follower thread cannot slow, block or kill training. The lines always stay in the files.
 
+`probe(source, after_s, report)` counts the lines of a source read in the next `after_s`
+seconds and calls `report(n)` from the follower thread (the count a NCCL_DEBUG toggle reports).
+A followed file can be copied to any fd: NCCL's log the agent redirected at start goes back to
+the original stdout that way.
+
 The person watching the job still sees its stderr: the follower copies the raw new bytes of the
 captured file to the original stderr ("tee"), in order, a fraction of a second later. If the
 follower thread dies, the process keeps running and its stderr lands in the file only.
@@ -60,6 +65,16 @@ class _Followed:
 
 
 @dataclass
+class _Probe:
+    """A count of the lines of `source` to report once `due` (monotonic) has come."""
+
+    due: float
+    source: str
+    start: int
+    report: Callable[[int], None]
+
+
+@dataclass
 class _Batch:
     """What one read of one source gave: lines dropped before `lines`, then after them."""
 
@@ -94,6 +109,8 @@ class LogFollower:
         self.max_lines_per_message = max(1, max_lines_per_message)
         self.lines_sent = 0
         self.lines_dropped = 0
+        self.lines_read: dict[str, int] = {}  # per source: lines read (sent or dropped)
+        self._probes: list[_Probe] = []
         self._files: dict[str, _Followed] = {}
         self._carry: dict[str, int] = {}  # per source: dropped lines not yet reported
         self._lock = threading.Lock()  # guards _files, _thread, _stopping
@@ -124,11 +141,52 @@ class LogFollower:
             if self._stopping or key in self._files:
                 return False
             self._files[key] = entry
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="scalemon-logtail", daemon=True)
-                self._thread.start()
+            self._start_thread()
         return True
+
+    def following(self, path: Path) -> bool:
+        """True while `path` is followed."""
+        return bool(self._entries(path))
+
+    def probe(self, source: str, after_s: float, report: Callable[[int], None],
+              catch_up_s: float = 0.2) -> bool:
+        """In about `after_s` seconds, call `report(n)` on the follower thread with the number
+        of lines of `source` read since now (sent or dropped). What is in the files already
+        is read first (waiting at most `catch_up_s`), so it is not counted. False when the
+        follower is stopped."""
+        if self._io.acquire(timeout=catch_up_s):
+            try:
+                self._read_and_send(
+                    [e for e in self._entries(None) if e.source == source], False,
+                    time.monotonic() + catch_up_s)
+            finally:
+                self._io.release()
+        with self._lock:
+            if self._stopping:
+                return False
+            self._probes.append(_Probe(time.monotonic() + after_s, source,
+                                       self.lines_read.get(source, 0), report))
+            self._start_thread()
+        return True
+
+    def _start_thread(self) -> None:
+        """Start the follower thread if it is not yet (with `_lock` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="scalemon-logtail", daemon=True)
+            self._thread.start()
+
+    def _fire_probes(self) -> None:
+        """Report the probes whose time has come."""
+        now = time.monotonic()
+        with self._lock:
+            due = [p for p in self._probes if p.due <= now]
+            self._probes = [p for p in self._probes if p.due > now]
+        for p in due:
+            try:
+                p.report(self.lines_read.get(p.source, 0) - p.start)
+            except Exception as exc:
+                self.warnings.once("logtail: probe", "scalemon: reporting a log count: %r", exc)
 
     def read_now(self, path: Path | None = None, timeout_s: float = 2.0) -> bool:
         """Read (one followed file, or all) and send now, on the calling thread, instead of at
@@ -190,6 +248,7 @@ class LogFollower:
                     self._read_and_send(self._entries(None), final, deadline)
                 if final:
                     return
+                self._fire_probes()
         except Exception as exc:  # never let the monitor take the rank down
             self.warnings.once("logtail", "scalemon: following the logs stopped: %r", exc)
 
@@ -209,6 +268,9 @@ class LogFollower:
                 self.warnings.once(
                     f"logtail: {entry.path}", "scalemon: stopped following %s (%s): %r",
                     entry.path, entry.source, exc)
+        for source, batch in batches.items():
+            read = len(batch.lines) + batch.before + batch.after
+            self.lines_read[source] = self.lines_read.get(source, 0) + read
         for source in set(batches) | {s for s, n in self._carry.items() if n}:
             self._send(source, batches.get(source, _Batch()))
 
@@ -356,8 +418,8 @@ class LogFollower:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.warnings.once(
-                        f"logtail tee: {entry.path}", "scalemon: the original stderr does not "
-                        "take output; some of it is only in %s", entry.path)
+                        f"logtail tee: {entry.path}", "scalemon: the original output (fd %d) "
+                        "does not take output; some of it is only in %s", fd, entry.path)
                     return
                 events = poller.poll(min(left, 0.1) * 1000)
                 if not events:
@@ -372,7 +434,7 @@ class LogFollower:
             entry.tee_fd = None
             self.warnings.once(
                 f"logtail tee: {entry.path}", "scalemon: stopped copying %s to the original "
-                "stderr: %r", entry.path, exc)
+                "output: %r", entry.path, exc)
 
 
 class StderrCapture:

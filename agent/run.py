@@ -31,6 +31,7 @@ from scalemon.collectives import hang_after_default
 from scalemon.failures import clean_error
 from scalemon.jobs import relay_dir, run_dir
 
+from . import flags as _flags
 from .autostart import hub_address, start_hub_if_needed, start_relay_if_needed
 from .env import RankEnv, read_rank_env
 from .flags import FlagControl
@@ -153,7 +154,8 @@ class Run:
         self.flag_control = FlagControl(
             self.env, self.sender.submit, self.warnings, nccl=self._nccl, checkpoint=checkpoint,
             on_new_communicator=on_new_communicator, log_dir=_log_dir(self.env.job),
-            on_log_file=self._follow_log)
+            on_log_file=self._follow_log, on_nccl_probe=self._nccl_probe)
+        self._nccl_tee: int | None = None  # a dup of fd 1 NCCL's redirected lines go to
         self._start_flags()
         if optimizer is not None:
             self.watch_optimizer(optimizer)
@@ -213,20 +215,98 @@ class Run:
         if dist_initialized() and (timeout := overrides.pg_timeout_override(self.env.job)):
             with contextlib.suppress(Exception):
                 set_pg_timeout(float(timeout))
-        nccl_file = os.environ.get("NCCL_DEBUG_FILE")
-        if os.environ.get("NCCL_DEBUG") and nccl_file and control.log_dir is not None \
-                and Path(nccl_file).parent == control.log_dir:
-            self._follow_log(Path(nccl_file), "nccl")
+        if os.environ.get("NCCL_DEBUG"):
+            self._follow_nccl("NCCL_DEBUG" in overrides.applied)
         if {"TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG"} & set(overrides.applied):
             self._capture_stderr()
         control.report()
 
-    def _follow_log(self, path: Path, source: str) -> None:
-        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE)."""
+    def _follow_nccl(self, toggled: bool) -> None:
+        """NCCL_DEBUG is set at start: follow NCCL's lines from the first. Without a
+        NCCL_DEBUG_FILE of the user's, point it at a file in the run directory and copy its
+        lines to stdout (fd 1), where the user expects them; `toggled`: NCCL_DEBUG came from a
+        toggle before a restart (not copied: the launch did not ask for them on stdout).
+        NCCL reads NCCL_DEBUG_FILE at its first log line; where libnccl is loaded and may have
+        logged already, ncclResetDebugInit() makes it open the file for its next line."""
+        control = self.flag_control
+        ours = not os.environ.get("NCCL_DEBUG_FILE")
+        tee = None
         try:
-            self._log_follower().follow(path, source)
+            tee = os.dup(1) if ours and not toggled else None
+            path = control.nccl_file(tee)
+            if path is None or not ours:
+                return
+            if self._logs is None or not self._logs.following(path):
+                os.environ.pop("NCCL_DEBUG_FILE", None)  # nothing would read it: stdout stays
+                control.redirected = control.nccl_path = None
+                return
+            self._nccl_tee, tee = tee, None
+            lib = _flags.nccl_library()
+            reset = _flags.reset_debug_symbol(lib) if lib else None
+            if reset is not None:
+                reset()
+        except Exception as exc:  # NCCL's lines stay where NCCL writes them
+            self.warnings.once("nccl-log", "scalemon: not following NCCL's log: %s", exc)
+        finally:
+            if tee is not None:
+                os.close(tee)
+
+    def _restore_nccl_stdout(self) -> None:
+        """At the end: where the agent pointed NCCL's lines at a file copied to stdout, point
+        them back at stdout (the thread that copies them ends)."""
+        control = self.flag_control
+        path, template = control.nccl_path, control.redirected
+        if self._nccl_tee is None or template is None:
+            return
+        if os.environ.get("NCCL_DEBUG_FILE") != template:
+            return
+        lib = _flags.nccl_library()
+        reset = _flags.reset_debug_symbol(lib) if lib else None
+        if reset is None and lib is not None:
+            self.warnings.once("nccl-restore", "scalemon: NCCL's lines after the monitor ended "
+                               "go to %s only (%s cannot be told to write to stdout again)",
+                               path, Path(lib).name)
+            return
+        os.environ.pop("NCCL_DEBUG_FILE", None)
+        control.redirected = None
+        if reset is not None:
+            reset()
+
+    def _nccl_probe(self, command: dict[str, Any], step: int, text: str) -> bool:
+        """After an applied NCCL_DEBUG toggle: in PROBE_S, report how many NCCL lines came
+        (a follow-up `toggle_result` with `log_lines`, from the follower thread)."""
+        from . import nccllog
+
+        level, subsys = os.environ.get("NCCL_DEBUG"), os.environ.get("NCCL_DEBUG_SUBSYS")
+        path, loaded = self.flag_control.nccl_path, _flags.nccl_library() is not None
+        steps_before = self.steps_logged + 1  # the step being logged is counted after this
+        body = {"id": command["id"], "name": str(command.get("flag")),
+                "value": str(command.get("value", "")), "outcome": "applied", "step": step}
+
+        def report(lines: int) -> None:
+            said = nccllog.probe_text(lines, nccllog.PROBE_S,
+                                      steps=self.steps_logged - steps_before, level=level,
+                                      subsys=subsys, nccl_loaded=loaded, path=path)
+            self.sender.submit("toggle_result", {**body, "text": said, "log_lines": lines,
+                                                 "log_window_s": nccllog.PROBE_S})
+
+        return self._log_follower().probe("nccl", nccllog.PROBE_S, report)
+
+    def _follow_log(self, path: Path, source: str, tee_fd: int | None = None) -> bool:
+        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE); copy them to `tee_fd`."""
+        try:
+            fresh = _written_since_start(path)  # an older file's lines are another run's
+            return self._log_follower().follow(path, source, from_start=fresh, tee_fd=tee_fd)
         except Exception as exc:  # the log stays in its file; training goes on
             self.warnings.once("follow-log", "scalemon: not streaming %s: %s", path, exc)
+            return False
+
+    def _close_nccl_tee(self) -> None:
+        """Close the copy of fd 1 once the follower surely no longer writes to it."""
+        path, tee = self.flag_control.nccl_path, self._nccl_tee
+        if tee is not None and path is not None and self._logs.unfollow(path, 1.0):
+            self._nccl_tee = None
+            os.close(tee)
 
     def _log_follower(self) -> Any:
         """The LogFollower streaming this rank's logs, made on first use."""
@@ -430,8 +510,10 @@ class Run:
             try:
                 if self._stderr is not None:
                     self._stderr.stop()
+                self._restore_nccl_stdout()
                 if self._logs is not None:
                     self._logs.stop()  # a last read of the logs
+                    self._close_nccl_tee()
             except Exception as exc:
                 self.warnings.once("last-logs", "scalemon: the last log read failed: %s", exc)
             try:
@@ -601,6 +683,16 @@ def _log_dir(job: str) -> Path | None:
         return private_dir(run_dir(job))
     except Exception:
         return None
+
+
+def _written_since_start(path: Path) -> bool:
+    """True unless `path` exists and was last written before this process started."""
+    try:
+        import psutil
+
+        return os.stat(path).st_mtime >= psutil.Process().create_time() - 1.0
+    except Exception:  # absent, or no psutil: from its start
+        return True
 
 
 def ras_port() -> int:

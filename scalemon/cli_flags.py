@@ -11,8 +11,9 @@ from typing import Any
 from scalemon import display, protocol
 from scalemon.cli_args import add_hub_timeout, add_query_arguments, seconds
 from scalemon.client import HubClient, HubUnreachable
-from scalemon.control import ControlError, Controller
+from scalemon.control import ControlError, Controller, log_count_wait
 from scalemon.flags import FlagError, check, parse_assignment, tier_text
+from scalemon.flagstate import log_count_text
 from scalemon.jobs import JobLookupError, resolve_hub
 
 EXIT_REFUSED = 3
@@ -95,8 +96,10 @@ def toggle_line(t: dict[str, Any]) -> str:
     step = f" step {t['step']}" if t.get("step") is not None else (
         f" planned step {t['at_step']}" if t.get("at_step") is not None else "")
     tier = f" ({t['tier']})" if t.get("tier") else ""
+    counted = log_count_text(t) if t.get("state") in ("applied", "partial") else None
     return (f"#{t['id']} {when} {who} {t['name']}={t.get('value') or ''}{tier}{step}: "
-            f"{t['state']} {display.NA if not t.get('text') else '- ' + t['text']}")
+            f"{t['state']} {display.NA if not t.get('text') else '- ' + t['text']}"
+            + (f"; {counted}" if counted else ""))
 
 
 def _split_words(words: list[str]) -> tuple[str | None, str]:
@@ -134,16 +137,23 @@ def cmd_toggle(args: argparse.Namespace) -> int:
     print(f"toggle #{reply['id']}: {reply['text']}", flush=True)
     try:
         final = control.wait_toggle(reply["id"], args.wait)
+        if final is not None and final.get("state") in ("applied", "partial"):
+            final = control.wait_log_counts(final, log_count_wait(final))
     except (HubUnreachable, protocol.ProtocolError) as exc:
         print(f"scalemon toggle: lost the hub while waiting: {exc}", file=sys.stderr)
         return EXIT_NOT_APPLIED
     finally:
         control.close()
+    counted = log_count_text(final) if final is not None else None
     if final is None or final.get("state") not in ("applied", "restarted"):
         state = final.get("state") if final else "not seen"
         text = final.get("text") if final else ""
         print(f"scalemon toggle: #{reply['id']} {state} after {args.wait:g} s: {text}",
               file=sys.stderr)
+        if counted:
+            print(f"scalemon toggle: {counted}", file=sys.stderr)
         return EXIT_NOT_APPLIED
     print(f"toggle #{final['id']}: {final['state']}: {final.get('text') or ''}")
+    if counted:
+        print(f"toggle #{final['id']}: {counted}")
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from scalemon.client import HubClient, HubUnreachable
+from scalemon.flagstate import log_counts_due
 from scalemon.jobs import HubAddress, node_name
 
 
@@ -77,12 +78,37 @@ class Controller:
                 return latest
             time.sleep(poll_s)
 
+    def wait_log_counts(self, toggle: dict[str, Any], timeout_s: float,
+                        poll_s: float = 0.5) -> dict[str, Any]:
+        """The toggle's record once every rank that promised a count of NCCL log lines
+        (`log_window_s`) sent it, or its latest record after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while log_counts_due(toggle) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            try:
+                state = self.client.state()["state"]
+            except HubUnreachable:
+                continue
+            toggle = next((t for t in state.get("toggles") or () if t.get("id") == toggle["id"]),
+                          toggle)
+        return toggle
+
     def close(self) -> None:
         """Close the socket."""
         self.client.close()
 
 
 FINAL_STATES = ("applied", "partial", "failed", "refused", "restarted")
+LOG_COUNT_SLACK_S = 5.0
+"""How long past a count's window a client waits for it (the agent's sync, the hub)."""
+
+
+def log_count_wait(toggle: dict[str, Any]) -> float:
+    """Seconds to wait for the NCCL line counts `toggle`'s ranks promised (0: none promised)."""
+    windows = [res["log_window_s"] for res in (toggle.get("results") or {}).values()
+               if isinstance(res.get("log_window_s"), (int, float))]
+    return max(windows) + LOG_COUNT_SLACK_S if windows else 0.0
+
 
 
 def check_reachable(endpoint: str) -> None:

@@ -86,8 +86,18 @@ class FlagState:
         b = msg.body
         toggle = self.toggles.setdefault(b["id"], {"id": b["id"], "name": b["name"],
                                                    "value": b["value"], "t": msg.t})
-        toggle.setdefault("results", {})[str(msg.rank)] = {
-            "outcome": b["outcome"], "step": b.get("step"), "text": b.get("text")}
+        results = toggle.setdefault("results", {})
+        earlier = results.get(str(msg.rank))
+        if isinstance(b.get("log_lines"), int) and earlier is not None:
+            # the follow-up of an NCCL_DEBUG change: the lines of its first seconds
+            earlier.update(log_lines=b["log_lines"], log_text=b.get("text"))
+            return
+        results[str(msg.rank)] = {"outcome": b["outcome"], "step": b.get("step"),
+                                  "text": b.get("text")}
+        if isinstance(b.get("log_window_s"), (int, float)):
+            results[str(msg.rank)]["log_window_s"] = b["log_window_s"]
+        if isinstance(b.get("log_lines"), int):  # a follow-up whose first answer is not here
+            results[str(msg.rank)].update(log_lines=b["log_lines"], log_text=b.get("text"))
 
     def on_log_lines(self, msg: Message) -> None:
         """New lines of a rank's log."""
@@ -162,6 +172,46 @@ class FlagState:
     def toggles_json(self) -> list[dict[str, Any]]:
         """The audit, oldest first."""
         return [self.toggles[i] for i in sorted(self.toggles)]
+
+
+def log_counts_due(toggle: dict[str, Any]) -> list[int]:
+    """The ranks that promised a count of NCCL log lines for `toggle` and have not sent it."""
+    return sorted(int(r) for r, res in (toggle.get("results") or {}).items()
+                  if res.get("log_window_s") is not None and "log_lines" not in res)
+
+
+def log_count_text(toggle: dict[str, Any]) -> str | None:
+    """The NCCL log lines that came in the first seconds after `toggle` was applied, in words
+    (None when no rank promised a count). Says "no line" unless a rank counted some."""
+    promised = {int(r): res for r, res in (toggle.get("results") or {}).items()
+                if res.get("log_window_s") is not None}
+    if not promised:
+        return None
+    window = max(res["log_window_s"] for res in promised.values())
+    counted = {r: res["log_lines"] for r, res in promised.items()
+               if isinstance(res.get("log_lines"), int)}
+    missing = sorted(set(promised) - set(counted))
+    total = sum(counted.values())
+    if total > 0:
+        per = ", ".join(f"rank {r}: {n}" for r, n in sorted(counted.items())[:8])
+        text = f"NCCL log: {total} line(s) in the {window:g} s after it was applied ({per})"
+        quiet = sorted(r for r, n in counted.items() if n == 0)
+        if quiet:
+            why = (promised[quiet[0]].get("log_text") or "").split(": ", 1)[-1]
+            text += f"; none on rank(s) {quiet[:8]}" + (f" (rank {quiet[0]}: {why})" if why
+                                                        else "")
+    elif counted:
+        first = min(counted)
+        text = (f"NCCL log: no line in the {window:g} s after it was applied on "
+                f"{'any rank' if not missing else f'rank(s) {sorted(counted)[:8]}'}")
+        why = promised[first].get("log_text") or ""
+        if why:
+            text += f" (rank {first}: {why.split(': ', 1)[-1]})"
+    else:
+        text = f"NCCL log: no count yet (it comes {window:g} s after the change)"
+    if missing and counted:
+        text += f"; rank(s) {missing[:8]} sent no count yet"
+    return text
 
 
 TIER_ORDER = {LIVE: 0, NEW_COMMUNICATOR: 1, RESTART: 2}

@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 5)
+PROTOCOL_VERSION: tuple[int, int] = (1, 6)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -122,7 +122,10 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "rebuild": ((bool,), False),
     },
     # What a rank did with a flag change the hub relayed (`outcome`: applied, failed,
-    # restarting), at which step boundary (the change is in effect from `step` on).
+    # restarting), at which step boundary (the change is in effect from `step` on). 1.6: an
+    # applied NCCL_DEBUG change that turned NCCL's lines on says `log_window_s`; that long after,
+    # a second `toggle_result` of the same id brings `log_lines`, the NCCL log lines the agent
+    # read in that window (its `text` says what a count of 0 likely means).
     "toggle_result": {
         "id": ((int,), True),
         "name": ((str,), True),
@@ -130,6 +133,8 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "outcome": ((str,), True),
         "step": (_OPT_INT, False),
         "text": (_OPT_STR, False),
+        "log_window_s": ((float, int, type(None)), False),
+        "log_lines": (_OPT_INT, False),
     },
     # New lines of a log the agent follows (`source`: "nccl" for NCCL_DEBUG_FILE, "stderr"
     # for torch's own output), at most a bounded number per second; `dropped` counts lines

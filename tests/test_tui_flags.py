@@ -294,3 +294,32 @@ def test_parse_filter():
                                                            "ring tree", "")
     assert parse_filter("src:all").source is None
     assert parse_filter("src:gpu").error.startswith("src:gpu")
+
+
+def test_the_audit_row_shows_the_nccl_line_counts_once_they_came():
+    """An applied NCCL_DEBUG toggle: each rank promised a count (`log_window_s`), then sent it
+    (a second `toggle_result`, merged); the audit row says how many came, never more."""
+    from scalemon.tui.flagview import flags_view
+
+    sim, data, t = job()
+    result = {"id": 1, "name": "NCCL_DEBUG", "value": "INFO", "outcome": "applied", "step": 9,
+              "text": "NCCL re-read its debug settings", "log_window_s": 3.0}
+    data.apply_messages(encoded(
+        [sim.message(r, "toggle_result", result, t + r * 0.01) for r in range(RANKS)]
+        + [sim.message(HUB_RANK, "toggle", {"id": 1, "name": "NCCL_DEBUG", "value": "INFO",
+                                            "state": "applied", "step": 9,
+                                            "text": "NCCL_DEBUG=INFO in effect"}, t + 0.1)]))
+    assert "NCCL log: no count yet" in flags_view(data).audit[0].cells[-1]
+    counts = {0: 40, 1: 0, 2: 2}
+    data.apply_messages(encoded([sim.message(r, "toggle_result", {
+        **result, "log_lines": n, "text": f"{n} NCCL log line(s)" if n else
+        "no NCCL log line in the 3 s after it was applied: no step finished since"},
+        t + 3.2) for r, n in counts.items()]))
+    text = flags_view(data).audit[0].cells[-1]
+    assert "NCCL_DEBUG=INFO in effect" in text
+    assert "NCCL log: 42 line(s) in the 3 s after it was applied (rank 0: 40, rank 1: 0, " \
+           "rank 2: 2); none on rank(s) [1] (rank 1: no step finished since)" in text, text
+    with data.lock:  # the first answers' outcome and text stay
+        results = data.state.flags.toggles[1]["results"]
+    assert {r["outcome"] for r in results.values()} == {"applied"}
+    assert results["1"]["text"] == "NCCL re-read its debug settings"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon.flags import FLAGS, LIVE, NEW_COMMUNICATOR, RESTART, tier_text
-from scalemon.flagstate import FlagState
+from scalemon.flagstate import FlagState, log_count_text
 from scalemon.tui.model import DashboardData
 
 AUDIT_ROWS = 10
@@ -150,6 +150,9 @@ def outcome_text(t: dict[str, Any]) -> str:
         text = (text + "; " if text else "") + "failed on " + "; ".join(parts) + more
     elif results and not text:
         text = f"{len(results)} rank(s) answered"
+    counted = log_count_text(t)
+    if counted and t.get("state") not in IN_PROGRESS:
+        text = (text + "; " if text else "") + counted
     return text
 
 

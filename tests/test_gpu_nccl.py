@@ -1,0 +1,88 @@
+"""NCCL's debug log on a real GPU: the demo trainer under torchrun, 1 rank on NCCL, monitored.
+
+1. `scalemon toggle JOB NCCL_DEBUG=INFO` on the running job: NCCL lines reach the hub's log
+   within seconds and the toggle's reply counts more than 0 of them.
+2. A job launched with NCCL_DEBUG=INFO (and COLL, for a line per step): its lines reach the hub
+   and are still on the job's stdout.
+
+Skipped without CUDA and NCCL (this is the GPU check of tests/test_nccllog.py, which runs the
+same paths against a stand-in for libnccl)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_collectives_jobs import job_env, snapshot
+
+from conftest import kill_tree, torchrun_cmd, wait_for
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.distributed.is_available()
+         and torch.distributed.is_nccl_available()),
+    reason="needs a CUDA GPU and torch built with NCCL")
+
+
+def start_demo(home: Path, out: Path, *args: str, **env: str) -> subprocess.Popen:
+    full = {**job_env(home), **env}
+    with open(out, "w") as log:
+        return subprocess.Popen(
+            torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--monitor", *args, nproc=1,
+                         device="cuda"),
+            env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def nccl_lines(home: Path) -> list[str]:
+    state = snapshot(home) or {}
+    return [line["text"] for line in state.get("log", {}).get("last", [])
+            if line["source"] == "nccl"]
+
+
+def test_toggling_nccl_debug_on_shows_lines_and_counts_them(home: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    out = tmp_path / "job.out"
+    proc = start_demo(home, out, "--max-steps", "100000", "--step-delay", "0.02")
+    try:
+        wait_for(lambda: (s := snapshot(home)) and s["ranks"]
+                 and (s["ranks"][0]["step"] or 0) >= 3, timeout=60, interval=0.5)
+        assert not nccl_lines(home)
+        done = subprocess.run(
+            [sys.executable, "-m", "scalemon.cli", "toggle", home.name, "NCCL_DEBUG=INFO",
+             "--wait", "30"], env=job_env(home), capture_output=True, text=True, timeout=60)
+        print(done.stdout, done.stderr)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ncclResetDebugInit" in done.stdout  # NCCL re-read its settings, live
+        assert "NCCL_DEBUG_SUBSYS was unset, so scalemon set it to" in done.stdout
+        counted = [line for line in done.stdout.splitlines() if "NCCL log:" in line]
+        assert counted and "line(s) in the 3 s after it was applied" in counted[0], done.stdout
+        assert int(counted[0].split("NCCL log: ")[1].split()[0]) > 0
+        lines = wait_for(lambda: nccl_lines(home), timeout=10, interval=0.5)
+        assert any("NCCL INFO" in line for line in lines), lines[:5]
+        assert proc.poll() is None, out.read_text()[-3000:]
+    finally:
+        kill_tree(proc)
+    assert time.monotonic() - started < 90
+
+
+def test_launched_with_nccl_debug_lines_reach_the_hub_and_stdout(home: Path,
+                                                                 tmp_path: Path) -> None:
+    started = time.monotonic()
+    out = tmp_path / "job.out"
+    proc = start_demo(home, out, "--max-steps", "30", NCCL_DEBUG="INFO",
+                      NCCL_DEBUG_SUBSYS="INIT,COLL")
+    try:
+        assert proc.wait(timeout=80) == 0, out.read_text()[-3000:]
+    finally:
+        kill_tree(proc)
+    printed = out.read_text()
+    lines = wait_for(lambda: [line for line in nccl_lines(home) if "NCCL INFO" in line],
+                     timeout=15, interval=0.5)
+    assert any("AllReduce" in line for line in lines), lines[:5]
+    for line in lines[-5:]:  # the very lines the hub got are on the job's stdout too
+        assert line in printed, (line, printed[-3000:])
+    assert "Init COMPLETE" in printed  # and what NCCL printed before the agent started
+    assert time.monotonic() - started < 90
