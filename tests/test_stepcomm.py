@@ -200,6 +200,23 @@ def check_steps(home, ranks: list[int], steps: int, complete: int) -> None:
     for r in state["ranks"]:
         assert r["allreduce_count"] == PER_STEP and r["allreduce_time_s"] > 0, r
         assert r["allreduce_bytes"] == PER_STEP * 16 * 1024 * 4
+    check_dashboard(home, state)
+
+
+def check_dashboard(home, state: dict) -> None:
+    """The dashboard, folding the same history, shows each rank's all-reduce time in its
+    `allred` column and in the time plot."""
+    from scalemon.tui import views
+    from scalemon.tui.model import DashboardData
+
+    data = DashboardData()
+    data.apply_batch(read_messages(history_path(home.name, home))[0])
+    overview = views.overview(data, time.time())
+    column = [c.key for c in views.COLUMNS].index("allreduce_time_s")
+    for row, r in zip(overview.rows, state["ranks"], strict=True):
+        assert row.cells[column] == f"{r['allreduce_time_s'] * 1e3:.1f}", row.cells
+    labels = [line.label for line in overview.plots["time"].lines]
+    assert "all-red" in labels, labels
 
 
 def test_a_gloo_jobs_own_all_reduces_are_counted_and_host_timed_per_step(home):
