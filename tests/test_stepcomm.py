@@ -157,6 +157,20 @@ def test_the_reducer_fills_each_steps_all_reduce_where_the_step_had_none():
     assert list(hi) == pytest.approx([0.020, 0.040])
 
 
+def test_a_big_jobs_rank_opened_later_gets_its_recorder_all_reduce_series():
+    from scalemon.display import AGGREGATE_AT
+
+    fold = JobFold()
+    records = [hello(0, AGGREGATE_AT), msg("step", 0, 1, step_body(1)),
+               msg("collectives", 0, 2, steps_body([[1, 3, 3, 0.25, 12288, 1000.0]]))]
+    for seq, m in enumerate(records):
+        fold.apply(seq, m)
+    assert fold.needs_backfill(0) and "allreduce_time_s" not in fold.tracks[0].series
+    fold.watch(0, records)
+    x, _, _, mean = fold.tracks[0].series["allreduce_time_s"].arrays()
+    assert list(x) == [1.0] and list(mean) == [0.25]
+
+
 def test_the_comm_hooks_figures_win_and_bad_rows_are_counted():
     fold = JobFold()
     fold.apply(0, hello(0, 1))
