@@ -10,7 +10,8 @@ TORCH_FR_BUFFER_SIZE entries in a ring). `Recorder` runs its own daemon thread t
   is chosen so that this stays under ~0.5 % of wall time), takes the entries it has not seen
   (by `record_id`; a gap means the ring wrapped before the read: counted in `recorder_lost`),
   aggregates them by (group, op, size bucket) and sends one `collectives` message with the
-  issue time of every new collective (arrival skew);
+  issue time of every new collective (arrival skew) and the all-reduce time and count of each
+  step completed since (`stepcomm.py`, from the training thread's `log()` times);
 - while the training thread is stuck (no `log()` for the hang threshold, `HANG_AFTER_S` or
   the hub's `--hang-after`), adds its Python stack and the collectives in flight to the
   heartbeat, and says whether it waits in a collective (`blocked`).
@@ -41,11 +42,13 @@ from scalemon.collectives import (
     HANG_AFTER_S,
     CollectiveStats,
     buffer_bytes,
+    is_all_reduce,
     op_name,
     pg_config_ranks,
     size_bucket,
 )
 
+from .stepcomm import StepComm
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -56,6 +59,8 @@ READ_DUTY = 0.005
 """Share of wall time the full reads may take (their own measured cost sets the interval)."""
 HELD_BACK_S = 30.0
 """An NCCL entry is taken without a duration once it waited this long to complete."""
+MAX_STEP_ROWS = 4096
+"""Steps' all-reduce figures per `collectives` message at most (the newest are kept)."""
 HOST_CALLS_KEPT = 50_000
 """Host-timed calls, taken entries and untimed entries remembered for matching, at most."""
 
@@ -114,6 +119,7 @@ class Recorder:
         stuck_after_s: float = HANG_AFTER_S,
         ras_port: int | None = None,
         sources: list[RecorderSource] | None = None,
+        step_marks: deque[tuple[int, float]] | None = None,
         start: bool = True,
     ) -> None:
         self.submit = submit
@@ -141,10 +147,12 @@ class Recorder:
         self._groups_sent: set[str] = set()
         self._group_info: dict[str, dict[str, Any]] = {}
         self._pg_names: dict[str, str] = {}  # pg_id -> group name, from entries
-        self._held: dict[int, float] = {}  # NCCL record ids read before they completed
+        self._held: dict[int, float] = {}  # NCCL entries read before they completed: issue t
         self._host_calls: dict[tuple[str, int], list] = {}  # (group, seq) -> HostCall (gloo)
         self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
         self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
+        self._awaiting_items: dict[tuple[str, int], Any] = {}  # their StepComm items
+        self.step_comm = StepComm(step_marks)  # each step's all-reduces (`log()` boundaries)
         self._timed_groups: set[int] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -306,6 +314,7 @@ class Recorder:
             if stuck:
                 inflight.extend(self._inflight(entries, groups))
         self._time_awaiting(stats)
+        steps = self.step_comm.rows(t0, min(self._held.values(), default=None))
         cost = time.perf_counter() - t0
         self.read_s += cost
         self._publish_status(groups)
@@ -313,11 +322,14 @@ class Recorder:
             self.fields["inflight"] = inflight
             self.fields["stack"] = self.training_stack()
         new_groups = {n: g for n, g in self._group_info.items() if n not in self._groups_sent}
-        if stats.rows or issues or new_groups:
+        if stats.rows or issues or new_groups or steps:
             if len(issues) > MAX_ISSUES:
                 issues = issues[-MAX_ISSUES:]
-            if self.submit("collectives", {"groups": new_groups, "stats": stats.to_wire(),
-                                           "issues": issues, "step": self.current_step()}):
+            body = {"groups": new_groups, "stats": stats.to_wire(), "issues": issues,
+                    "step": self.current_step()}
+            if steps:
+                body["steps"] = steps[-MAX_STEP_ROWS:]
+            if self.submit("collectives", body):
                 self._groups_sent.update(new_groups)
         return cost
 
@@ -346,9 +358,10 @@ class Recorder:
                 continue
             duration = e.get("duration_ms")
             name = e.get("profiling_name") or ""
+            created = e.get("time_created_ns", 0) / 1e9
             if (duration is None and name.startswith("nccl") and e.get("state") != "completed"
-                    and now - e.get("time_created_ns", 0) / 1e9 < HELD_BACK_S):
-                self._held[rid] = now  # read again once it completed
+                    and now - created < HELD_BACK_S):
+                self._held[rid] = created  # read again once it completed
                 continue
             self._held.pop(rid, None)
             source.seen.add(rid)
@@ -366,13 +379,19 @@ class Recorder:
             row = stats.row(*key)
             row.count += 1
             row.bytes += nbytes
-            if duration is not None:
-                row.add_time(float(duration) / 1000.0)
+            seconds = float(duration) / 1000.0 if duration is not None else None
+            if seconds is not None:
+                row.add_time(seconds)
             elif call is not None:
                 self._awaiting[(group, seq)] = key
                 self._host_calls[(group, seq)] = call  # its duration may come later
             if not e.get("is_p2p"):
-                issues.append([group, seq, e.get("time_created_ns", 0) / 1e9])
+                issues.append([group, seq, created])
+                if is_all_reduce(op):
+                    item = self.step_comm.add(created, seconds, nbytes, seconds is None
+                                              and call is not None)
+                    if item is not None and item.waiting:
+                        self._awaiting_items[(group, seq)] = item
         source.last_id = max(source.last_id or -1, max(ids))
         source.seen = {rid for rid in source.seen if rid >= oldest}
         self._held = {rid: t for rid, t in self._held.items() if rid >= oldest}
@@ -395,14 +414,21 @@ class Recorder:
 
     def _time_awaiting(self, stats: CollectiveStats) -> None:
         """Durations of taken gloo collectives that completed since, into their rows."""
+        items = self._awaiting_items
         for ident, key in list(self._awaiting.items()):
             call = self._host_calls.get(ident)
             if call is None:
                 del self._awaiting[ident]
+                if ident in items:
+                    items.pop(ident).timed(None)
             elif call[3] is not None:
                 stats.row(*key).add_time(call[3])
                 del self._awaiting[ident], self._host_calls[ident]
+                if ident in items:
+                    items.pop(ident).timed(call[3])
         _trim(self._awaiting, HOST_CALLS_KEPT)
+        for ident in list(itertools.islice(items, max(0, len(items) - HOST_CALLS_KEPT))):
+            items.pop(ident).timed(None)
 
     @staticmethod
     def _inflight(entries: list[dict[str, Any]], groups: dict[str, list[int]]) -> list[list]:

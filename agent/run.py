@@ -40,6 +40,7 @@ from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
 from .recorder import Recorder
 from .scaler import ScaleReader
+from .stepcomm import MARKS_KEPT
 from .steps import ScaleTracker, StepFinisher, cuda_memory
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
 from .transport import Sender, local_value, plain_value
@@ -117,6 +118,7 @@ class Run:
         self._hooks: list[Any] = []
         self._pending_comm: tuple[AllReduceTimer, Any] | None = None  # installed at 1st forward
         self._last_log_t: float | None = None
+        self._step_marks: deque[tuple[int, float]] = deque(maxlen=MARKS_KEPT)  # (step, t0)
         self._scale = ScaleReader(scaler, self.warnings)
         self._steps = StepFinisher(
             ScaleTracker(self._scale.init_scale), self.phase, events, self.warnings,
@@ -147,7 +149,8 @@ class Run:
             lambda: self.phase.step, nccl=self._nccl,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
-            warnings=self.warnings, stuck_after_s=hang_after_default())
+            warnings=self.warnings, stuck_after_s=hang_after_default(),
+            step_marks=self._step_marks)
         self._hello(model, config)
         self._logs: Any = None  # a LogFollower, once a log is followed
         self._stderr: Any = None
@@ -416,6 +419,7 @@ class Run:
         if tokens is not None and type(tokens) is not int:
             tokens = self._host_int(tokens, "tokens")
         phase.step = step
+        self._step_marks.append((step, t0))  # the recorder's step boundary (stepcomm.py)
         hooks_s, phase.cost_s = phase.cost_s, 0.0
         scale = self._scale.read()
         if self._cuda:

@@ -76,6 +76,11 @@ def pg_config_ranks(config: Any) -> list[int] | None:
     return None
 
 
+def is_all_reduce(op: str) -> bool:
+    """True for the all_reduce ops (plain and coalesced), as `op_name` gives them."""
+    return op in _ALL_REDUCE
+
+
 def op_name(profiling_name: str) -> str:
     """The op as torch names it, from the recorder's `profiling_name` ("nccl:all_reduce")."""
     return profiling_name.split(":", 1)[-1]

@@ -21,7 +21,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.display import AGGREGATE_AT
-from scalemon.jobstate import HANG_AFTER_S, JobState, RankView
+from scalemon.jobstate import HANG_AFTER_S, JobState, RankView, check_step_comm
 from scalemon.protocol import Message
 from scalemon.series import Marks, Series
 
@@ -172,6 +172,19 @@ def extra_values(body: dict[str, Any]) -> dict[str, float]:
     return _numbers(extra, tuple(name for name in extra if name not in metrics.BY_NAME))
 
 
+def step_comm_times(rows: Any) -> list[tuple[float, int]]:
+    """(all-reduce seconds, step) of the well-formed, timed rows of a `collectives.steps`."""
+    out = []
+    for row in rows or ():
+        try:
+            check_step_comm(row)
+        except ValueError:
+            continue
+        if row[3] is not None:
+            out.append((float(row[3]), row[0]))
+    return out
+
+
 def heartbeat_values(body: dict[str, Any]) -> dict[str, float]:
     """The plotted numbers of one `heartbeat` body by metric name, in wire units."""
     return _numbers(body, HEARTBEAT_PLOTTED)
@@ -212,6 +225,7 @@ class JobFold:
         self.agg: dict[str, Series] = {name: Series(1024) for name in AGGREGATED}
         self.skipped = Marks()
         self._open: dict[int, StepAcc] = {}
+        self._comm_open: dict[int, list[float]] = {}  # step -> [ranks, lo, hi, sum] (recorder)
         self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
         self._expected: int | None = None  # ranks expected at each step; None = recount
         self.last_step_t: float | None = None
@@ -264,13 +278,16 @@ class JobFold:
         elif msg.type == "heartbeat":
             if self.keeps_series(msg.rank):
                 self.track(msg.rank).add_heartbeat_series(msg.body, view.step)
-        elif msg.type == "collectives" and self.keeps_series(msg.rank):
-            late = view.value("arrival_lateness_s")
-            if late is not None:
+        elif msg.type == "collectives":
+            if self.keeps_series(msg.rank):
+                late = view.value("arrival_lateness_s")
                 x = msg.body.get("step")
                 x = x if isinstance(x, int) else view.step
-                if x is not None:
+                if late is not None and x is not None:
                     self.track(msg.rank).add("arrival_lateness_s", float(x), late)
+            rows = msg.body.get("steps")
+            if rows and not view.comm_hook:
+                self._on_step_comm(msg.rank, rows)
 
     def _on_step(self, msg: Message, view: RankView) -> None:
         track = self.track(msg.rank)
@@ -325,6 +342,34 @@ class JobFold:
             for old in sorted(self._open)[: len(self._open) - STEP_WINDOW]:
                 self._close(old)
 
+    def _on_step_comm(self, rank: int, rows: Any) -> None:
+        """The recorder's per-step all-reduce time of `rank` (`collectives.steps`, seconds
+        after the steps): into its series and the cross-rank band of those steps."""
+        keep = self.keeps_series(rank)
+        for seconds, step in step_comm_times(rows):
+            if keep:
+                self.track(rank).add("allreduce_time_s", step, seconds)
+            self._comm_accumulate(step, seconds)
+
+    def _comm_accumulate(self, step: int, seconds: float) -> None:
+        acc = self._comm_open.get(step)
+        if acc is None:
+            acc = self._comm_open[step] = [0, seconds, seconds, 0.0]
+        acc[0] += 1
+        acc[1], acc[2], acc[3] = min(acc[1], seconds), max(acc[2], seconds), acc[3] + seconds
+        if self._expected is None:
+            self._expected = sum(1 for v in self.state.ranks.values()
+                                 if v.state == "running" and v.steps_received)
+        if acc[0] >= self._expected:
+            self._comm_close(step)
+        if len(self._comm_open) > STEP_WINDOW:
+            for old in sorted(self._comm_open)[: len(self._comm_open) - STEP_WINDOW]:
+                self._comm_close(old)
+
+    def _comm_close(self, step: int) -> None:
+        n, lo, hi, total = self._comm_open.pop(step)
+        self.agg["allreduce_time_s"].add(step, lo, hi, total / n)
+
     def _close(self, step: int) -> None:
         acc = self._open.pop(step)
         self._closed.append(step)
@@ -368,5 +413,8 @@ class JobFold:
                 track.add_step_series(msg.body, step_values(msg.body, derive_rate))
             elif msg.type == "heartbeat":
                 track.add_heartbeat_series(msg.body, step)
+            elif msg.type == "collectives" and view is not None and not view.comm_hook:
+                for seconds, comm_step in step_comm_times(msg.body.get("steps")):
+                    track.add("allreduce_time_s", comm_step, seconds)
         self.watched.add(rank)
         return SeriesBackfill(len(messages or ()), first)

@@ -26,9 +26,10 @@ from scalemon.collectives import (
 from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
 from scalemon.hangs import FOR_SHOWN, HangReport, span_text
-from scalemon.protocol import HUB_RANK, Message
+from scalemon.protocol import HUB_RANK, STEP_COMM_FIELDS, Message
 
 STEP_FIELDS = metrics.latest_of("step")
+
 HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
 EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
@@ -86,6 +87,11 @@ class RankView:
     last_step_t: float | None = None
     lateness: deque[float] | None = field(default=None, repr=False)
     collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
+    comm_hook: bool = field(default=False, repr=False)
+    """This process's `step` messages carry the gloo comm hook's all-reduce figures: they win
+    over the recorder's (`collectives.steps`)."""
+    step_comm: list[Any] | None = field(default=None, repr=False)
+    """The latest step's all-reduce figures from the recorder (a `STEP_COMM_FIELDS` row)."""
 
     def value(self, name: str, now: float | None = None) -> Any:
         """The current value of metric `name` of the table (KeyError for other names): from
@@ -107,7 +113,7 @@ class RankView:
         """A JSON-ready dict: identity and state, then every metric under its own name."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
                if f.name not in ("metrics", "extra", "lateness", "collectives", "alerts",
-                                 "skip_streak")}
+                                 "skip_streak", "comm_hook", "step_comm")}
         out.update(self.metrics)
         out["extra"] = dict(self.extra)
         out["alerts"] = alerting.rank_alerts(self.rank, self.alerts)
@@ -206,6 +212,7 @@ class JobState:
         view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
         view.ended_t, view.peer_loss, view.monitor_off = None, False, None
+        view.comm_hook, view.step_comm = False, None
         self.world_size = max(self.world_size or 0, b["world_size"])
         if b.get("config") is not None:
             self.info.setdefault("config", {})[msg.rank] = b["config"]
@@ -219,6 +226,10 @@ class JobState:
             self.last_step_t = msg.t
         # absent fields -> None
         view.metrics.update(zip(STEP_FIELDS, map(b.get, STEP_FIELDS), strict=True))
+        if b.get("allreduce_count") or b.get("allreduce_time_s") is not None:
+            view.comm_hook = True
+        elif view.step_comm is not None and not view.comm_hook:
+            set_step_comm(view.metrics, view.step_comm)  # the recorder's, of an earlier step
         view.skip_streak = alerting.fold_step(view.alerts, view.skip_streak, b["step"], b, msg.t)
         extra = b.get("extra")
         if extra:
@@ -253,10 +264,28 @@ class JobState:
             arrival = self.arrival
             for group, seq, t in b["issues"]:
                 arrival.issued(group, seq, msg.rank, t + offset)
+            if b.get("steps"):
+                self._step_comm(view, b["steps"])
         except (KeyError, TypeError, ValueError):
             self.bad_collectives += 1  # counted, shown; the rest of the history goes on
         if view.lateness is None:
             view.lateness = self.arrival.series(msg.rank)
+
+    @staticmethod
+    def _step_comm(view: RankView, rows: list[Any]) -> None:
+        """The recorder's per-step all-reduce figures: the latest step's become the rank's
+        `allreduce_*` values (until a newer one), as a step message of its own would; not
+        where the rank's step messages carry the comm hook's. ValueError for a bad row."""
+        for row in rows:
+            check_step_comm(row)
+        if view.comm_hook:
+            return
+        for row in rows:
+            step = row[0]
+            if view.step_comm is None or step >= view.step_comm[0]:
+                view.step_comm = row
+        if view.step_comm is not None:
+            set_step_comm(view.metrics, view.step_comm)
 
     def _on_info(self, msg: Message, view: RankView) -> None:
         self.info.setdefault(msg.body["key"], {})[msg.rank] = msg.body["value"]
@@ -542,6 +571,27 @@ class JobState:
             "hub_notes": list(self.hub_notes),
             "relays": {node: dict(r) for node, r in sorted(self.relays.items())},
         }
+
+
+def check_step_comm(row: Any) -> None:
+    """Raise ValueError unless `row` is a well-formed `collectives.steps` row."""
+    number = (int, float)
+    if not (type(row) is list and len(row) >= len(STEP_COMM_FIELDS) and type(row[0]) is int
+            and type(row[1]) is int and type(row[2]) is int and type(row[4]) is int
+            and (row[3] is None or type(row[3]) in number)
+            and (row[5] is None or type(row[5]) in number)):
+        raise ValueError(f"bad collectives.steps row {row!r}")
+
+
+def step_comm_values(row: list[Any]) -> dict[str, Any]:
+    """A `collectives.steps` row as the step's `allreduce_*` metrics."""
+    return {"allreduce_time_s": row[3], "allreduce_count": row[1], "allreduce_bytes": row[4],
+            "allreduce_issue_t": row[5]}
+
+
+def set_step_comm(values: dict[str, Any], row: list[Any]) -> None:
+    """Write a `collectives.steps` row into a rank's metrics."""
+    values.update(step_comm_values(row))
 
 
 def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:

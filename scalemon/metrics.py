@@ -88,7 +88,7 @@ class Metric:
 
 _NO_GPU = "no GPU on this rank"
 _NO_NVML = "no GPU or NVML on this rank"
-_NO_DDP = "no DDP all-reduce timed by the host (gloo only; NCCL: see the collectives screen)"
+_NO_DDP = "no all-reduce timed in a step yet (the recorder's come a few seconds after the step)"
 _NO_SKEW = "no collective issued by every rank of a group yet"
 
 METRICS: tuple[Metric, ...] = (
@@ -109,20 +109,23 @@ METRICS: tuple[Metric, ...] = (
            "watched or none completed",
            show=Show(unit="ms", scale=1e3, column="opt", width=6, plot="optimizer",
                      na="no optimizer watched")),
-    Metric("allreduce_time_s", "step", "float", "s", "gloo only: sum, over the DDP gradient "
-           "buckets of this step, of the time from issuing each bucket's all-reduce to its "
-           "completion (host clock, through the agent's DDP comm hook). Buckets overlap with "
-           "backward and with each other, so this is a sum, not wall time. null on NCCL, where "
-           "the agent installs no hook and the Flight Recorder times every collective "
-           "(`collectives` messages), and when nothing was timed.",
+    Metric("allreduce_time_s", "step", "float", "s", "sum of the durations of the step's "
+           "all-reduces (issue to completion), so a sum, not wall time: they overlap with "
+           "backward and with each other. On DDP over gloo the agent's comm hook times the "
+           "gradient buckets (host clock) and sends them in the step message. Everywhere else "
+           "(NCCL, or all-reduces not from DDP) the step message has null, and the Flight "
+           "Recorder's all_reduce-type collectives of every process group issued between the "
+           "previous `log()` and this one fill the rank's value seconds later (`collectives` "
+           "message, `steps`; NCCL: `duration_ms`, gloo: the host timer); null when nothing "
+           "was timed.",
            show=Show(unit="ms", scale=1e3, column="allred", width=6,
-                     plot="all-reduce, sum of buckets", na=_NO_DDP)),
-    Metric("allreduce_count", "step", "int", "", "gloo only: number of bucket all-reduces "
-           "issued during the step (0 without the host timer)"),
-    Metric("allreduce_bytes", "step", "int", "bytes", "total size of those buckets"),
-    Metric("allreduce_issue_t", "step", "float", "s (Unix)", "gloo only: Unix seconds, host "
-           "clock, when the first gradient-bucket all-reduce of the step was issued; null when "
-           "there was none"),
+                     plot="all-reduce, sum over the step", na=_NO_DDP)),
+    Metric("allreduce_count", "step", "int", "", "number of those all-reduces (DDP buckets from "
+           "the gloo comm hook; else 0 in the step message, and the recorder's count once its "
+           "`collectives.steps` row for the step arrived)"),
+    Metric("allreduce_bytes", "step", "int", "bytes", "total size of those all-reduces"),
+    Metric("allreduce_issue_t", "step", "float", "s (Unix)", "Unix seconds, the rank's clock, "
+           "when the step's first all-reduce was issued; null when there was none"),
     Metric("arrival_lateness_s", "hub", "float", "s", "median, over the rank's last 100 "
            "collectives that every rank of their group issued, of how much later this rank "
            "issued each one than the first rank of the group (Flight Recorder issue times, "
@@ -132,7 +135,8 @@ METRICS: tuple[Metric, ...] = (
                      plot="arrival lateness at collectives", na=_NO_SKEW)),
     Metric("compute_s", "dashboard", "float", "s", "step time minus all-reduce and optimizer "
            "time, at least 0: a lower bound of the compute time, since under DDP the all-reduce "
-           "overlaps backward",
+           "overlaps backward. The all-reduce subtracted is the step message's (gloo's comm "
+           "hook); the recorder's, which come seconds later, are not subtracted",
            show=Show(unit="ms", scale=1e3, plot="compute", group="step time")),
     Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank, as the script "
            "measured it between two host syncs (`log(tokens_per_s=...)`; the demo trainer sends "

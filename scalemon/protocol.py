@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -67,12 +67,15 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "heartbeat": _fields_from_table("heartbeat"),
     # What the Flight Recorder saw since the agent's previous read: the process groups, rows
     # of `scalemon.collectives.STATS_FIELDS` by (group, op, size bucket), and the issue time of
-    # every new collective as [group, seq, Unix s] (arrival skew).
+    # every new collective as [group, seq, Unix s] (arrival skew); and (1.6) per step completed
+    # since, its all-reduces as `STEP_COMM_FIELDS` (the step's allreduce_* where the step
+    # message has none).
     "collectives": {
         "groups": ((dict,), True),
         "stats": ((list,), True),
         "issues": ((list,), True),
         "step": (_OPT_INT, False),
+        "steps": ((list,), False),
     },
     # Free-form facts about the run (memory estimate, configuration, ...).
     "info": {
@@ -189,6 +192,11 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "host": (_OPT_STR, False),
     },
 }
+
+STEP_COMM_FIELDS = ("step", "count", "timed", "time_s", "bytes", "issue_t")
+"""The columns of one row of `collectives.steps` (1.6): the step, its all_reduce-type
+collectives (every group, p2p excluded), how many had a duration, their summed duration (s;
+null when none had one), their summed bytes, the first one's issue time (Unix s, rank's clock)."""
 
 RANK_STATES = ("running", "lost", "exited", "finished")
 HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop")
