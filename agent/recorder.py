@@ -92,8 +92,11 @@ def find_sources(nccl: bool) -> list[RecorderSource]:
     sources = []
     generic = getattr(c10d, "_dump_fr_trace", None)
     if generic is not None:
-        # no stack traces: their symbolization costs more than the rest of the read (and its
-        # first use imports torch._inductor, seconds during which no status is read)
+        # no stack traces: their symbolization costs more than the rest of the read (its first
+        # use imports torch._inductor, seconds during which no status is read), and on a
+        # machine with CUDA (H100, torch 2.11) a gloo job whose generic ring was read with
+        # them died with SIGSEGV at interpreter exit, every run (issue #25; without them:
+        # exit 0). tests/test_collectives.py keeps both rings without stack traces.
         sources.append(RecorderSource("fr", generic, includeStackTraces=False))
     nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
     if nccl and nccl_dump is not None:
@@ -236,9 +239,17 @@ class Recorder:
         return {**self.fields, "recorder_read_s": self.read_s,
                 "recorder_entries": self.entries, "recorder_lost": self.lost}
 
+    def use_gloo(self) -> None:
+        """The job turned out to run gloo (`init()` guessed NCCL before its group existed):
+        read the generic ring only, and do not ask NCCL RAS."""
+        self.nccl = False
+        self.ras_port = None
+        self.sources = [source for source in self.sources if source.name != "nccl"]
+
     # --- collective timing ------------------------------------------------------------------
     def enable_timing(self) -> None:
-        """NCCL: turn on collective timing (one-way) on every group, new ones included."""
+        """NCCL: turn on collective timing (one-way) on every NCCL group, new ones included
+        (a job's gloo groups, e.g. for CPU barriers, have no such switch)."""
         if not self.nccl:
             return
         names = getattr(_c10d()._world, "pg_names", {})
@@ -246,6 +257,8 @@ class Recorder:
             if id(pg) in self._timed_groups:
                 continue
             self._timed_groups.add(id(pg))
+            if not _nccl_group(pg):
+                continue
             try:
                 pg._enable_collectives_timing()
             except Exception as exc:
@@ -490,6 +503,16 @@ class Recorder:
         result = {"directory": directory, "files": written, "error": error}
         self.submit("info", {"key": "fr_dump", "value": result})
         return result
+
+
+def _nccl_group(pg: Any) -> bool:
+    """True when process group `pg` runs NCCL (unknown: True, so timing is tried)."""
+    try:
+        import torch.distributed as dist
+
+        return "nccl" in str(dist.get_backend(pg))
+    except Exception:
+        return True
 
 
 def _trim(mapping: dict, keep: int) -> None:

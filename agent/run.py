@@ -138,6 +138,11 @@ class Run:
         self.sender.on_command = self._on_command
         self._watch_hub(hub)
         self._nccl = uses_nccl()
+        # before the script made its process group, NCCL is a guess (CUDA is there): the first
+        # log() after the group exists settles it (`_settle_backend`)
+        self._backend_known = dist_initialized() or not self._nccl
+        self._backend_check_at = 0.0
+        self._time_collectives = time_collectives
         self.host_timer: HostTimer | None = None
         if time_collectives and not self._nccl:  # gloo: the recorder has no durations
             self.host_timer = HostTimer()
@@ -412,6 +417,8 @@ class Run:
         # tuple for the sender thread, which builds the body. Every operation here runs with
         # caches cold from the step, so there are as few as possible.
         t0 = time.perf_counter()
+        if not self._backend_known and t0 >= self._backend_check_at:
+            self._settle_backend(t0)
         last, self._last_log_t = self._last_log_t, t0
         phase = self.phase
         if type(step) is not int:
@@ -444,6 +451,28 @@ class Run:
         self._previous_log_s = log_s = phase.since - t0  # reported with the next step
         self.agent_time_total_s += hooks_s + log_s
         self.steps_logged += 1
+
+    def _settle_backend(self, now: float) -> None:
+        """Once the default process group exists (checked at most once a second): where
+        `init()` guessed NCCL because CUDA is there and the job runs gloo (a CPU job on a GPU
+        machine), monitor it as gloo: host-timed collectives, no NCCL ring, no NCCL RAS."""
+        self._backend_check_at = now + 1.0
+        if not dist_initialized():
+            return
+        self._backend_known = True
+        if group_uses_nccl():
+            return
+        try:
+            self._nccl = self.flag_control.nccl = False
+            self.recorder.use_gloo()
+            if self._time_collectives and self.host_timer is None:
+                self.host_timer = HostTimer()
+                self.host_timer.install()
+                self.recorder.host_calls = self.host_timer.calls
+        except Exception as exc:  # collectives may lack durations; training goes on
+            self.warnings.once("settle-backend", "scalemon: switching the monitor to gloo "
+                               "failed (%s: %s); collectives may have no durations",
+                               type(exc).__name__, exc)
 
     def _step_number(self, step: Any) -> int:
         """The step as an int (a NumPy integer, a CPU tensor); one that cannot be read without

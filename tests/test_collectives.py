@@ -457,3 +457,30 @@ def test_a_big_hang_stays_small_in_words_and_in_json():
     assert {len(w["for"]) for w in hang["waits"]} == {64}
     assert {w["for_count"] for w in hang["waits"]} == {2048}
     assert len(json.dumps(hang)) < 8 << 20
+
+
+def test_the_recorder_reads_every_ring_without_stack_traces(monkeypatch):
+    """Read with stack traces, the generic ring of a monitored gloo job on a machine with CUDA
+    (H100, torch 2.11) made both ranks die with SIGSEGV at interpreter exit, every run; without
+    them they exit 0 (issue #25). Every read, and the dumps written for `scalemon dump`, must
+    ask for none (torch's own default is to include them)."""
+    import torch._C._distributed_c10d as c10d
+
+    from scalemon.agent.recorder import find_sources
+
+    calls: list[dict] = []
+
+    def dump(**kwargs):
+        calls.append(kwargs)
+        return pickle.dumps({"entries": [], "pg_status": {}})
+
+    monkeypatch.setattr(c10d, "_dump_fr_trace", dump, raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", dump, raising=False)
+    sources = find_sources(nccl=True)
+    assert [s.name for s in sources] == ["fr", "nccl"]
+    for source in sources:
+        source.read(True)
+        source.read(False)
+        source._dump(includeCollectives=True, onlyActive=False)  # as write_dump calls it
+    assert len(calls) == 6
+    assert all(call.get("includeStackTraces") is False for call in calls), calls

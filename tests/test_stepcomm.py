@@ -200,15 +200,18 @@ def run_job(home, nproc: int, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def check_steps(home, ranks: list[int], steps: int, complete: int) -> None:
-    """Every rank's steps 1..`complete` (at least) carry PER_STEP all-reduces with a duration,
-    and the hub's state shows the latest one's."""
+def check_steps(home, ranks: list[int], steps: int, complete: int, timed_from: int = 1) -> None:
+    """Every rank's steps 1..`complete` (at least) carry PER_STEP all-reduces, with a duration
+    from step `timed_from` on, and the hub's state shows the latest one's."""
     state = wait_for(lambda: (s := snapshot(home)) and len(s["ranks"]) == len(ranks) and all(
         r["state"] == "finished" for r in s["ranks"]) and s, timeout=30)
     for rank in ranks:
         rows = step_rows(home, rank)
         assert set(range(1, complete + 1)) <= set(rows) <= set(range(1, steps + 1)), rows
         for step, row in rows.items():
+            if step < timed_from:
+                assert row[1] == PER_STEP, (step, row)
+                continue
             assert row[1:3] == [PER_STEP, PER_STEP] and row[3] > 0, (step, row)
             assert row[4] == PER_STEP * 16 * 1024 * 4
     for r in state["ranks"]:
@@ -238,6 +241,15 @@ def test_a_gloo_jobs_own_all_reduces_are_counted_and_host_timed_per_step(home):
     (host-timed on gloo) fill every step of both ranks."""
     run_job(home, 2, "--steps", "6")
     check_steps(home, [0, 1], 6, 6)
+
+
+def test_a_gloo_job_on_a_gpu_machine_that_starts_the_agent_first_is_monitored_as_gloo(home):
+    """`init()` before `init_process_group` on a machine with CUDA (as Accelerate does) guesses
+    NCCL; a gloo job must still get host-timed collectives once its group exists (before,
+    on a GPU machine, its collectives had no durations). CUDA is pretended on the CPU."""
+    run_job(home, 2, "--steps", "6", "--init-first", "--pretend-cuda")
+    # step 1's collectives ran before its log() found the group: counted, not timed
+    check_steps(home, [0, 1], 6, 6, timed_from=2)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),

@@ -26,14 +26,23 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="gloo")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--init-first", action="store_true",
+                   help="call sm.init() before init_process_group (as Accelerate does)")
+    p.add_argument("--pretend-cuda", action="store_true",
+                   help="torch.cuda.is_available() says True: a CPU job on a GPU machine")
     args = p.parse_args()
+    if args.pretend_cuda:
+        torch.cuda.is_available = lambda: True
+    if args.init_first:
+        sm.init(config={"job": "step_allreduces"})
     device = torch.device("cpu")
     if args.backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
     world = dist.get_world_size()
-    sm.init(config={"job": "step_allreduces"})
+    if not args.init_first:
+        sm.init(config={"job": "step_allreduces"})
     for step in range(1, args.steps + 1):
         for _ in range(PER_STEP):
             x = torch.ones(NUMEL, device=device)
