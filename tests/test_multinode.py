@@ -161,7 +161,9 @@ def check_login_dashboard(cluster: dict[str, Path], monkeypatch: pytest.MonkeyPa
 
 def test_killing_the_relay_leaves_training_alone_a_new_one_picks_up_and_the_gap_is_counted(
         cluster: dict[str, Path]) -> None:
-    procs = start_nodes(cluster, "--max-steps", "80", "--step-delay", "0.2")
+    # 0.5 s a step: the ranks must outlive the relay's replacement (3-4 s of silence, then
+    # a start) also on a loaded machine; at 0.2 s they finished first there, once in CI
+    procs = start_nodes(cluster, "--max-steps", "80", "--step-delay", "0.5")
     try:
         state = wait_for(lambda: (s := login_snapshot(cluster)) and len(s["ranks"]) == 4
                          and all((r["step"] or 0) >= 5 for r in s["ranks"])
