@@ -627,8 +627,8 @@ class Hub:
                 log.error("a %s reply of %d bytes is over the %d reply limit", op, len(reply),
                           protocol.MAX_REPLY_BYTES)
                 reply = protocol.encode_reply(ok=False, error=(
-                    f"the reply is {len(reply) >> 20} MiB, over the "
-                    f"{protocol.MAX_REPLY_BYTES >> 20} MiB reply limit"))
+                    f"the {op} reply is {len(reply):,} bytes, over the "
+                    f"{protocol.MAX_REPLY_BYTES:,}-byte reply limit"))
             with contextlib.suppress(zmq.ZMQError):  # the requester went away
                 rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
 

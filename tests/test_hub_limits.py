@@ -186,3 +186,31 @@ def test_a_hub_record_over_the_message_limit_is_cut_never_fatal(home: Path) -> N
     hub.history.close()
     hub._lock_file.close()
     assert json.loads(json.dumps(hub.stats()))["rejected"] == 0
+
+
+_SMALL_REPLY_HUB = """
+import sys
+import scalemon.protocol as p
+p.MAX_REPLY_BYTES = 3000
+from scalemon.hub.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_reply_over_the_reply_limit_is_an_error_never_sent(home: Path, zctx) -> None:
+    """A hub whose reply limit is 3,000 bytes: its `state` reply (larger) must come back as a
+    refusal naming the size, not as a frame the client would refuse; `ping` still answers."""
+    log = home / "hub-small.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SMALL_REPLY_HUB, "--job", "jobS",
+                                 "--home", str(home)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (jobs_dir(home) / "jobS.json").exists(), timeout=20)
+        rpc = HubAddress.for_directory(home / "run" / "jobS").rpc
+        reply = _request(zctx, rpc, "state")
+        assert not reply["ok"] and "over the 3,000-byte reply limit" in reply["error"], reply
+        assert _request(zctx, rpc, "ping")["ok"]
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
