@@ -49,6 +49,7 @@ class TcpGuard:
         self.watched: list[_Watched] = []
         self.shed = 0
         self.cap = 0
+        self._rounds = 0  # times connections were shed
 
     def prepare(self, sock: zmq.Socket) -> None:
         """Set the handshake deadline of `sock` (before it binds: a listener copies it)."""
@@ -63,8 +64,10 @@ class TcpGuard:
     def set_caps(self) -> None:
         """Share the descriptors left after FD_RESERVE (and those open now): half of them
         among the tcp sockets, the other half a margin for bursts the monitors report late."""
+        if not self.watched:
+            return
         spare = self.fd_limit - _open_fds() - FD_RESERVE
-        self.cap = max(8, spare // 2 // max(1, len(self.watched)))
+        self.cap = max(8, spare // 2 // len(self.watched))
         log.info("tcp connections capped at %d per socket (open-files limit %d)", self.cap,
                  self.fd_limit)
 
@@ -104,9 +107,10 @@ class TcpGuard:
             if _shutdown(fd, watched.port):
                 self.shed += 1
             watched.conns.pop(fd, None)  # its DISCONNECTED event may still come
-        if self.shed <= 20 or self.shed % 1000 < excess:
-            log.warning("tcp port %d over its cap of %d connections: shed %d not yet "
-                        "authenticated ones (%d shed so far)", watched.port, self.cap,
+        self._rounds += 1
+        if self._rounds <= 20 or self._rounds % 1000 == 0:  # the first 20, then every 1000th
+            log.warning("tcp port %d over its cap of %d connections: shed %d that may not be "
+                        "authenticated yet (%d shed so far)", watched.port, self.cap,
                         min(excess, len(young)), self.shed)
 
     def close(self) -> None:
