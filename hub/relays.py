@@ -8,12 +8,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon.protocol import ProtocolError
+
 log = logging.getLogger("scalemon.hub")
 
 REPORT_EVERY_S = 60.0
 """A relay's counts go into the history at least this often, and at most every DROPS_EVERY_S
 while it drops."""
 DROPS_EVERY_S = 10.0
+MAX_RELAYS = 65_536
+"""Nodes whose relays the hub keeps track of; a further one is refused."""
+STATS_KEYS = ("received", "forwarded", "dropped", "clock_offset_s")
+"""What the hub keeps of a relay's stats."""
 
 
 @dataclass
@@ -39,8 +45,12 @@ class RelayBook:
                now: float | None = None) -> None:
         """Take one relay's report (its counts since it started)."""
         now = time.monotonic() if now is None else now
-        stats = {k: v for k, v in stats.items() if isinstance(v, (int, float)) or v is None}
+        stats = {k: stats.get(k) for k in STATS_KEYS
+                 if isinstance(stats.get(k), (int, float)) or stats.get(k) is None}
         seen = self.relays.get(node)
+        if seen is None and len(self.relays) >= MAX_RELAYS:
+            raise ProtocolError(f"relay.node is over the hub's limit of {MAX_RELAYS} relays "
+                                f"(a new node {node[:60]!r})")
         if seen is None or seen.pid != pid:
             gap = now - seen.last if seen is not None else None
             relay = self.relays[node] = _Relay(pid, now, stats, recorded=now)

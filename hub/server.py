@@ -53,7 +53,9 @@ from scalemon.protocol import (
 
 from .auth import KeyGate, start_gate
 from .frdump import FrDump
+from .limits import RejectBook, check_name, clip, raise_open_files_limit, reason_class
 from .relays import RelayBook
+from .tcpguard import TcpGuard
 from .toggles import ToggleRefused, Toggles
 
 log = logging.getLogger("scalemon.hub")
@@ -65,6 +67,12 @@ FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
 HOUSEKEEPING_S = 0.25
+MAX_RECORD_STRING = 4096
+"""A hub record over the message limit has its strings cut to this many characters."""
+MAX_TOGGLE_VALUE = 1024
+HELLO_NAMES = ("host", "agent_version", "torch_version", "device", "backend")
+"""A rank's hello strings, each at most MAX_NAME_CHARS long (the state lists them per rank)."""
+"""A toggle's value or a stop's reason may be this long."""
 WAITING_S = 300.0
 
 
@@ -124,7 +132,8 @@ class Hub:
         self._error_said: str | None = None
         self.received = 0
         self.rejected = 0
-        self.reject_reasons: Counter[str] = Counter()
+        self.rejects = RejectBook()  # counted by our reason classes, never the sender's text
+        self.guard: TcpGuard | None = None  # caps the tcp connections, while serving
         self._versions_refused: set[tuple[int, int]] = set()
         self.started = time.time()
         self._own_seq = 0
@@ -171,7 +180,7 @@ class Hub:
             try:
                 msg = self._accept(record, hub_records=True)
             except ProtocolError as exc:
-                self.replay_skipped[_reason(exc)] += 1
+                self.replay_skipped[reason_class(exc)] += 1
                 continue
             self._apply(seq, msg)
         if n:
@@ -241,11 +250,15 @@ class Hub:
         for label, sock, endpoint in zip(("ingest", "feed", "rpc"), sockets,
                                          (where.ingest, where.feed, where.rpc), strict=True):
             secure_server(sock, self._keys)
+            if self.guard is not None:
+                self.guard.prepare(sock)
             if endpoint.endswith(":0"):
                 port = sock.bind_to_random_port(endpoint[:-2])
             else:
                 sock.bind(endpoint)
                 port = int(endpoint.rpartition(":")[2])
+            if self.guard is not None:
+                self.guard.watch(sock, port)
             bound[label] = f"tcp://{name}:{port}"
         return bound
 
@@ -300,6 +313,7 @@ class Hub:
 
     def serve_forever(self) -> None:
         """Bind, write the job file, and serve until stopped or the job ended and lingered."""
+        self.guard = TcpGuard(raise_open_files_limit())
         ctx = zmq.Context()
         self.auth = None
         try:
@@ -307,6 +321,8 @@ class Hub:
         except BaseException:
             self._stop_auth()
             raise
+        self.guard.set_caps()
+        monitors = self.guard.monitors
         ingest, feed_main, rpc, control, *extra = sockets
         ingests = [ingest, *extra[:1]]
         rpcs = [rpc, *extra[2:3]]
@@ -315,12 +331,15 @@ class Hub:
         log.info("hub for job %s listening on %s%s", self.job, self.address.base,
                  f" and (CurveZMQ) {self.tcp_endpoints}" if self.tcp_endpoints else "")
         poller = zmq.Poller()
-        for sock in (*ingests, *rpcs, control):
+        for sock in (*ingests, *rpcs, control, *monitors):
             poller.register(sock, zmq.POLLIN)
         next_housekeeping = 0.0
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=100))
+                for sock in monitors:  # first: shed connections over the cap at once
+                    if sock in events:
+                        self.guard.on_events(sock)
                 for sock in ingests:
                     if sock in events:
                         self._ingest(sock, feed)
@@ -344,6 +363,8 @@ class Hub:
 
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         self.history.close()
+        if self.guard is not None:
+            self.guard.close()
         for sock in sockets:
             sock.close(linger=0)
         self._stop_auth()
@@ -401,6 +422,10 @@ class Hub:
             if hub_records:
                 return msg
             raise ProtocolError(f"rank {HUB_RANK} is reserved for the hub's own records")
+        if msg.type == "hello":
+            for name in HELLO_NAMES:
+                if type(value := msg.body.get(name)) is str:
+                    check_name(f"hello.{name}", value)
         world = self.state.world_size
         if world is not None and msg.rank >= world and msg.type != "hello":
             raise ProtocolError(f"rank {msg.rank} is outside world size {world}")
@@ -424,7 +449,7 @@ class Hub:
 
     def _reject(self, exc: ProtocolError, size: int) -> None:
         self.rejected += 1
-        self.reject_reasons[_reason(exc)] += 1
+        self.rejects.add(exc, size)
         if isinstance(exc, VersionMismatch):  # said once per version, not once per frame
             if exc.theirs not in self._versions_refused:
                 self._versions_refused.add(exc.theirs)
@@ -435,12 +460,22 @@ class Hub:
                     version_text(exc.ours))
             return
         if self.rejected <= 20 or self.rejected % 1000 == 0:
-            log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size, exc)
+            log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size,
+                        clip(str(exc), 500))
 
     def _record(self, feed: _FanOut, mtype: str, body: dict[str, Any]) -> None:
-        """Write a hub-originated message into the history and the feed."""
+        """Write a hub-originated message into the history and the feed. A record over the
+        message limit has its long strings cut; one still over it is logged, not written: the
+        hub never writes what it would refuse, and never stops over it."""
         self._own_seq += 1
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
+        if len(frame) > protocol.MAX_MESSAGE_BYTES:
+            frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq,
+                                    _cut_strings(body, MAX_RECORD_STRING))
+        if len(frame) > protocol.MAX_MESSAGE_BYTES:
+            log.error("not writing a %s record of %d bytes (over the %d limit)", mtype,
+                      len(frame), protocol.MAX_MESSAGE_BYTES)
+            return
         seq = self.history.append(frame)
         self._apply(seq, protocol.decode(frame))
         self.history.flush()
@@ -569,6 +604,7 @@ class Hub:
             except zmq.Again:
                 return
             envelope, payload = frames[:-1], frames[-1]
+            op = "?"
             try:
                 op, args = protocol.decode_request(payload)
                 if op in protocol.CONTROL_OPS and not control:
@@ -587,6 +623,12 @@ class Hub:
             except Exception as exc:  # a request must never take the hub down
                 log.exception("request failed")
                 reply = protocol.encode_reply(ok=False, error=f"{type(exc).__name__}: {exc}")
+            if len(reply) > protocol.MAX_REPLY_BYTES:  # the client would refuse it
+                log.error("a %s reply of %d bytes is over the %d reply limit", op, len(reply),
+                          protocol.MAX_REPLY_BYTES)
+                reply = protocol.encode_reply(ok=False, error=(
+                    f"the {op} reply is {len(reply):,} bytes, over the "
+                    f"{protocol.MAX_REPLY_BYTES:,}-byte reply limit"))
             with contextlib.suppress(zmq.ZMQError):  # the requester went away
                 rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
 
@@ -598,13 +640,20 @@ class Hub:
             return {"t0": args["t"], "t": time.time(), "hang_after_s": self.state.hang_after_s,
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "relay":
-            self.relays.report(args["node"], args["pid"], args["stats"])
+            self.relays.report(check_name("relay.node", args["node"]), args["pid"],
+                               args["stats"])
             return {"t0": args["t"], "t": time.time()}
         if op == "command":
             return self._command(args["name"])
         if op == "stop":
+            check_name("stop.user", args["user"])
+            check_name("stop.host", args["host"])
+            check_name("stop.reason", args["reason"], MAX_TOGGLE_VALUE)
             return self._user_stop(args)
         if op == "toggle":
+            for name in ("name", "user", "host"):
+                check_name(f"toggle.{name}", args[name])
+            check_name("toggle.value", args["value"], MAX_TOGGLE_VALUE)
             reply = self.toggles.request(args["name"], args["value"], args["restart"],
                                          args["user"], args["host"])
             log.info("toggle #%d %s=%r (%s) by %s@%s: step %d", reply["id"], args["name"],
@@ -710,7 +759,8 @@ class Hub:
             "uptime_s": time.time() - self.started,
             "received": self.received,
             "rejected": self.rejected,
-            "reject_reasons": dict(self.reject_reasons),
+            "reject_reasons": dict(self.rejects.counts),
+            "reject_recent": list(self.rejects.recent),
             "history": len(self.history),
             "run_dir": str(self.run_dir),
             "history_identity": self.history.identity,
@@ -722,6 +772,9 @@ class Hub:
             "relays": len(self.relays.relays),
             "auth_refused": self._gate.counts()["refused"] if self._gate else 0,
             "auth_refused_keys": self._gate.counts()["refused_keys"] if self._gate else 0,
+            "tcp_connections": self.guard.connections() if self.guard else 0,
+            "tcp_cap": self.guard.cap if self.guard else 0,
+            "tcp_shed": self.guard.shed if self.guard else 0,
         }
 
 
@@ -743,9 +796,15 @@ def _resolvable_host() -> str:
     return fqdn if fqdn and fqdn != "localhost" else socket.gethostname()
 
 
-def _reason(exc: ProtocolError) -> str:
-    """A refusal's kind, to count refusals by (its text up to the first ':')."""
-    return str(exc).split(":")[0][:60]
+def _cut_strings(value: Any, limit: int) -> Any:
+    """`value` with every string longer than `limit` characters cut to it."""
+    if isinstance(value, str):
+        return clip(value, limit)
+    if isinstance(value, dict):
+        return {k: _cut_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cut_strings(v, limit) for v in value]
+    return value
 
 
 def install_signal_handlers(hub: Hub) -> None:

@@ -1,0 +1,195 @@
+"""Attack a real hub on loopback as anyone who reaches its ports could (issue #26), and print
+what it did to the hub: connections held, hub alive, snapshot latency, RSS before and after.
+
+1. idle TCP connections (no handshake) held open against the hub's three tcp ports;
+2. distinct malformed frames (each with its own text) on ingest;
+3. relay reports with huge node names, and (as the owner) a toggle with a huge flag name.
+
+    .venv/bin/python bench/attack.py [--connections 3000] [--frames 100000] [--fd-limit N]
+
+`--fd-limit N` starts the hub with an open-files limit of N (soft and hard), as on a node
+whose hard limit is low; by default the hub runs with this shell's limits (it raises its soft
+limit to the hard one). The default run takes well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from scalemon import protocol
+from scalemon.client import HubClient
+from scalemon.jobs import HubAddress, JobFile
+
+JOB = "attack"
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of `pid` in MiB (0 once gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def latency_ms(client: HubClient, n: int = 5) -> float | None:
+    """Median `state` round trip in ms; None when the hub does not answer."""
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        try:
+            client.state()
+        except Exception:  # noqa: BLE001 - an attack result, reported as such
+            return None
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def start_hub(home: Path, fd_limit: int | None) -> subprocess.Popen:
+    def limit() -> None:
+        if fd_limit:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+    log = open(home / "hub.log", "wb")  # noqa: SIM115 - the hub's for its life
+    proc = subprocess.Popen([sys.executable, "-m", "scalemon.hub", "--job", JOB, "--home",
+                             str(home), "--listen", "tcp://127.0.0.1:0"], stdout=log,
+                            stderr=subprocess.STDOUT, preexec_fn=limit)
+    path = home / "jobs" / f"{JOB}.json"
+    deadline = time.monotonic() + 30
+    while not (path.exists() and JobFile.read(path).pid == proc.pid):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"hub did not start:\n{(home / 'hub.log').read_text()}")
+        time.sleep(0.05)
+    return proc
+
+
+def hold_connections(ports: list[int], n: int, budget_s: float = 15.0) -> list[socket.socket]:
+    """Open `n` idle connections spread over `ports` (for at most `budget_s`); returns those
+    that connected."""
+    held = []
+    deadline = time.monotonic() + budget_s
+    for i in range(n):
+        if time.monotonic() > deadline:
+            break
+        s = socket.socket()
+        s.settimeout(1.0)
+        try:
+            s.connect(("127.0.0.1", ports[i % len(ports)]))
+        except OSError:
+            s.close()
+            continue
+        held.append(s)
+    return held
+
+
+def flood(ctx: zmq.Context, address: HubAddress, control: str, frames: int) -> None:
+    """Distinct malformed frames, huge relay names, a huge flag name."""
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(address.ingest)
+    for i in range(frames):
+        push.send(protocol.encode("step", f"job-{i}", 0, 0, {"step": 1}))
+    for endpoint, op, args in (
+            [(address.rpc, "relay", {"node": f"{i}" + "n" * 600_000, "pid": 1,
+                                     "t": time.time(), "stats": {}}) for i in range(20)]
+            + [(control, "toggle", {"name": "F" * 1_000_000, "value": "1", "restart": False,
+                                    "user": "me", "host": "here"})]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(protocol.encode_request(op, **args))
+        sock.poll(5000)
+        sock.close()
+    push.close(linger=5000)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, default=3000)
+    parser.add_argument("--frames", type=int, default=100_000)
+    parser.add_argument("--fd-limit", type=int, default=None)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's own sockets
+    n = min(args.connections, hard - 200)
+    home = Path(tempfile.mkdtemp(prefix="sma", dir="/tmp"))
+    os.environ["SCALEMON_HOME"] = str(home)  # the hub's keys admit this user's key
+    ctx = zmq.Context()
+    proc = start_hub(home, args.fd_limit)
+    figures: dict = {"fd_limit": args.fd_limit or f"this shell's ({soft} soft, {hard} hard)"}
+    try:
+        jf = JobFile.read(home / "jobs" / f"{JOB}.json")
+        ipc_address = HubAddress.for_directory(home / "run" / JOB)
+        tcp_address = HubAddress(jf.tcp["ingest"], jf.tcp["feed"], jf.tcp["rpc"],
+                                 server_key=jf.server_key)
+        ports = [int(ep.rpartition(":")[2]) for ep in jf.tcp.values()]
+        ipc, tcp = HubClient(ipc_address, ctx=ctx), HubClient(tcp_address, ctx=ctx)
+        figures["rss_before_mib"] = round(rss_mib(proc.pid), 1)
+        figures["snapshot_ms_before"] = {"ipc": latency_ms(ipc), "tcp": latency_ms(tcp)}
+        started = time.monotonic()
+        held = hold_connections(ports, n)
+        figures["connections_opened"] = len(held)
+        figures["open_s"] = round(time.monotonic() - started, 2)
+        time.sleep(1.0)
+        # new clients during the attack: a new connection is what runs out of descriptors
+        figures["snapshot_ms_while_held"] = {
+            "ipc": latency_ms(HubClient(ipc_address, ctx=ctx)),
+            "tcp": latency_ms(HubClient(tcp_address, ctx=ctx))}
+        try:
+            hub = ipc.state()["hub"]
+            figures["hub_tcp"] = {k: hub[k] for k in ("tcp_connections", "tcp_cap", "tcp_shed")}
+        except Exception as exc:  # noqa: BLE001
+            figures["hub_tcp"] = f"no answer: {exc}"
+        for s in held:
+            s.close()
+        figures["hub_alive_after_connections"] = proc.poll() is None
+        flood(ctx, ipc_address, ipc_address.control, args.frames)
+        deadline = time.monotonic() + 30
+        hub = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                hub = ipc.state()["hub"]
+            except Exception:  # noqa: BLE001
+                break
+            if hub["rejected"] >= args.frames + 21:
+                break
+            time.sleep(0.2)
+        figures["rejected"] = hub.get("rejected")
+        figures["reject_reason_keys"] = len(hub.get("reject_reasons") or {})
+        figures["reject_reasons"] = hub.get("reject_reasons")
+        figures["snapshot_ms_after"] = {"ipc": latency_ms(ipc), "tcp": latency_ms(tcp)}
+        figures["rss_after_mib"] = round(rss_mib(proc.pid), 1)
+        figures["hub_alive"] = proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+        tail = (home / "hub.log").read_text()[-600:]
+        shutil.rmtree(home, ignore_errors=True)
+        ctx.destroy(linger=0)
+    for key, value in figures.items():
+        print(f"{key:24} {value}")
+    if not figures.get("hub_alive"):
+        print(f"hub log tail:\n{tail}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    return 0 if figures.get("hub_alive") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
