@@ -4,7 +4,8 @@ One checkpoint is a directory `step_000012/` under --ckpt-dir:
 
     .metadata, __<rank>_0.distcp   DCP: {"model": ..., "optim": ...} (DTensor shards for FSDP2)
     optimizer_zero1.pt             ZeRO-1 only: the optimizer state consolidated on rank 0
-    rank<r>.pt                     per rank: step, data position, RNG states, loss scaler
+    rank<r>.pt                     per rank: step, rank, world size, data position, RNG
+                                   states, loss scaler
     meta.json                      written last: step, world size, run config, size and
                                    sha256 of every other file
 
@@ -12,9 +13,14 @@ Every rank writes into `step_000012.tmp/`; after a barrier rank 0 writes meta.js
 the directory, so a directory without `.tmp` is complete, and a crash mid-save leaves only a
 `.tmp` that is ignored (and removed by the next save).
 
-Resuming takes the newest complete checkpoint whose files match their checksums and that loads
-on every rank. Each rank reads it into copies of its own; only when every rank read it do all
-copy it into the live model, optimizer, loss scaler, data position and RNGs, so a checkpoint
+Resuming takes the newest complete checkpoint whose files match their checksums, whose files
+agree with its meta.json on every rank and that loads on every rank. Before anything is read,
+each rank checks its own rank file (step, rank, world size) and the model's shapes in DCP's
+metadata against meta.json, and the ranks gather the results: a checkpoint that mixes files
+of two steps (checksums resealed, or written over by hand) is refused by every rank together,
+like one that fails to load, instead of ranks resuming at different steps and hanging at
+their next collective. Each rank reads it into copies of its own; only when every rank read it
+do all copy it into the live model, optimizer, loss scaler, data position and RNGs, so a checkpoint
 that fails on one rank changes nothing anywhere. One that fails is renamed `*.corrupt` with a
 message saying why, and the one before it is tried; when none is left, NoCheckpoint names the
 ones set aside (by this run or an earlier one). A checkpoint of other settings (ranks,
@@ -49,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -242,6 +249,8 @@ class Checkpointer:
     def _rank_state(self, step: int, state: TrainState) -> dict[str, Any]:
         return {
             "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
             "data": state.data.state_dict(),
             "rng": rng_state(),
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
@@ -296,15 +305,22 @@ class Checkpointer:
             if kind == "incompatible":
                 raise IncompatibleCheckpoint(arg)
             path = Path(arg)
-            loaded, error = self._try_read(path, state)
-            failures = self._failures(error)
+            # every rank checks its own files against meta.json before anything is read, and
+            # all learn the result: a rank file of another step would load "fine" and leave
+            # the ranks at different steps (a hang at their next collective)
+            failures = self._failures(self._try_match(path, state))
+            what = "it does not match its meta.json on "
+            if not failures:
+                loaded, error = self._try_read(path, state)
+                failures = self._failures(error)
+                what = "it failed to load on "
             if not failures:
                 self._commit_everywhere(path, loaded, state)
                 self.log(f"checkpoint: resumed from {path} (step {loaded.step})"
                          f"{self._newer_set_aside(loaded.step)}")
                 return loaded.step
             if self.rank == 0:
-                self._set_aside(path, "it failed to load on " + "; ".join(
+                self._set_aside(path, what + "; ".join(
                     f"rank {r}: {e}" for r, e in failures.items()))
             _barrier(self.group)
 
@@ -366,11 +382,36 @@ class Checkpointer:
             dist.all_gather_object(errors, error, group=self.group)
         return {r: e for r, e in enumerate(errors) if e is not None}
 
+    def _try_match(self, path: Path, state: TrainState) -> str | None:
+        """None when this rank's files of checkpoint `path` agree with its meta.json, else what
+        differs in one line (never raises: every rank must reach the agreement after it)."""
+        try:
+            return self._mismatch(path, state)
+        except (Exception, CheckpointException) as exc:
+            return _one_line(exc)
+
+    def _mismatch(self, path: Path, state: TrainState) -> str | None:
+        """What in this rank's view of `path` contradicts meta.json: the step and world size
+        in its rank file, and the model's tensor shapes in DCP's metadata against this run's."""
+        meta = json.loads((path / META).read_text())
+        if meta["world_size"] != self.world_size:
+            return (f"{META} says {meta['world_size']} rank(s), this run has "
+                    f"{self.world_size}")
+        name = f"rank{self.rank}.pt"
+        mine = torch.load(path / name, weights_only=True)
+        if int(mine["step"]) != meta["step"]:
+            return f"{name} is of step {mine['step']}, {META} says step {meta['step']}"
+        for key in ("rank", "world_size"):  # absent in files of older trainers
+            want = self.rank if key == "rank" else meta["world_size"]
+            if key in mine and mine[key] != want:
+                return f"{name} was written with {key} {mine[key]}, {META} says {want}"
+        return _shape_mismatch(path, state)
+
     def _try_read(self, path: Path, state: TrainState) -> tuple[Loaded | None, str | None]:
         """(what `_read` read, None), or (None, the error in one line)."""
         try:
             return self._read(path, state), None
-        except Exception as exc:  # any failure means: use an older one
+        except (Exception, CheckpointException) as exc:  # any failure: use an older one
             return None, _one_line(exc)
 
     def _read(self, path: Path, state: TrainState) -> Loaded:
@@ -441,6 +482,21 @@ def _settings_mismatch(saved: dict[str, Any], ours: dict[str, Any]) -> str | Non
     if "batch_size" in saved and per_step[0] != per_step[1]:
         return (f"it took {per_step[0]} sequences per rank per step (--batch-size x "
                 f"--grad-accum) and this run takes {per_step[1]}")
+    return None
+
+
+def _shape_mismatch(path: Path, state: TrainState) -> str | None:
+    """The first model tensor whose shape in the checkpoint's DCP metadata differs from this
+    run's model (global shapes, so the same on every rank), or None."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for fqn, tensor in get_model_state_dict(state.model).items():
+        entry = saved.get(f"model.{fqn}")
+        size = getattr(entry, "size", None)
+        if entry is None:
+            return f"the checkpoint has no model tensor {fqn}"
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            return (f"model tensor {fqn} has shape {tuple(size)} in the checkpoint, "
+                    f"{tuple(tensor.shape)} in this run")
     return None
 
 

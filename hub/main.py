@@ -11,6 +11,7 @@ from pathlib import Path
 from scalemon.cli_args import Parser, int_at_least, job_id, seconds
 from scalemon.collectives import hang_after_default
 from scalemon.jobs import check_job_id
+from scalemon.safe_text import CleanStream, clean
 
 from .server import Hub, HubAlreadyRunning, install_signal_handlers
 
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the hub until the job ended and lingered, or SIGTERM/SIGINT."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(  # log lines can quote a rank's text: its control characters shown
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=CleanStream(sys.stderr),
     )
     try:
         check_job_id(args.job)
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             hang_after_s=args.hang_after, listen=args.listen,
         )
     except (HubAlreadyRunning, ValueError, OSError) as exc:
-        print(f"scalemon hub: {exc}", file=sys.stderr)
+        print(f"scalemon hub: {clean(str(exc))}", file=sys.stderr)
         return 2
     install_signal_handlers(hub)
     hub.serve_forever()

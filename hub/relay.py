@@ -38,6 +38,7 @@ import zmq
 from scalemon import protocol
 from scalemon.jobs import HubAddress, JobFile, jobs_dir, node_name
 from scalemon.keys import NoServerKey, secure_client
+from scalemon.safe_text import CleanStream
 
 log = logging.getLogger("scalemon.relay")
 
@@ -432,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linger", type=seconds(0.0, above=True), default=60.0, metavar="S",
                         help="exit once no rank of this node spoke for S seconds")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO,  # control characters of ranks' text shown
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=CleanStream(sys.stderr))
     try:
         relay = Relay(args.job, relay_dir(args.job), home=args.home, hub=args.hub,
                       linger_s=args.linger)

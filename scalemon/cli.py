@@ -20,6 +20,7 @@ from scalemon.jobs import (
     serving_jobs,
 )
 from scalemon.jobstate import JobState
+from scalemon.safe_text import clean, clean_output
 
 
 def _json_safe(value: Any) -> Any:
@@ -138,8 +139,8 @@ def _rank_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
     cells = []
     for rank in ranks:
         values = {**rank, **rank.get("extra", {})}
-        cells.append([display.metric_text(c.metric, values) if c.metric else
-                      _frame_cell(c.key, rank) for c in columns])
+        cells.append([clean(display.metric_text(c.metric, values) if c.metric else
+                            _frame_cell(c.key, rank), one_line=True) for c in columns])
     widths = [max([len(c.heading)] + [len(row[i]) for row in cells if c.key != "state"])
               for i, c in enumerate(columns)]
     state_at = [c.key for c in columns].index("state")
@@ -243,6 +244,8 @@ def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
 
 
 def _short(text: str, width: int) -> str:
+    """`text` on one line, cut at `width` characters."""
+    text = clean(text, one_line=True)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -398,7 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `scalemon` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs clean
+        return args.func(args)
+    with clean_output():  # a rank's text (host, error, value) shows its control characters
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from scalemon.cli_args import add_hub_timeout, add_query_arguments, seconds
 from scalemon.client import HubClient, HubUnreachable
 from scalemon.control import ControlError, Controller, log_count_wait
 from scalemon.flags import FlagError, check, parse_assignment, tier_text
-from scalemon.flagstate import log_count_text
+from scalemon.flagstate import UNKNOWN, log_count_text
 from scalemon.jobs import JobLookupError, resolve_hub
 
 EXIT_REFUSED = 3
@@ -97,9 +97,17 @@ def toggle_line(t: dict[str, Any]) -> str:
         f" planned step {t['at_step']}" if t.get("at_step") is not None else "")
     tier = f" ({t['tier']})" if t.get("tier") else ""
     counted = log_count_text(t) if t.get("state") in ("applied", "partial") else None
-    return (f"#{t['id']} {when} {who} {t['name']}={t.get('value') or ''}{tier}{step}: "
-            f"{t['state']} {display.NA if not t.get('text') else '- ' + t['text']}"
-            + (f"; {counted}" if counted else ""))
+    return (f"#{t.get('id')} {when} {who} {t.get('name')}={t.get('value') or ''}{tier}{step}: "
+            f"{t.get('state') or '?'} {display.NA if not t.get('text') else '- ' + t['text']}"
+            + (f"; {counted}" if counted else "") + _answers(t))
+
+
+def _answers(t: dict[str, Any]) -> str:
+    """For a toggle known only from ranks' answers: what each rank said."""
+    if t.get("state") != UNKNOWN:
+        return ""
+    return "".join(f"; rank {r}: {res.get('outcome')} {res.get('text') or ''}".rstrip()
+                   for r, res in sorted((t.get("results") or {}).items()))
 
 
 def _split_words(words: list[str]) -> tuple[str | None, str]:

@@ -14,6 +14,8 @@ from scalemon.protocol import Message
 LOG_LINES_KEPT = 5000
 """Log lines the reducer keeps (the newest); older ones stay in the history."""
 TOGGLES_KEPT = 200
+UNKNOWN = "unknown"
+"""The state of a toggle known only from a rank's `toggle_result` (no hub request seen)."""
 
 
 @dataclass
@@ -84,8 +86,14 @@ class FlagState:
     def on_toggle_result(self, msg: Message) -> None:
         """A rank's answer to a toggle: kept under the toggle's `results`."""
         b = msg.body
-        toggle = self.toggles.setdefault(b["id"], {"id": b["id"], "name": b["name"],
-                                                   "value": b["value"], "t": msg.t})
+        toggle = self.toggles.get(b["id"])
+        if toggle is None:  # an id no `toggle` record named: shown as such, never a crash
+            toggle = self.toggles[b["id"]] = {
+                "id": b["id"], "name": b["name"], "value": b["value"], "t": msg.t,
+                "state": UNKNOWN, "text": f"rank {msg.rank} answered a toggle id this hub "
+                                          "holds no request for"}
+            while len(self.toggles) > TOGGLES_KEPT:
+                self.toggles.pop(min(self.toggles))
         results = toggle.setdefault("results", {})
         earlier = results.get(str(msg.rank))
         if isinstance(b.get("log_lines"), int) and earlier is not None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -139,6 +142,43 @@ def test_a_checkpoint_of_other_settings_is_incompatible_not_corrupt(corpus, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]  # nothing renamed
 
 
+def test_model_shapes_that_contradict_meta_json_are_refused_before_loading(corpus, tmp_path):
+    """DCP state of another model under a meta.json whose settings say this one's: refused by
+    the check before DCP's (collective) load, set aside as corrupt, the live model untouched."""
+    other = trainer(corpus, "--block-size", "32")
+    steps(other, 1)
+    quiet(tmp_path).save(1, other.state)
+    ours = trainer(corpus)
+    path = tmp_path / "step_000001"
+    meta = json.loads((path / "meta.json").read_text())
+    meta["config"] = ours.state.config
+    (path / "meta.json").write_text(json.dumps(meta))
+    weights = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    messages: list[str] = []
+    with pytest.raises(NoCheckpoint, match="1 set aside as corrupt"):
+        Checkpointer(tmp_path, log=messages.append).load_latest(ours.state)
+    assert any(re.search(r"step_000001 is corrupt \(it does not match its meta.json on rank 0: "
+                         r"model tensor \S+ has shape \(32, \d+\) in the checkpoint, "
+                         r"\(\d+, \d+\) in this run\)", m) for m in messages), messages
+    for name, p in ours.model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+
+
+def test_a_dcp_file_that_fails_to_read_is_set_aside_not_a_crash(corpus, tmp_path):
+    """DCP raises CheckpointException, a BaseException: it used to escape load_latest."""
+    t = trainer(corpus)
+    steps(t, 1)
+    quiet(tmp_path).save(1, t.state)
+    shard = tmp_path / "step_000001" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    reseal(tmp_path / "step_000001")
+    messages: list[str] = []
+    with pytest.raises(NoCheckpoint, match="1 set aside as corrupt"):
+        Checkpointer(tmp_path, log=messages.append).load_latest(trainer(corpus).state)
+    assert any("it failed to load on rank 0: CheckpointException" in m for m in messages), \
+        messages
+
+
 def test_grad_accum_that_keeps_the_batch_resumes(corpus, tmp_path):
     t = trainer(corpus)  # --batch-size 4
     steps(t, 1)
@@ -239,3 +279,58 @@ def test_max_steps_minus_5_is_refused_once_before_the_ranks_start(tmp_path):
     assert job.out.count("train.py: error: argument --max-steps: must be at least 1, "
                          "not -5") == 1, job.out[-3000:]
     assert "training tiny" not in job.out and "exitcode  : 2" in job.out
+
+
+# -----------------------------------------------------------------------------
+# mixed checkpoints (issue #26 item 9): a rank file of another step, checksums resealed
+
+
+def mix_in(ckpt: Path, into: str, source: str, rank: int) -> None:
+    """Put `rank`'s file of checkpoint `source` into checkpoint `into`, and reseal `into`: only
+    the rank file's own step tells (before, rank 1 went on from the older step and the ranks
+    hung at their first collective out of step)."""
+    (ckpt / into / f"rank{rank}.pt").write_bytes((ckpt / source / f"rank{rank}.pt").read_bytes())
+    reseal(ckpt / into)
+
+
+def exit_codes(out: str) -> dict[int, int]:
+    """Each failed rank's exit code, from torchrun's failure summary."""
+    return {int(r): int(c) for r, c in
+            re.findall(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", out)}
+
+
+def test_a_rank_file_of_another_step_is_set_aside_and_the_previous_resumed(straight, tmp_path):
+    ref = straight().losses()
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, "a", "--max-steps", "9", *ckpt_args(ckpt, 3))
+    assert first.code == 0, first.out[-3000:]
+    mix_in(ckpt, "step_000009", "step_000006", 1)
+    job = run(tmp_path, "b", "--max-steps", str(STEPS), "--resume", *ckpt_args(ckpt, 3))
+    assert job.code == 0, job.out[-3000:]
+    assert job.out.count(f"{ckpt / 'step_000009'} is corrupt (it does not match its meta.json "
+                         "on rank 1: rank1.pt is of step 6, meta.json says step 9)") == 1
+    assert f"resumed from {ckpt / 'step_000006'} (step 6)" in job.out
+    assert job.losses() == {s: ref[s] for s in range(7, STEPS + 1)}  # bit for bit
+
+
+def test_a_mixed_only_checkpoint_stops_every_rank_at_once_with_one_reason(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, "a", "--max-steps", "6", *ckpt_args(ckpt, 3))
+    assert first.code == 0, first.out[-3000:]
+    mix_in(ckpt, "step_000006", "step_000003", 1)
+    shutil.rmtree(ckpt / "step_000003")  # nothing older to fall back on
+    started = time.monotonic()
+    # torchrun looks at its workers every 3 s, not 0.1 s: a rank that leaves a moment after
+    # the other is seen exiting by itself, not killed by torchrun's SIGTERM (exit code -15)
+    job = run(tmp_path, "b", "--max-steps", str(STEPS), "--resume", *ckpt_args(ckpt, 3),
+              extra=("--monitor-interval", "3"),
+              timeout=120)  # a hang fails here (TimeoutExpired), not at the suite's limit
+    assert time.monotonic() - started < 120
+    assert exit_codes(job.out) == {0: 1, 1: 1}, job.out[-3000:]  # both ranks: CANNOT_RESUME
+    assert job.out.count(f"{ckpt / 'step_000006'} is corrupt (it does not match its "
+                         "meta.json on rank 1: rank1.pt is of step 3, meta.json says step "
+                         "6)") == 1, job.out[-3000:]
+    assert job.out.count(f"train.py: cannot resume: no usable checkpoint in {ckpt}: 1 set "
+                         "aside as corrupt (step_000006.corrupt)") == 1, job.out[-3000:]
+    assert worker_tracebacks(job.out) == 0, job.out[-3000:]
+    assert "step 1 loss" not in job.out and "step 4 loss" not in job.out

@@ -1,7 +1,7 @@
 """Text that comes from outside the dashboard is shown as typed on every screen of the real app
 (App.run_test + Pilot): never read as markup (a gloo error's "[/__w/.../pair.cc:553]" used to
 stop the dashboard with a MarkupError), and no control character reaches the terminal (ESC
-shows as "␛", BEL as "␇", CR is dropped).
+shows as "\\x1b", BEL as "\\x07", CR is dropped).
 
 Every field a rank, the hub or a job file fills is given such text: the job id, hosts, errors,
 exit reasons, `log()` extras and their names, `info` facts and the configuration, group and op
@@ -41,37 +41,37 @@ CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 """Control characters that must never reach the terminal (the newline is the screen's own)."""
 
 # (what comes in, what the screen must show): markup brackets stay, ESC and BEL show as
-# their control pictures, CR is dropped, a tab becomes spaces
-JOB = ("[/x]job[bold]\x07", "[/x]job[bold]␇")
-HOST = ("[/x]n\x1b[31m\r", "[/x]n␛[31m")
-GROUP_DESC = ("[/x]pg[bold]\x1b", "[/x]pg[bold]␛")
-OP = ("[/x]allred\x07", "[/x]allred␇")
-PHASE = ("[/p]\x1b", "[/p]␛")
-CONFIG = ("/data/[/x]\x1b[2J", "/data/[/x]␛[2J")
-EXTRA_NOTE = ("[/] [bold]x\x1b[0m", "[/] [bold]x␛[0m")
-EXTRA_NAME = ("[/x]lr\x1b", "[/x]lr␛")
-INFO_KEY = ("[/x]key\x07", "[/x]key␇")
-INFO_VALUE = ("[bold]v\x1b[1m", "[bold]v␛[1m")
-FLAG_VALUE = ("[/x]INFO\x1b", "[/x]INFO␛")
-FLAG_WHY = ("[/x]why[bold]\x07", "[/x]why[bold]␇")
-RESTART_REASON = ("[/x]no ckpt\x1b", "[/x]no ckpt␛")
-TOGGLE_USER = ("[/x]al\x1b", "[/x]al␛")
-TOGGLE_TEXT = ("[/x]planned\x07", "[/x]planned␇")
-TOGGLE_FAILED = ("[/x]bad\x1b[5m", "[/x]bad␛[5m")
-LOG_LINE = ("NCCL WARN [/x] [bold] \x1b[31mred\x07\r", "NCCL WARN [/x] [bold] ␛[31mred␇")
-LOG_SOURCE = ("[/s]\x1b", "[/s]␛")
-HUB_NOTE = ("[/x]note\x07", "[/x]note␇")
+# their escapes, CR is dropped, a tab becomes spaces
+JOB = ("[/x]job[bold]\x07", "[/x]job[bold]\\x07")
+HOST = ("[/x]n\x1b[31m\r", "[/x]n\\x1b[31m")
+GROUP_DESC = ("[/x]pg[bold]\x1b", "[/x]pg[bold]\\x1b")
+OP = ("[/x]allred\x07", "[/x]allred\\x07")
+PHASE = ("[/p]\x1b", "[/p]\\x1b")
+CONFIG = ("/data/[/x]\x1b[2J", "/data/[/x]\\x1b[2J")
+EXTRA_NOTE = ("[/] [bold]x\x1b[0m", "[/] [bold]x\\x1b[0m")
+EXTRA_NAME = ("[/x]lr\x1b", "[/x]lr\\x1b")
+INFO_KEY = ("[/x]key\x07", "[/x]key\\x07")
+INFO_VALUE = ("[bold]v\x1b[1m", "[bold]v\\x1b[1m")
+FLAG_VALUE = ("[/x]INFO\x1b", "[/x]INFO\\x1b")
+FLAG_WHY = ("[/x]why[bold]\x07", "[/x]why[bold]\\x07")
+RESTART_REASON = ("[/x]no ckpt\x1b", "[/x]no ckpt\\x1b")
+TOGGLE_USER = ("[/x]al\x1b", "[/x]al\\x1b")
+TOGGLE_TEXT = ("[/x]planned\x07", "[/x]planned\\x07")
+TOGGLE_FAILED = ("[/x]bad\x1b[5m", "[/x]bad\\x1b[5m")
+LOG_LINE = ("NCCL WARN [/x] [bold] \x1b[31mred\x07\r", "NCCL WARN [/x] [bold] \\x1b[31mred\\x07")
+LOG_SOURCE = ("[/s]\x1b", "[/s]\\x1b")
+HUB_NOTE = ("[/x]note\x07", "[/x]note\\x07")
 STACK = ('  File "/w/[/x].py", line 1\x1b[31m\n    boom()\t[bold]\n',
-         ('  File "/w/[/x].py", line 1␛[31m', "    boom()  [bold]"))
-RAS = ("[/x]ras[bold]\x1b", "[/x]ras[bold]␛")
-DUMP_DIR = ("/tmp/fr/[/x]\x1b", "/tmp/fr/[/x]␛")
-ANALYSIS = ("[/x] analysis [bold]\x07", "[/x] analysis [bold]␇")
+         ('  File "/w/[/x].py", line 1\\x1b[31m', "    boom()  [bold]"))
+RAS = ("[/x]ras[bold]\x1b", "[/x]ras[bold]\\x1b")
+DUMP_DIR = ("/tmp/fr/[/x]\x1b", "/tmp/fr/[/x]\\x1b")
+ANALYSIS = ("[/x] analysis [bold]\x07", "[/x] analysis [bold]\\x07")
 GLOO = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
         "Connection closed by peer [127.0.0.1]:21901.")
 """The error of every gloo rank whose peer went away: it used to stop the dashboard."""
 ERRORS = {r: (f"{GLOO} \x1b[31m\x07\r\n[/x] rank {r} [bold]\x1b[0m",
-              f"{GLOO} ␛[31m␇\n[/x] rank {r} [bold]␛[0m") for r in range(RANKS)}
-REASON = ("[/x]reason[bold]\x1b[1m", "[/x]reason[bold]␛[1m")
+              f"{GLOO} \\x1b[31m\\x07\n[/x] rank {r} [bold]\\x1b[0m") for r in range(RANKS)}
+REASON = ("[/x]reason[bold]\x1b[1m", "[/x]reason[bold]\\x1b[1m")
 
 
 def encoded(messages: list[Message]) -> list[Message]:
@@ -290,6 +290,8 @@ def test_the_rank_detail_title_names_the_keys_its_footer_shows():
 
 def test_clean_makes_control_characters_visible_and_keeps_the_rest():
     assert clean("[/x] [bold] ok") == "[/x] [bold] ok"
-    assert clean("a\x1b[31mb\x07c\r\nd\x00e\x7f\x9b") == "a␛[31mb␇c\nd␀e␡\ufffd"
+    assert clean("a\x1b[31mb\x07c\r\nd\x00e\x7f\x9b") == "a\\x1b[31mb\\x07c\nd\\x00e\\x7f\\x9b"
+    assert clean("\x1b]52;c;aGVsbG8=\x07") == "\\x1b]52;c;aGVsbG8=\\x07"  # OSC 52
+    assert clean("a\u202eb") == "a\\u202eb"
     assert clean("x\ty\nz", one_line=True) == "x   y z"
-    assert plain("[/x]\x1b", style="bold").plain == "[/x]␛"
+    assert plain("[/x]\x1b", style="bold").plain == "[/x]\\x1b"

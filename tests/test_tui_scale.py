@@ -334,12 +334,12 @@ def test_host_names_are_shown_as_typed():
             await pilot.press("n")
             await until(pilot, lambda: len(node_table(app).rows) == 2)
             text = screen_text(app)
-            assert "[b]n1[/b]␛" in text and "[b]n0[/b]␛" in text  # in the table and panels
+            assert "[b]n1[/b]\\x1b" in text and "[b]n0[/b]\\x1b" in text  # in the table and panels
             assert "lost ([/red] gone)" in app.screen.query_one("#failed", TextPanel).plain()
             await pilot.press("enter")  # node1 first: its rank 9 is lost
             await until(pilot, lambda: isinstance(app.screen, NodeScreen)
                         and len(app.screen.query_one(RankTable).rows) == 8)
-            assert "node [b]n1[/b]␛  ·  8 ranks" in screen_text(app)
+            assert "node [b]n1[/b]\\x1b  ·  8 ranks" in screen_text(app)
 
     asyncio.run(scenario())
 

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from scalemon.history import history_path
 from scalemon.jobs import HubAddress, default_jobs, serving_jobs
+from scalemon.safe_text import clean
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
 
@@ -109,6 +110,6 @@ def attach(target: str | None, stats_path: Path | None = None,
     app = make_app(target, stats_path=stats_path, hang_after_s=hang_after_s)
     if isinstance(app, str):
         waited = f" (waited {wait_s:g} s)" if wait_s > 0 and not found else ""
-        print(f"scalemon attach: {app}{waited}", file=sys.stderr)
+        print(f"scalemon attach: {clean(app)}{waited}", file=sys.stderr)
         return 2
     return run_app(app)  # 1 when the dashboard crashed

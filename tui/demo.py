@@ -34,6 +34,7 @@ from scalemon.jobs import (
     scalemon_home,
     serving_jobs,
 )
+from scalemon.safe_text import clean
 
 MAX_RANKS = 64
 """More ranks than this on one machine is a typo, not a demo."""
@@ -290,5 +291,5 @@ def demo(args: argparse.Namespace) -> int:
           + (f"the last {len(lines)} lines of its log, {log_path}:" if lines else
              f"its log, {log_path}, is empty"), file=sys.stderr)
     for line in lines:
-        print(f"  {line}", file=sys.stderr)
+        print(f"  {clean(line, one_line=True)}", file=sys.stderr)  # the ranks' own output
     return code if 0 < code < 256 else 1

@@ -6,8 +6,9 @@ cells, `OptionList` prompts, `rich.table.Table` cells, the command palette), so 
 holding "[/__w/pytorch/.../pair.cc:553]" raises `MarkupError` there: such text goes in as
 `rich.text.Text`. Both only drop BEL, BS, VT, FF and CR from text and pass the other control
 characters on to the terminal as they are (an ESC starts an escape sequence there): `clean`
-shows them as their Unicode control pictures (ESC as "␛"), drops CR and turns tabs into
-spaces; in a line that must stay one line (a table cell, a title) newlines become spaces.
+(the one of `scalemon.safe_text`, which the CLI uses too) shows them as their escapes (ESC as
+the four characters `\\x1b`), drops CR and turns tabs into spaces; in a line that must stay one
+line (a table cell, a title) newlines become spaces.
 """
 
 from __future__ import annotations
@@ -15,23 +16,9 @@ from __future__ import annotations
 from rich.style import Style
 from rich.text import Text
 
-TAB = 4
-"""Columns between tab stops."""
+from scalemon.safe_text import TAB, clean
 
-_SHOWN: dict[int, str | None] = {c: chr(0x2400 + c) for c in range(0x20)}  # ␀ .. ␟
-_SHOWN.update({0x0D: None, 0x7F: "␡", 0x2028: " ", 0x2029: " "})
-_SHOWN.update({c: "\ufffd" for c in range(0x80, 0xA0)})  # C1 controls: CSI is one of them
-_MULTILINE = {**_SHOWN, 0x0A: "\n"}
-_ONE_LINE = {**_SHOWN, 0x0A: " "}
-
-
-def clean(text: str, one_line: bool = False) -> str:
-    """`text` with every control character made harmless (newlines kept unless `one_line`)."""
-    if text.isprintable():  # the usual case, at C speed
-        return text
-    if "\t" in text:
-        text = text.expandtabs(TAB)
-    return text.translate(_ONE_LINE if one_line else _MULTILINE)
+__all__ = ["TAB", "clean", "plain"]
 
 
 def plain(text: object, style: str | Style = "", one_line: bool = False) -> Text:
