@@ -285,7 +285,7 @@ class Hub:
             return
         try:
             current = JobFile.read(path)
-        except ValueError:
+        except (ValueError, OSError):  # unreadable, or not trusted
             return
         if current.pid != os.getpid():
             return  # another hub took over
