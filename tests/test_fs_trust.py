@@ -76,6 +76,25 @@ def test_a_run_directory_others_can_write_is_refused_and_left_as_it_is(home, mod
     assert list(run.iterdir()) == []
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory of another user")
+def test_a_run_directory_of_another_user_is_refused_by_hub_and_agent(home):
+    """Whoever owns run/ can swap run/<job> (ours or not) for a directory of sockets of
+    theirs after the hub checked it: run/ itself must be ours."""
+    run = home / "run"
+    run.mkdir(mode=0o755)
+    os.chown(run, 65534, 65534)
+    out = hub_run(home, "jobO")
+    assert out.returncode == 2
+    assert f"{run} belongs to" in out.stderr and "uid 65534" in out.stderr
+    assert list(run.iterdir()) == []
+    agent = subprocess.run(
+        [sys.executable, "-c", "import scalemon.agent as sm; print(sm.init() is None)"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SCALEMON_HOME": str(home), "SCALEMON_JOB_ID": "jobO"})
+    assert agent.stdout.strip() == "True" and f"{run} belongs to" in agent.stderr
+    assert list(run.iterdir()) == []
+
+
 def test_a_symlinked_job_file_is_not_trusted_by_jobs_snapshot_or_attach(start_hub, home,
                                                                         tmp_path):
     """A job file that is a link (here to a hub's real job file elsewhere) is said and not
