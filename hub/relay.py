@@ -111,7 +111,7 @@ class Relay:
         path = jobs_dir(self.home) / f"{self.job}.json"
         try:
             jf = JobFile.read(path)
-        except ValueError:
+        except (ValueError, OSError):  # unreadable, or not trusted (another user's, a link)
             jf = None
         if jf is not None and jf.serving() and jf.tcp:
             return HubAddress(jf.tcp["ingest"], jf.tcp["feed"], jf.tcp["rpc"],

@@ -97,7 +97,8 @@ class Hub:
     ) -> None:
         self.job = job
         self.home = home
-        self.run_dir = private_dir(run_dir(job, home))
+        where = run_dir(job, home)
+        self.run_dir = private_dir(where, top=where.parents[1])  # home, run/, run/<job>
         self.address = HubAddress.parse(address) if address else HubAddress.for_directory(
             self.run_dir
         )
@@ -185,6 +186,9 @@ class Hub:
             self._apply(seq, msg)
         if n:
             log.info("resumed history of job %s: %d records", self.job, n)
+        if self.history.earlier_loss:
+            log.error("history of job %s: %s", self.job, self.history.earlier_loss)
+            self._notes.append(("loss", self.history.earlier_loss))
         recovery = self.history.recovery
         if recovery:
             self._notes.append(("history", (
@@ -294,7 +298,7 @@ class Hub:
             return
         try:
             current = JobFile.read(path)
-        except ValueError:
+        except (ValueError, OSError):  # unreadable, or not trusted
             return
         if current.pid != os.getpid():
             return  # another hub took over
@@ -362,7 +366,8 @@ class Hub:
             self.auth = None
 
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
-        self.history.close()
+        error = self.history.write_error
+        lost = self.history.close()
         if self.guard is not None:
             self.guard.close()
         for sock in sockets:
@@ -372,10 +377,13 @@ class Hub:
         if self._job_file is not None:
             self._mark_job_file()
         self._lock_file.close()
-        log.info(
-            "hub for job %s stopped: %d received, %d rejected", self.job, self.received,
-            self.rejected,
-        )
+        if lost:
+            log.error("hub for job %s stopped: %d received, %d rejected; %d records could not "
+                      "be written to the history (%s) and are lost", self.job, self.received,
+                      self.rejected, lost, error)
+        else:
+            log.info("hub for job %s stopped: %d received, %d rejected; every record is in "
+                     "the history", self.job, self.received, self.rejected)
 
     def _ingest(self, ingest: zmq.Socket, feed: _FanOut) -> None:
         """Take what arrived: ranks send one frame per message, a node's relay a batch of them
@@ -463,10 +471,11 @@ class Hub:
             log.warning("rejected frame #%d (%d bytes): %s", self.rejected, size,
                         clip(str(exc), 500))
 
-    def _record(self, feed: _FanOut, mtype: str, body: dict[str, Any]) -> None:
-        """Write a hub-originated message into the history and the feed. A record over the
-        message limit has its long strings cut; one still over it is logged, not written: the
-        hub never writes what it would refuse, and never stops over it."""
+    def _record(self, feed: _FanOut, mtype: str, body: dict[str, Any]) -> int | None:
+        """Write a hub-originated message into the history and the feed; returns its record
+        number. A record over the message limit has its long strings cut; one still over it is
+        logged, not written (None): the hub never writes what it would refuse, and never stops
+        over it."""
         self._own_seq += 1
         frame = protocol.encode(mtype, self.job, HUB_RANK, self._own_seq, body)
         if len(frame) > protocol.MAX_MESSAGE_BYTES:
@@ -475,11 +484,12 @@ class Hub:
         if len(frame) > protocol.MAX_MESSAGE_BYTES:
             log.error("not writing a %s record of %d bytes (over the %d limit)", mtype,
                       len(frame), protocol.MAX_MESSAGE_BYTES)
-            return
+            return None
         seq = self.history.append(frame)
         self._apply(seq, protocol.decode(frame))
         self.history.flush()
         feed.send_multipart([self._topic, protocol.pack_seq(seq), frame])
+        return seq
 
     def _note_write_error(self) -> None:
         """Say in the history (and so in snapshot and dashboards) when records stop and start
@@ -504,7 +514,11 @@ class Hub:
         self._note_write_error()
         while self._notes:
             kind, text = self._notes.pop(0)
-            self._record(feed, "hub_note", {"kind": kind, "text": text})
+            if kind == "loss":  # once written, the loss marker no longer needs to say it
+                self.history.earlier_loss_told(self._record(
+                    feed, "hub_note", {"kind": "history", "text": text}))
+            else:
+                self._record(feed, "hub_note", {"kind": kind, "text": text})
         self._advance_dump(feed)
         self.toggles.advance(now)
         self._write_toggle_records(feed)

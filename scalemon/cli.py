@@ -40,7 +40,7 @@ def _json_safe(value: Any) -> Any:
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
-    from scalemon.history import history_path, read_messages
+    from scalemon.history import earlier_loss_text, history_path, read_messages
 
     path = history_path(job)
     if not path.exists():
@@ -49,7 +49,12 @@ def _offline_state(job: str) -> dict[str, Any] | None:
     messages, rejected = read_messages(path, job)
     for _, msg in messages:
         state.apply(msg)
-    return {"state": state.to_json(), "hub": None, "source": str(path), "rejected": rejected}
+    out = state.to_json()
+    loss = earlier_loss_text(path)  # what its last hub could not write (a full disk)
+    if loss:
+        out["hub_notes"] = [*(out.get("hub_notes") or []), {"t": time.time(), "kind": "history",
+                                                           "text": loss}]
+    return {"state": out, "hub": None, "source": str(path), "rejected": rejected}
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -170,6 +175,11 @@ def _info_lines(state: dict[str, Any], width: int) -> list[str]:
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
     for note in state.get("hub_notes") or []:
         lines.append(f"hub: {note['text']}")
+    hub = state.get("hub") or {}
+    if hub.get("history_unwritten"):
+        lines.append(f"hub: {hub['history_unwritten']} records not yet written to the history "
+                     f"({hub.get('history_error')}): kept in memory, lost if the hub exits "
+                     "before there is room")
     lines.extend(_relay_lines(state.get("relays") or {}))
     for row in state.get("flags") or []:
         if row["mismatch"]:
@@ -259,7 +269,11 @@ def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
-    jobs = serving_jobs()
+    try:
+        jobs = serving_jobs()
+    except JobLookupError as exc:  # job files not to be trusted
+        print(f"scalemon jobs: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([{**j.__dict__, "live": j.state == "running"} for j in jobs],
                          indent=1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -31,9 +32,11 @@ HISTORY_FILE = "history.smlog"
 ID_SUFFIX = ".id"
 RETRY_S = 2.0
 """How often a hub that cannot write its history tries again."""
+"""`history.smlog.id`: the random id made when the history file was created."""
 DAMAGED_SUFFIX = ".damaged"
 """`history.smlog.damaged`: bytes a reopening hub found damaged, kept aside."""
-"""`history.smlog.id`: the random id made when the history file was created."""
+LOSS_SUFFIX = ".loss"
+"""`history.smlog.loss`: what the hub of the history could not write (`LossMarker`)."""
 _LEN = 4
 
 
@@ -62,6 +65,26 @@ class History:
         self.write_error: str | None = None  # why records are not being written, if so
         self.write_error_since: float | None = None
         self._next_retry = 0.0
+        self.lost = 0  # records given up at close (the disk stayed full)
+        self.earlier_loss = earlier_loss_text(path)  # what earlier hubs could not write
+        self._earlier_lost = earlier_lost(path)
+        self._earlier_told_at: int | None = None
+        self._marker = LossMarker(path.with_name(path.name + LOSS_SUFFIX))
+        self._marked_unwritten = -1
+        self._mark()
+
+    def _mark(self, closed: bool = False) -> None:
+        """Say in the loss marker, in place, what is not written (see `LossMarker`)."""
+        self._marked_unwritten = len(self._unwritten)
+        self._marker.update({
+            "pid": os.getpid(), "closed": closed, "records": len(self._offsets),
+            "unwritten": len(self._unwritten), "lost": self.lost, "error": self.write_error,
+            "since": self.write_error_since, "earlier_lost": self._earlier_lost,
+            "t": time.time()})
+
+    def earlier_loss_told(self, seq: int) -> None:
+        """Record `seq` tells the earlier loss: once it is written, the marker forgets it."""
+        self._earlier_told_at = seq
 
     @property
     def identity(self) -> dict[str, object]:
@@ -147,6 +170,8 @@ class History:
         was written and the records since are written again."""
         if self.write_error is not None:
             if time.monotonic() < self._next_retry:
+                if len(self._unwritten) != self._marked_unwritten:
+                    self._mark()  # a hub killed now leaves the count of what it loses
                 return
             self._retry()
             return
@@ -157,6 +182,13 @@ class History:
             return
         self._on_disk = self._end
         self._unwritten.clear()
+        self._forget_told_loss()
+
+    def _forget_told_loss(self) -> None:
+        if self._earlier_told_at is not None and self._earlier_told_at < self.durable:
+            self._earlier_told_at = None
+            self._earlier_lost = 0
+            self._mark()
 
     @property
     def durable(self) -> int:
@@ -171,6 +203,7 @@ class History:
         self.write_error = _write_error_text(exc)
         self._next_retry = time.monotonic() + RETRY_S
         self._reopen_writer()
+        self._mark()
 
     def _reopen_writer(self) -> None:
         """Drop what the writer holds and cut the file back to what is known written."""
@@ -197,6 +230,8 @@ class History:
         self.write_error = self.write_error_since = None
         self._on_disk = self._end
         self._unwritten.clear()
+        self._mark()
+        self._forget_told_loss()
 
     def get(self, since: int, limit: int) -> list[bytes]:
         """Records `since` .. `since+limit-1` (fewer at the end of history)."""
@@ -234,16 +269,99 @@ class History:
             n = int.from_bytes(self._reader.read(_LEN), "big")
             yield self._reader.read(n)
 
-    def close(self) -> None:
-        """Flush (one last try) and close the files."""
+    def close(self) -> int:
+        """Flush (one last try) and close the files; returns how many records could not be
+        written (they are lost), which the loss marker then says to the next opening."""
+        if self.write_error is None:
+            self.flush()
         if self.write_error is not None:
             self._retry()
-        try:
+        with contextlib.suppress(OSError):  # after a failed write it holds nothing
             self._writer.close()
-        except OSError as exc:
-            log.error("history %s: %d records could not be written: %s", self.path,
-                      len(self._unwritten), exc)
+        self.lost = len(self._unwritten)
+        if self.lost:
+            log.error("history %s: %d records could not be written (%s): they are lost",
+                      self.path, self.lost, self.write_error)
+        self._mark(closed=True)
+        self._marker.close()
         self._reader.close()
+        return self.lost
+
+
+class LossMarker:
+    """A small file next to the history, `history.smlog.loss`, made full size when a hub
+    opens the history and from then on rewritten in place (no new blocks: on most file
+    systems that works on a full disk too; not on copy-on-write ones such as btrfs or ZFS).
+    It holds JSON: the hub's pid, whether it closed the history, how many records it holds
+    unwritten (`unwritten`) and gave up at close (`lost`), the write error and since when, and
+    the losses of earlier hubs not yet told in the history (`earlier_lost`)."""
+
+    SIZE = 512
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               0o600)
+        except OSError as exc:
+            log.error("history loss marker %s: cannot open (%s): a loss will be told only in "
+                      "the hub's log", path, exc)
+
+    def update(self, data: dict[str, object]) -> None:
+        """Rewrite the marker in place (errors are logged, never raised)."""
+        if self._fd is None:
+            return
+        text = json.dumps(data).encode()[:self.SIZE - 1]
+        try:
+            os.pwrite(self._fd, text + b" " * (self.SIZE - len(text) - 1) + b"\n", 0)
+        except OSError as exc:
+            log.error("history loss marker %s: cannot write (%s)", self.path, exc)
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        """Close the marker's file."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_loss_marker(path: Path) -> dict | None:
+    """The loss marker of the history at `path`, None when there is none (or unreadable)."""
+    try:
+        data = json.loads((path.with_name(path.name + LOSS_SUFFIX)).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def earlier_lost(path: Path) -> int:
+    """How many records the hubs of the history at `path` could not write, as far as its
+    loss marker knows (records a hub killed while the disk was full held unwritten count)."""
+    marker = read_loss_marker(path)
+    if not marker:
+        return 0
+    mine = marker.get("lost", 0) if marker.get("closed") else marker.get("unwritten", 0)
+    return int(marker.get("earlier_lost") or 0) + int(mine or 0)
+
+
+def earlier_loss_text(path: Path) -> str | None:
+    """What the loss marker of the history at `path` says was lost, in a sentence, or None
+    when nothing is known lost. A hub killed with no write error loses at most the records it
+    was taking when killed; those show as gaps in the ranks' sequence numbers only."""
+    marker = read_loss_marker(path)
+    lost = earlier_lost(path)
+    if not marker or not lost:
+        return None
+    if not marker.get("error"):  # its last hub wrote all it had; earlier ones had not
+        return f"{lost} records were never written to the history by earlier hubs: they are lost"
+    how = ("exited" if marker.get("closed") else "stopped without closing it (killed?)")
+    since = marker.get("since")
+    when = f" since {time.strftime('%H:%M:%S', time.localtime(since))}" if since else ""
+    return (f"{lost} records were never written to the history (its hub, pid "
+            f"{marker.get('pid')}, {how} while it could not write: {marker['error']}{when}): "
+            "they are lost")
 
 
 def _write_error_text(exc: OSError) -> str:

@@ -15,14 +15,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from scalemon.safefs import (  # noqa: F401 - NotOwnedError, private_dir: used from here too
+    NotOwnedError,
+    UnsafePathError,
+    check_dir,
+    private_dir,
+    read_private,
+    write_private,
+)
+
+log = logging.getLogger("scalemon")
 
 _JOB_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
@@ -68,45 +81,6 @@ def check_job_id(job: str) -> str:
             "starting with a letter or digit"
         )
     return job
-
-
-class NotOwnedError(PermissionError):
-    """A directory scalemon would use belongs to another user; the text says whose and what
-    to do."""
-
-
-def private_dir(path: Path) -> Path:
-    """Create `path` and its missing parents readable by this user only (0700), and check that
-    `path` belongs to this user: in a shared, writable `$SCALEMON_HOME` another user who made a
-    run directory first could otherwise swap in their own sockets and receive every metric."""
-    missing = []
-    parent = path
-    while not parent.exists() and parent != parent.parent:
-        missing.append(parent)
-        parent = parent.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
-            directory.mkdir(mode=0o700)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise NotOwnedError(
-            f"{path} belongs to {_user_name(info.st_uid)}, not to you "
-            f"({_user_name(os.getuid())}): scalemon keeps each job's sockets and history in a "
-            "directory of its own user. Remove it (or ask its owner to), or point SCALEMON_HOME "
-            "at a directory of yours")
-    if info.st_mode & 0o777 != 0o700:
-        os.chmod(path, 0o700)
-    return path
-
-
-def _user_name(uid: int) -> str:
-    """`name (uid N)`, or `uid N` for an unknown user."""
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (KeyError, ImportError):
-        return f"uid {uid}"
 
 
 @dataclass(frozen=True)
@@ -199,21 +173,23 @@ class JobFile:
 
     def write(self, home: Path | None = None) -> Path:
         """Atomically (re)write the job file."""
-        directory = private_dir(jobs_dir(home))
-        path = directory / f"{self.job}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
+        home = home or scalemon_home()
+        path = private_dir(jobs_dir(home), top=home) / f"{self.job}.json"
+        write_private(path, json.dumps(asdict(self), indent=1).encode())
         return path
 
     @classmethod
     def read(cls, path: Path) -> JobFile:
-        """Parse a job file; raises ValueError naming the file when it is unreadable."""
+        """Parse a job file; raises ValueError naming the file when it is unreadable, and
+        UnsafePathError when it is not to be trusted (a link, another user's, writable by
+        others)."""
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_private(path))
             optional = {"state", "ended", "hub_stopped", "tcp", "server_key"}  # older hubs
             jf = cls(**{k: data[k] for k in cls.__dataclass_fields__
                         if k not in optional or k in data})
+        except UnsafePathError:
+            raise
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable job file {path}: {exc}") from None
         if "hub_stopped" not in data and jf.state != "running":  # older hubs: only at exit
@@ -231,6 +207,17 @@ class JobFile:
         if control is None and local:
             control = f"ipc://{Path(self.run_dir) / 'control.sock'}"
         return HubAddress(address.ingest, address.feed, address.rpc, control, self.server_key)
+
+    def check_trusted(self) -> None:
+        """Raise UnsafePathError when this job's hub is on this host and its ipc sockets are in
+        a directory that is not safely this user's: whoever owns it could impersonate the
+        hub."""
+        if self.host != node_name():
+            return
+        for address in (self.address, f"ipc://{self.run_dir}"):
+            if address.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):  # gone with its hub
+                    check_dir(Path(address[len("ipc://"):].rstrip("/")))
 
     def serving(self) -> bool:
         """True when the hub process still runs, lingering after the job ended included
@@ -266,11 +253,16 @@ def serving_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
     lingers (`state` says which); stale files are removed when `clean`."""
     found = []
     directory = jobs_dir(home)
-    if not directory.is_dir():
+    if not os.path.lexists(directory):
         return []
+    trusted_dirs(directory)
     for path in sorted(directory.glob("*.json")):
         try:
             jf = JobFile.read(path)
+            jf.check_trusted()
+        except UnsafePathError as exc:  # said, never used, never removed
+            log.warning("scalemon: not trusting a job file: %s", exc)
+            continue
         except ValueError:  # half-written, or removed by its hub while we looked
             with contextlib.suppress(OSError):
                 if clean and time.time() - path.stat().st_mtime > 60:
@@ -283,6 +275,27 @@ def serving_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
                 if time.time() - path.stat().st_mtime > STALE_JOB_FILE_S:
                     path.unlink(missing_ok=True)
     return sorted(found, key=lambda j: j.started, reverse=True)
+
+
+def trusted_dirs(directory: Path) -> None:
+    """Raise JobLookupError unless `directory` (the job files') and the home above it are
+    this user's, not links (the home may be a link of this user's) and not writable by
+    others: job files there could point at another user's sockets."""
+    try:
+        home = directory.parent
+        info = os.lstat(home)
+        if stat.S_ISLNK(info.st_mode):
+            if info.st_uid != os.getuid():
+                raise NotOwnedError(f"{home} is a symbolic link of another user's "
+                                    f"({info.st_uid}): remove it, or set SCALEMON_HOME to a "
+                                    "private directory of yours")
+            info = os.stat(home)
+        from scalemon.safefs import check_stat
+
+        check_stat(home, info)
+        check_dir(directory)
+    except UnsafePathError as exc:
+        raise JobLookupError(f"not reading job files: {exc}") from None
 
 
 def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
@@ -307,6 +320,8 @@ def hub_gone_text(job: str, home: Path | None = None) -> str | None:
     path = jobs_dir(home) / f"{job}.json"
     try:
         jf = JobFile.read(path)
+    except UnsafePathError as exc:
+        return f"its job file is not trusted: {exc}"
     except ValueError:
         return None
     if jf.state != "running":

@@ -53,7 +53,8 @@ class Keypair:
 
 def keys_dir(home: Path | None = None) -> Path:
     """`$SCALEMON_HOME/keys`, created 0700 and checked to be this user's."""
-    path = private_dir((home or scalemon_home()) / "keys")
+    home = home or scalemon_home()
+    path = private_dir(home / "keys", top=home)
     return path
 
 

@@ -376,6 +376,11 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
     try:
         first = wait_for(lambda: job_file.exists() and "step 10 " in out.read_text()
                          and JobFile.read(job_file), timeout=90)
+        # mid-job: the ranks were answered by this hub (they replace only a hub that went
+        # silent, not one that never answered); they sync every second
+        from scalemon.history import history_path
+        wait_for(lambda: history_path("jobH", home).stat().st_size > 0, timeout=20)
+        time.sleep(1.5)
         os.kill(first.pid, signal.SIGKILL)
         killed = time.monotonic()
         second = wait_for(lambda: (j := JobFile.read(job_file)).pid != first.pid and j,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from scalemon.history import history_path
-from scalemon.jobs import HubAddress, default_jobs, serving_jobs
+from scalemon.jobs import HubAddress, JobLookupError, default_jobs, serving_jobs
 from scalemon.safe_text import clean
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
@@ -56,13 +56,13 @@ def can_attach(target: str | None, home: Path | None = None) -> bool:
     mend): an address, a job id with a live hub or a history file, or a live job."""
     if target and "://" in target:
         return True  # the dashboard retries an address by itself
-    if not target:
-        return bool(default_jobs(home, clean=False))
     try:
+        if not target:
+            return bool(default_jobs(home, clean=False))
         return (any(j.job == target for j in serving_jobs(home, clean=False))
                 or history_path(target, home).exists())
-    except ValueError:
-        return True  # a bad job id: say so at once
+    except (ValueError, JobLookupError):
+        return True  # a bad job id, untrusted job files: say so at once
 
 
 def wait_for_job(target: str | None, wait_s: float, home: Path | None = None,
@@ -107,7 +107,10 @@ def attach(target: str | None, stats_path: Path | None = None,
     except KeyboardInterrupt:
         print("scalemon attach: stopped waiting", file=sys.stderr)
         return 130
-    app = make_app(target, stats_path=stats_path, hang_after_s=hang_after_s)
+    try:
+        app = make_app(target, stats_path=stats_path, hang_after_s=hang_after_s)
+    except JobLookupError as exc:  # job files not to be trusted
+        app = str(exc)
     if isinstance(app, str):
         waited = f" (waited {wait_s:g} s)" if wait_s > 0 and not found else ""
         print(f"scalemon attach: {clean(app)}{waited}", file=sys.stderr)

@@ -168,7 +168,7 @@ def tell_hub_stopping(job: str, reason: str = QUIT_REASON, timeout_s: float = 3.
 
     try:
         jf = JobFile.read(jobs_dir() / f"{job}.json")
-    except ValueError:
+    except (ValueError, OSError):  # unreadable, or not trusted
         return False
     if not jf.is_alive():
         return False
@@ -226,7 +226,7 @@ def stop_hub(job: str) -> None:
     path = jobs_dir() / f"{job}.json"
     try:
         jf = JobFile.read(path)
-    except ValueError:
+    except (ValueError, OSError):  # unreadable, or not trusted
         return
     if jf.job == job and jf.host == node_name():
         with contextlib.suppress(ProcessLookupError, PermissionError):

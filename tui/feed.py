@@ -21,7 +21,7 @@ import zmq
 from scalemon import protocol, seed
 from scalemon.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.history import ID_SUFFIX, history_path, read_messages
-from scalemon.jobs import HubAddress, hub_gone_text, serving_jobs
+from scalemon.jobs import HubAddress, JobLookupError, hub_gone_text, serving_jobs
 from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
 from scalemon.tui.model import DashboardData, record_key
 
@@ -64,7 +64,11 @@ class HubFeed(Feed):
         """The job's hub while it serves, lingering after the job ended included (None when
         it has none: a stale address is no use), or the address given."""
         if self.job is not None:
-            for jf in serving_jobs(self.home, clean=False):
+            try:
+                serving = serving_jobs(self.home, clean=False)
+            except JobLookupError:  # job files not to be trusted: offline, history only
+                return None
+            for jf in serving:
                 if jf.job == self.job:
                     self.address = jf.hub_address()  # with its control socket on this host
                     return self.address
