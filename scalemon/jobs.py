@@ -174,7 +174,8 @@ class JobFile:
     def write(self, home: Path | None = None) -> Path:
         """Atomically (re)write the job file."""
         home = home or scalemon_home()
-        path = private_dir(jobs_dir(home), top=home) / f"{self.job}.json"
+        # jobs/ may be a link of this user's (shared between nodes' homes): its own top
+        path = private_dir(jobs_dir(home), top=jobs_dir(home)) / f"{self.job}.json"
         write_private(path, json.dumps(asdict(self), indent=1).encode())
         return path
 
@@ -293,7 +294,7 @@ def trusted_dirs(directory: Path) -> None:
         from scalemon.safefs import check_stat
 
         check_stat(home, info)
-        check_dir(directory)
+        check_dir(directory, own_link=True)
     except UnsafePathError as exc:
         raise JobLookupError(f"not reading job files: {exc}") from None
 

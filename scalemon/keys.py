@@ -54,7 +54,7 @@ class Keypair:
 def keys_dir(home: Path | None = None) -> Path:
     """`$SCALEMON_HOME/keys`, created 0700 and checked to be this user's."""
     home = home or scalemon_home()
-    path = private_dir(home / "keys", top=home)
+    path = private_dir(home / "keys", top=home / "keys")  # a link of this user's is allowed
     return path
 
 

@@ -140,10 +140,18 @@ def private_dir(path: Path, top: Path | None = None) -> Path:
     return path
 
 
-def check_dir(path: Path) -> None:
+def check_dir(path: Path, own_link: bool = False) -> None:
     """Raise UnsafePathError unless `path` is a directory of this user's (not a link), not
-    writable by group or others; FileNotFoundError when it is missing."""
-    check_stat(path, os.lstat(path))
+    writable by group or others; FileNotFoundError when it is missing. `own_link`: a link
+    that is itself this user's is followed (a shared `jobs/` or `keys/` linked from a
+    node-local home), and the directory it leads to is checked."""
+    info = os.lstat(path)
+    if own_link and stat.S_ISLNK(info.st_mode):
+        if info.st_uid != os.getuid():
+            raise NotOwnedError(f"{path} is a symbolic link ({_link_text(path)}) made by "
+                                f"{user_name(info.st_uid)}, not by you: remove it, or {_FIX}")
+        info = os.stat(path)
+    check_stat(path, info)
 
 
 def _default_top(path: Path) -> Path:
