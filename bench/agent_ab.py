@@ -26,22 +26,19 @@ import argparse
 import collections
 import contextlib
 import functools
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from machine import append_result, cpu_name
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scalemon.demo_train.model import GPT, GPTConfig
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build(args: argparse.Namespace,
@@ -184,7 +181,7 @@ def main() -> int:
     result = summarize(args, device, per_step, run, agent_before, steps_before, spent)
     if dist.get_rank() == 0:
         print_result(result)
-        save(result)
+        append_result("agent_ab", result)
     if run is not None:
         run.finish()
     dist.destroy_process_group()
@@ -221,9 +218,7 @@ def summarize(args, device, per_step, run, agent_before, steps_before, spent) ->
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from machine import cpu_model
-
-    return f"{cpu_model()} ({os.cpu_count()} CPUs)"
+    return cpu_name()
 
 
 def print_result(r: dict) -> None:
@@ -236,20 +231,6 @@ def print_result(r: dict) -> None:
         if key in r:
             print(f"  {key}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(
                 r[key].items(), key=lambda kv: -kv[1])))
-
-
-def save(result: dict) -> None:
-    import re
-
-    slug = re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")
-    if "cpus" in slug:
-        slug = "cpu"
-    path = RESULTS / f"agent_ab-{slug}.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    runs = json.loads(path.read_text()) if path.exists() else []
-    runs.append(result)
-    path.write_text(json.dumps(runs, indent=1) + "\n")
-    print(f"saved {path.relative_to(RESULTS.parent.parent)}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ their own directory)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_model() -> str:
@@ -21,3 +24,17 @@ def cpu_model() -> str:
 def cpu_name() -> str:
     """`<model> (<n> CPUs)`."""
     return f"{cpu_model()} ({os.cpu_count()} CPUs)"
+
+
+def append_result(stem: str, result: dict) -> Path:
+    """Append `result` to bench/results/<stem>-<device>.json, a list of runs (`device`: "cpu"
+    for a CPU, else the device's name as a slug); returns the path."""
+    device = str(result.get("device", "cpu")).lower()
+    slug = "cpu" if "cpu" in device else re.sub(r"[^a-z0-9]+", "-", device).strip("-")
+    path = RESULTS / f"{stem}-{slug}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(path.read_text()) if path.exists() else []
+    runs.append(result)
+    path.write_text(json.dumps(runs, indent=1) + "\n")
+    print(f"saved {path.relative_to(RESULTS.parent.parent)}")
+    return path

@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from machine import append_result
 
 from scalemon.demo_train.fused_adam import FusedAdamW
 from scalemon.demo_train.model import GPT, GPTConfig
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("torch-fused", "fused", "fused-flat")
 
 
@@ -96,7 +93,7 @@ def main() -> int:
             per_step[mode].append((time.perf_counter() - t0) / (args.block_steps - args.untimed))
     result = summarize(args, device, per_step)
     print_result(result)
-    save(result)
+    append_result("optimizer_ab", result)
     return 0
 
 
@@ -126,16 +123,6 @@ def print_result(r: dict) -> None:
         lo, hi = m["p10_p90"]
         print(f"{mode:<12} {m['step_ms']:>9.3f} {m['speed_vs_torch_fused']:>22.4f} "
               f"{lo:>7.4f}..{hi:.4f}")
-
-
-def save(result: dict) -> None:
-    slug = re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")
-    path = RESULTS / f"optimizer_ab-{slug}.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    runs = json.loads(path.read_text()) if path.exists() else []
-    runs.append(result)
-    path.write_text(json.dumps(runs, indent=1) + "\n")
-    print(f"saved {path.relative_to(RESULTS.parent.parent)}")
 
 
 if __name__ == "__main__":
