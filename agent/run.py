@@ -431,9 +431,9 @@ class Run:
         scale = self._scale.read()
         if self._cuda:
             staged = self._steps.stage(loss, scale, extra)  # memory: read by the sender
-            loss = scale = memory = None
+            loss = scale = None
         else:  # host values are read now: the caller may change them in place later
-            staged = memory = None
+            staged = None
             if loss is not None and type(loss) is not float:
                 loss = self._host_float(loss, "loss")
             if scale is not None:
@@ -443,7 +443,7 @@ class Run:
         comm_spans, comm.spans = comm.spans, []
         self.sender.submit_deferred("step", self._steps.finish, (
             step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
-            extra, loss, scale, memory, opt_spans, comm_spans, staged,
+            extra, loss, scale, opt_spans, comm_spans, staged,
         ))
         if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
             self._apply_flags(step)

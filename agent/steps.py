@@ -16,12 +16,12 @@ from .warn import Warnings
 
 # What the training thread leaves per step, one tuple (cheaper to build than a dict there):
 # step, tokens, step time, agent time, extra, loss and loss scale (host floats; None on CUDA),
-# device memory (dict or None), optimizer spans, all-reduce spans, and on CUDA the staged device
-# scalars (event, (pinned buffer, its 0-d slots), has loss, has scale, names of staged `extra`
-# values), else None. On CUDA the memory counters are read by the sender thread (`finish`).
+# optimizer spans, all-reduce spans, and on CUDA the staged device scalars (event, (pinned
+# buffer, its 0-d slots), has loss, has scale, names of staged `extra` values), else None.
+# On CUDA the memory counters are read by the sender thread (`finish`).
 RawStep = tuple[
     int, "int | None", "float | None", float, "dict | None", "float | None", "float | None",
-    "dict | None", list[Span], list[Span], "tuple | None",
+    list[Span], list[Span], "tuple | None",
 ]
 MEMORY_READ_EVERY_S = 0.2
 """CUDA memory counters are read at most this often (steps in between carry the last read)."""
@@ -90,7 +90,8 @@ class StepFinisher:
                 slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
             elif value is not None:
                 slot.fill_(value)
-        return (events.record(), (buf, slots), loss is not None, scale is not None, names)
+        return (events.record(stream), (buf, slots), loss is not None, scale is not None,
+                names)
 
     def _add_memory(self, body: dict[str, Any]) -> None:
         """The allocator's counters, read here on the sender thread rather than on the
@@ -126,12 +127,12 @@ class StepFinisher:
     def finish(self, raw: RawStep, deadline: float | None) -> dict[str, Any] | None:
         """The finished body, or None while the device has not reached this step (waiting
         until the monotonic `deadline` at most, when one is given)."""
-        (step, tokens, step_time, agent_time, extra, loss, scale, memory, opt_spans, comm_spans,
+        (step, tokens, step_time, agent_time, extra, loss, scale, opt_spans, comm_spans,
          staged) = raw
         body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
                                 "agent_time_s": agent_time, "loss": loss, "loss_scale": scale,
                                 "scaler": self.scaler.state if self.scaler is not None else None}
-        body.update(memory or NO_DEVICE_MEMORY)
+        body.update(NO_DEVICE_MEMORY)  # CUDA: the counters come with the staged values
         if staged is not None:
             event, pinned, has_loss, has_scale, names = staged
             while not event.query():

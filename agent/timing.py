@@ -89,10 +89,11 @@ class EventPool:
             self._stream_key = key
         return self._handle
 
-    def record(self) -> torch.cuda.Event:
+    def record(self, handle: int | None = None) -> torch.cuda.Event:
         """A free event, recorded now on the current stream of the model's device (which need
-        not be the current device)."""
-        handle = self.stream_handle()
+        not be the current device); `handle`: that stream's, when the caller just read it."""
+        if handle is None:
+            handle = self.stream_handle()
         if self._free:
             ev = self._free.pop()
             if self.direct is not None:

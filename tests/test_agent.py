@@ -366,7 +366,7 @@ def test_a_step_whose_gpu_values_never_become_ready_is_dropped_and_said_once(zct
     def raw(step: int, event: object) -> tuple:
         buf = torch.tensor([float(step), 0.0])  # loss on "device"
         staged = (event, (buf, list(buf.unbind())), True, False, [])
-        return (step, 8, 0.1, 1e-5, None, None, None, None, [], [], staged)
+        return (step, 8, 0.1, 1e-5, None, None, None, [], [], staged)
 
     def received(timeout_ms: int = 5000) -> protocol.Message:
         assert pull.poll(timeout_ms), "nothing arrived"

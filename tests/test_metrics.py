@@ -108,7 +108,7 @@ def test_the_agent_sends_the_table_fields_and_nothing_else():
     from scalemon.agent.steps import ScaleTracker, StepFinisher
 
     finisher = StepFinisher(ScaleTracker(1024.0), Phase(), None)
-    raw = (3, 64, 0.1, 1e-5, {"lr": 0.1}, 2.5, 512.0, None, [], [], None)
+    raw = (3, 64, 0.1, 1e-5, {"lr": 0.1}, 2.5, 512.0, [], [], None)
     body = finisher.finish(raw, None)
     assert body is not None and set(body) == {m.name for m in fields_of("step")}
     assert body["skipped"] is True and body["extra"] == {"lr": 0.1}
