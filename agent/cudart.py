@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .libs import mapped_libraries
+
 log = logging.getLogger("scalemon.agent")
 
 CUDA_MEMCPY_DEVICE_TO_HOST = 2
@@ -28,20 +30,10 @@ CUDA_MEMCPY_DEVICE_TO_HOST = 2
 def loaded_cudart() -> str | None:
     """Path of the CUDA runtime library loaded in this process (the one torch uses), from
     /proc/self/maps, or None."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if line.strip() else ""
-                if "libcudart.so" in path and path not in found:
-                    found.append(path)
-    except OSError:
-        return None
-    if not found:
-        return None
+    found = mapped_libraries("libcudart.so")
     # several runtimes (CuPy, JAX beside torch): the one shipped with torch's CUDA wheels
     found.sort(key=lambda p: ("cuda_runtime" not in p and "/torch/" not in p, p))
-    return found[0]
+    return found[0] if found else None
 
 
 class CudaDirect:

@@ -42,6 +42,7 @@ from scalemon.flags import (
 
 from . import nccllog, overrides
 from .env import RankEnv
+from .libs import mapped_libraries
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -91,8 +92,8 @@ class FlagControl:
     def notes(self) -> dict[str, list[str]]:
         """Where a flag's tier on this rank differs from the table's, and why."""
         notes: dict[str, list[str]] = {}
-        nccl_lib = nccl_library()
-        if nccl_lib is not None and reset_debug_symbol(nccl_lib) is None:
+        nccl_lib, reset = loaded_reset()
+        if nccl_lib is not None and reset is None:
             for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
                 notes[name] = [RESTART, no_reset_why(nccl_lib)]
         no_cache = os.environ.get("NCCL_NO_CACHE", "")
@@ -230,11 +231,10 @@ class FlagControl:
 
     def _nccl_debug(self, value: str) -> str:
         self.nccl_file()
-        lib = nccl_library()
+        lib, reset = loaded_reset()
         if lib is None:
             return ("NCCL is not loaded in this process (gloo job or CPU build): set for any "
                     "NCCL communicator it creates")
-        reset = reset_debug_symbol(lib)
         if reset is None:
             raise FlagError(no_reset_why(lib))
         reset()
@@ -306,14 +306,14 @@ def _setenv(name: str, value: str) -> None:
 
 def nccl_library() -> str | None:
     """Path of the libnccl loaded in this process (from /proc/self/maps), or None."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "libnccl" in line and ".so" in line:
-                    return line.split()[-1]
-    except OSError:
-        pass
-    return None
+    return next(iter(mapped_libraries("libnccl")), None)
+
+
+def loaded_reset() -> tuple[str | None, Callable[[], Any] | None]:
+    """The libnccl loaded in this process and its debug-settings reset (each None where
+    there is none)."""
+    lib = nccl_library()
+    return lib, reset_debug_symbol(lib) if lib is not None else None
 
 
 RESET_SYMBOLS = ("ncclResetDebugInit", "ncclResetDebugInitInternal")

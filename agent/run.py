@@ -249,8 +249,7 @@ class Run:
                 control.redirected = control.nccl_path = None
                 return
             self._nccl_tee, tee = tee, None
-            lib = _flags.nccl_library()
-            reset = _flags.reset_debug_symbol(lib) if lib else None
+            _, reset = _flags.loaded_reset()
             if reset is not None:
                 reset()
         except Exception as exc:  # NCCL's lines stay where NCCL writes them
@@ -268,8 +267,7 @@ class Run:
             return
         if os.environ.get("NCCL_DEBUG_FILE") != template:
             return
-        lib = _flags.nccl_library()
-        reset = _flags.reset_debug_symbol(lib) if lib else None
+        lib, reset = _flags.loaded_reset()
         if reset is None and lib is not None:
             self.warnings.once("nccl-restore", "scalemon: NCCL's lines after the monitor ended "
                                "go to %s only (%s cannot be told to write to stdout again)",
