@@ -207,3 +207,25 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB file system of its own (tmpfs; root only)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_disk(mount: Path, leave: int) -> Path:
+    """Fill `mount` until `leave` bytes are free; returns the filler file."""
+    filler = mount / "filler"
+    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return filler

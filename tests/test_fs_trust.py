@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FakeRank, HubProcess, wait_for
+from conftest import FakeRank, HubProcess, fill_disk, wait_for
 from scalemon.client import HubClient
 
 
@@ -146,27 +146,6 @@ def test_a_jobs_directory_others_can_write_stops_the_lookup_with_what_to_do(star
 
 
 # --- a loss told truthfully ---------------------------------------------------------------
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB file system of its own (tmpfs; root only)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill_disk(mount: Path, leave: int) -> Path:
-    filler = mount / "filler"
-    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - leave))
-    return filler
 
 
 class LoggedHub(HubProcess):

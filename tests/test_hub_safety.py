@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FakeRank, wait_for
+from conftest import FakeRank, fill_disk, wait_for
 from scalemon import protocol
 from scalemon.client import HubClient
 
@@ -264,28 +264,6 @@ def test_the_agent_says_once_when_its_hub_never_answers_or_goes_away(start_hub, 
         wait_for(lambda: "stopped answering" in caplog.text, timeout=10)
         sender.close()
     assert caplog.text.count("stopped answering") == 1
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB file system of its own (tmpfs; root only)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill_disk(mount: Path, leave: int) -> Path:
-    """Fill `mount` until `leave` bytes are free; returns the filler file."""
-    filler = mount / "filler"
-    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - leave))
-    return filler
 
 
 def test_a_full_disk_keeps_the_hub_up_says_so_and_loses_nothing_once_there_is_room(
