@@ -257,7 +257,7 @@ class Recorder:
             if id(pg) in self._timed_groups:
                 continue
             self._timed_groups.add(id(pg))
-            if not _nccl_group(pg):
+            if not group_uses_nccl(pg, unknown=True):  # unknown: timing is tried
                 continue
             try:
                 pg._enable_collectives_timing()
@@ -505,14 +505,15 @@ class Recorder:
         return result
 
 
-def _nccl_group(pg: Any) -> bool:
-    """True when process group `pg` runs NCCL (unknown: True, so timing is tried)."""
+def group_uses_nccl(group: Any = None, unknown: bool = False) -> bool:
+    """True when `group` (default: the default group) runs NCCL for CUDA tensors; `unknown`
+    where its backend cannot be read."""
     try:
         import torch.distributed as dist
 
-        return "nccl" in str(dist.get_backend(pg))
+        return "nccl" in str(dist.get_backend(group))
     except Exception:
-        return True
+        return unknown
 
 
 def _trim(mapping: dict, keep: int) -> None:

@@ -38,7 +38,7 @@ from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
 from .nvml import GpuReader, pci_bus_id_of
-from .recorder import Recorder
+from .recorder import Recorder, group_uses_nccl
 from .scaler import ScaleReader
 from .stepcomm import MARKS_KEPT
 from .steps import ScaleTracker, StepFinisher, cuda_memory
@@ -743,16 +743,6 @@ def dist_initialized() -> bool:
         import torch.distributed as dist
 
         return dist.is_available() and dist.is_initialized()
-    except Exception:
-        return False
-
-
-def group_uses_nccl(group: Any = None) -> bool:
-    """True when `group` (default: the default group) runs NCCL for CUDA tensors."""
-    try:
-        import torch.distributed as dist
-
-        return "nccl" in str(dist.get_backend(group))
     except Exception:
         return False
 
