@@ -42,7 +42,7 @@ _CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("bad field", r"\w+\.\w+ (is|has|holds) "),
         ("unknown request", r"unknown request op"),
         ("bad request field", r"request \w+\.\w+ is "),
-        ("control request on rpc", r"'\w+' is accepted only on the hub's control socket"),
+        ("refused by role", r"refused: "),
         ("unknown command", r"unknown command"),
     ))
 REASON_CLASSES = ("other protocol major version", *(name for name, _ in _CLASSES), "other")

@@ -46,12 +46,15 @@ from scalemon.keys import Keypair, hub_keypair, load_authorized, secure_server
 from scalemon.protocol import (
     HUB_RANK,
     RANK_RECORDS_KEPT,
+    SOCKET_ROLES,
     ProtocolError,
     VersionMismatch,
     version_text,
 )
 
-from .auth import KeyGate, start_gate
+from .access import Peer, PeerBook, ipc_peer, may, refusal, tcp_peer
+from .audit import Audit
+from .auth import DOMAINS, KeyGate, start_gate
 from .frdump import FrDump
 from .limits import RejectBook, check_name, clip, raise_open_files_limit, reason_class
 from .relays import RelayBook
@@ -148,7 +151,10 @@ class Hub:
         self._job_file: JobFile | None = None
         self._feed: _FanOut | None = None  # while serving: where `stop` records go
         self._replay_history()
-        self.toggles = Toggles(self.run_dir, self.state)
+        self.audit = Audit(self.run_dir)
+        self.toggles = Toggles(self.run_dir, self.state, self.audit)
+        self._tcp_ports: dict[zmq.Socket, tuple[str, int]] = {}  # tcp socket -> label, port
+        self.peers: PeerBook | None = None  # which key each tcp connection is, while serving
         self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
 
     # --- setup ---------------------------------------------------------------------------
@@ -207,12 +213,17 @@ class Hub:
         for rank in self.state.ranks:
             self._last_recv[rank] = now
 
-    def _sockets(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
-        """An unbound ingest PULL, feed PUB and rpc ROUTER with the hub's options."""
+    def _sockets(self, ctx: zmq.Context,
+                 tcp: bool = False) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        """An unbound ingest PULL, feed PUB and rpc ROUTER with the hub's options. A tcp feed
+        is an XPUB that hands up every subscription: it tells which key each subscriber is."""
         ingest = ctx.socket(zmq.PULL)
         ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         ingest.setsockopt(zmq.RCVHWM, 100_000)
-        feed = ctx.socket(zmq.PUB)
+        feed = ctx.socket(zmq.XPUB if tcp else zmq.PUB)
+        if tcp:
+            feed.setsockopt(zmq.XPUB_VERBOSE, 1)
+            feed.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
         feed.setsockopt(zmq.SNDHWM, 100_000)
         rpc = ctx.socket(zmq.ROUTER)
         rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -225,7 +236,7 @@ class Hub:
         tcp socket is a Curve server behind the ZAP handler: TCP is never open."""
         if self._keys is not None:
             self.auth, self._gate = start_gate(ctx, self.home)
-        ingest, feed, rpc = self._sockets(ctx)
+        ingest, feed, rpc = self._sockets(ctx, tcp=self.address.ingest.startswith("tcp://"))
         control = ctx.socket(zmq.ROUTER)
         control.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         control.setsockopt(zmq.LINGER, 0)
@@ -239,7 +250,7 @@ class Hub:
         control.bind(self.control_endpoint)  # in the 0700 run directory: the owner only
         extra: tuple[zmq.Socket, ...] = ()
         if self.listen is not None:
-            extra = self._sockets(ctx)
+            extra = self._sockets(ctx, tcp=True)
             self.tcp_endpoints = self._bind_tcp(extra, self.listen)
         return (ingest, feed, rpc, control, *extra)
 
@@ -253,7 +264,7 @@ class Hub:
         bound = {}
         for label, sock, endpoint in zip(("ingest", "feed", "rpc"), sockets,
                                          (where.ingest, where.feed, where.rpc), strict=True):
-            secure_server(sock, self._keys)
+            secure_server(sock, self._keys, DOMAINS[label])
             if self.guard is not None:
                 self.guard.prepare(sock)
             if endpoint.endswith(":0"):
@@ -263,6 +274,7 @@ class Hub:
                 port = int(endpoint.rpartition(":")[2])
             if self.guard is not None:
                 self.guard.watch(sock, port)
+            self._tcp_ports[sock] = (label, port)
             bound[label] = f"tcp://{name}:{port}"
         return bound
 
@@ -318,6 +330,7 @@ class Hub:
     def serve_forever(self) -> None:
         """Bind, write the job file, and serve until stopped or the job ended and lingered."""
         self.guard = TcpGuard(raise_open_files_limit())
+        self.peers = PeerBook(self.guard)
         ctx = zmq.Context()
         self.auth = None
         try:
@@ -331,11 +344,12 @@ class Hub:
         ingests = [ingest, *extra[:1]]
         rpcs = [rpc, *extra[2:3]]
         feed = self._feed = _FanOut([feed_main, *extra[1:2]])
+        subscribers = [sock for sock in feed.sockets if sock.type == zmq.XPUB]
         self._write_job_file()
         log.info("hub for job %s listening on %s%s", self.job, self.address.base,
                  f" and (CurveZMQ) {self.tcp_endpoints}" if self.tcp_endpoints else "")
         poller = zmq.Poller()
-        for sock in (*ingests, *rpcs, control, *monitors):
+        for sock in (*ingests, *rpcs, control, *monitors, *subscribers):
             poller.register(sock, zmq.POLLIN)
         next_housekeeping = 0.0
         try:
@@ -351,7 +365,10 @@ class Hub:
                     if sock in events:
                         self._serve_rpc(sock)
                 if control in events:
-                    self._serve_rpc(control, control=True)
+                    self._serve_rpc(control)
+                for sock in subscribers:
+                    if sock in events:
+                        self._note_subscribers(sock)
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
@@ -392,12 +409,17 @@ class Hub:
         first_seq = len(self.history)
         now = time.monotonic()
         taken = 0
+        tcp = self._tcp_ports.get(ingest)
         while taken < INGEST_BATCH:
             try:
-                frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
+                if tcp is None:  # ipc: the owner's ranks (0700 directory)
+                    frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
+                else:
+                    frames = self._admitted_frames(ingest.recv_multipart(zmq.NOBLOCK,
+                                                                         copy=False), tcp[1])
             except zmq.Again:
                 break
-            taken += len(frames)
+            taken += max(1, len(frames))
             for frame in frames:
                 self.received += 1
                 try:
@@ -414,6 +436,47 @@ class Hub:
         if accepted:
             self.history.flush()  # published only once written: a hub crash cannot unsay it
             feed.send_multipart([self._topic, protocol.pack_seq(first_seq), *accepted])
+
+    def _admitted_frames(self, frames: list[zmq.Frame], port: int) -> list[bytes]:
+        """The frames of one message from a tcp rank or relay, if its key may still send
+        (else none: it is refused, audited, and its connection cut)."""
+        peer = tcp_peer(frames[0], self._gate.keys if self._gate else {})
+        if peer.role in SOCKET_ROLES["ingest"]:
+            self.peers.learn(peer, port)
+            return [f.bytes for f in frames]
+        self.received += len(frames)
+        self.rejected += len(frames)
+        self.rejects.add(ProtocolError(refusal(peer, "ingest")), sum(len(f) for f in frames))
+        self._refused(peer, "ingest", f"{len(frames)} message(s) refused: the key may not "
+                                      "send (removed or another role)")
+        self.peers.cut_one(peer, port)
+        return []
+
+    def _refused(self, peer: Peer, kind: str, text: str, **extra: Any) -> None:
+        """Put a refusal of `peer` into the audit (limited per asker and kind)."""
+        self.audit.refusal(peer.via.split(" pid ")[0], kind, {
+            **self._who(peer), "text": clip(text, 1000), **extra})
+
+    @staticmethod
+    def _who(peer: Peer) -> dict[str, Any]:
+        """The audit's fields naming `peer`."""
+        return {"user": peer.user, "client_host": peer.host, "role": peer.role,
+                "via": peer.via}
+
+    def _note_subscribers(self, feed: zmq.Socket) -> None:
+        """Read a tcp feed's (un)subscriptions: each tells which key the subscriber is."""
+        port = self._tcp_ports[feed][1]
+        for _ in range(1000):
+            try:
+                frame = feed.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = tcp_peer(frame, self._gate.keys if self._gate else {})
+            if peer.role in SOCKET_ROLES["feed"]:
+                self.peers.learn(peer, port)
+            else:
+                self._refused(peer, "feed", "follows the feed without a key that may")
+                self.peers.cut_one(peer, port)
 
     def _accept(self, frame: bytes, hub_records: bool = False) -> protocol.Message:
         """Decode a rank's frame (or, replaying the history, any record) and check it
@@ -510,6 +573,7 @@ class Hub:
 
     # --- rank liveness and lifetime --------------------------------------------------------
     def _housekeeping(self, feed: _FanOut, now: float) -> None:
+        self._check_keys()
         self.history.flush()
         self._note_write_error()
         while self._notes:
@@ -538,6 +602,24 @@ class Hub:
             if now - self._ended_since >= wait_s:
                 log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
+
+    def _check_keys(self) -> None:
+        """Cut the live connections of keys removed from `authorized` (or given another
+        role: they reconnect under it), and audit the handshakes the gate refused."""
+        if self._gate is None or self.peers is None:
+            return
+        for lost in self._gate.take_lost():
+            cut = self.peers.cut({lost.key})
+            log.warning("key %s (role %s) lost its access: %d live connection(s) cut",
+                        lost.name, lost.role, cut)
+            self.audit.write({"event": "access cut", "user": lost.name, "role": lost.role,
+                              "connections": cut})
+        while self._gate.events:
+            event = self._gate.events.popleft()
+            user = event["name"] or f"key {event['key'][:12]}…"
+            source = f"{'key ' if event['name'] else ''}{user} from {event['client_host']}"
+            self.audit.refusal(source, f"handshake on {event['socket']}",
+                               {"user": user, "via": source, **event})
 
     def _note_job_state(self, job_state: str) -> None:
         """Say in the job file, at once, that the job ended (its final state) or runs again:
@@ -611,22 +693,25 @@ class Hub:
         return pid in self._seen_alive
 
     # --- requests from dashboards and the CLI -------------------------------------------
-    def _serve_rpc(self, rpc: zmq.Socket, control: bool = False) -> None:
+    def _serve_rpc(self, rpc: zmq.Socket) -> None:
+        tcp = self._tcp_ports.get(rpc)
         for _ in range(100):
             try:
-                frames = rpc.recv_multipart(zmq.NOBLOCK)
+                frames = rpc.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            envelope, payload = frames[:-1], frames[-1]
+            envelope, last = [f.bytes for f in frames[:-1]], frames[-1]
+            payload = last.bytes
+            peer = (tcp_peer(last, self._gate.keys if self._gate else {}) if tcp
+                    else ipc_peer(last, self._host))
             op = "?"
             try:
                 op, args = protocol.decode_request(payload)
-                if op in protocol.CONTROL_OPS and not control:
-                    raise ProtocolError(
-                        f"{op!r} is accepted only on the hub's control socket "
-                        f"({self.control_endpoint}), which only the job's owner can open on "
-                        f"the hub's host ({self._host})")
-                reply = protocol.encode_reply(**self._answer(op, args),
+                if not may(peer, op):
+                    self._refuse_request(peer, op, args, tcp[1] if tcp else None)
+                if tcp:
+                    self.peers.learn(peer, tcp[1])
+                reply = protocol.encode_reply(**self._answer(op, args, peer),
                                               history=self.history.identity)
             except ToggleRefused as exc:  # a reasoned refusal, not a bad frame
                 log.warning("toggle %s", exc)
@@ -646,7 +731,21 @@ class Hub:
             with contextlib.suppress(zmq.ZMQError):  # the requester went away
                 rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
 
-    def _answer(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _refuse_request(self, peer: Peer, op: str, args: dict[str, Any],
+                        port: int | None) -> None:
+        """Refuse request `op` that `peer`'s role does not allow: audited (a toggle also as a
+        `refused` toggle record), the connection of a key no longer admitted cut; raises."""
+        text = refusal(peer, op)
+        log.warning("%s %s", op, text)
+        if op == "toggle":
+            self.toggles.refuse(args["name"], args["value"], self._who(peer), text)
+        else:
+            self._refused(peer, op, text)
+        if peer.role is None and port is not None:
+            self.peers.cut_one(peer, port)
+        raise ToggleRefused(text) if op == "toggle" else ProtocolError(text)
+
+    def _answer(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         if op == "ping":
             return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
         if op == "sync":
@@ -658,22 +757,15 @@ class Hub:
                                args["stats"])
             return {"t0": args["t"], "t": time.time()}
         if op == "command":
+            self.audit.write({"event": "command", "name": clip(args["name"], 100),
+                              **self._who(peer)})
             return self._command(args["name"])
         if op == "stop":
-            check_name("stop.user", args["user"])
-            check_name("stop.host", args["host"])
             check_name("stop.reason", args["reason"], MAX_TOGGLE_VALUE)
-            return self._user_stop(args)
+            self.audit.write({"event": "stop", "reason": args["reason"], **self._who(peer)})
+            return self._user_stop(args["reason"], peer)
         if op == "toggle":
-            for name in ("name", "user", "host"):
-                check_name(f"toggle.{name}", args[name])
-            check_name("toggle.value", args["value"], MAX_TOGGLE_VALUE)
-            reply = self.toggles.request(args["name"], args["value"], args["restart"],
-                                         args["user"], args["host"])
-            log.info("toggle #%d %s=%r (%s) by %s@%s: step %d", reply["id"], args["name"],
-                     args["value"], reply["tier"], args["user"], args["host"],
-                     reply["at_step"])
-            return reply
+            return self._toggle(args, peer)
         if op == "state":
             return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
         if op == "seed":
@@ -722,14 +814,28 @@ class Hub:
         return {"records": self.history.pick(chosen), "head": len(self.history),
                 "complete": rank not in self._ranks_trimmed and len(chosen) == len(older)}
 
-    def _user_stop(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _toggle(self, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """A toggle asked by `peer`: checked, planned and audited (refusals too)."""
+        try:
+            check_name("toggle.name", args["name"])
+            check_name("toggle.value", args["value"], MAX_TOGGLE_VALUE)
+        except ProtocolError as exc:
+            self.toggles.refuse(clip(args["name"], 100), clip(args["value"], 200),
+                                self._who(peer), f"refused: {exc}")
+            raise ToggleRefused(f"refused: {exc}") from None
+        reply = self.toggles.request(args["name"], args["value"], args["restart"],
+                                     self._who(peer))
+        log.info("toggle #%d %s=%r (%s) by %s: step %d", reply["id"], args["name"],
+                 args["value"], reply["tier"], peer.via, reply["at_step"])
+        return reply
+
+    def _user_stop(self, reason: str, peer: Peer) -> dict[str, Any]:
         """The job's user is stopping the job: record it (once) before the ranks are
         signalled, so that their end reads "stopped by user"."""
         if self.state.stop is None and self._feed is not None:
-            log.info("job %s: stop requested by %s@%s (%s)", self.job, args["user"],
-                     args["host"], args["reason"])
-            self._record(self._feed, "job_stop", {"reason": args["reason"] or None,
-                                                  "user": args["user"], "host": args["host"]})
+            log.info("job %s: stop requested by %s (%s)", self.job, peer.via, reason)
+            self._record(self._feed, "job_stop", {"reason": reason or None, "user": peer.user,
+                                                  "host": peer.host, "via": peer.via})
         return {"state": self.state.state}
 
     # --- commands to the ranks -------------------------------------------------------------
@@ -786,6 +892,9 @@ class Hub:
             "relays": len(self.relays.relays),
             "auth_refused": self._gate.counts()["refused"] if self._gate else 0,
             "auth_refused_keys": self._gate.counts()["refused_keys"] if self._gate else 0,
+            "keys_admitted": len(self._gate.keys) if self._gate else 0,
+            "access_cut": self.peers.cut_total if self.peers else 0,
+            "audit_refused": self.audit.refused,
             "tcp_connections": self.guard.connections() if self.guard else 0,
             "tcp_cap": self.guard.cap if self.guard else 0,
             "tcp_shed": self.guard.shed if self.guard else 0,

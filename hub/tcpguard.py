@@ -104,7 +104,7 @@ class TcpGuard:
                        if now - t < self.handshake_s + 1.0)
         excess += max(1, self.cap // 10)  # some room, so each burst is shed at once
         for _, fd in young[:excess]:
-            if _shutdown(fd, watched.port):
+            if shutdown_connection(fd, watched.port):
                 self.shed += 1
             watched.conns.pop(fd, None)  # its DISCONNECTED event may still come
         self._rounds += 1
@@ -112,6 +112,14 @@ class TcpGuard:
             log.warning("tcp port %d over its cap of %d connections: shed %d that may not be "
                         "authenticated yet (%d shed so far)", watched.port, self.cap,
                         min(excess, len(young)), self.shed)
+
+    def accepted_at(self, port: int, fd: int) -> float | None:
+        """When the guard saw connection `fd` of the socket at `port` accepted (None: not
+        among the connections it counts)."""
+        for w in self.watched:
+            if w.port == port:
+                return w.conns.get(fd)
+        return None
 
     def close(self) -> None:
         """Stop monitoring (before the sockets close)."""
@@ -121,7 +129,7 @@ class TcpGuard:
             w.monitor.close(linger=0)
 
 
-def _shutdown(fd: int, port: int) -> bool:
+def shutdown_connection(fd: int, port: int) -> bool:
     """Shut down connection `fd` if it is still a tcp connection to our `port` (the number may
     have been reused since); libzmq sees the end and closes the descriptor itself."""
     try:

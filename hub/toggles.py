@@ -6,12 +6,11 @@ a rank cannot checkpoint and be restarted by torchrun. Otherwise every running r
 `set_flag` command naming the step boundary to apply it at: a few seconds ahead of the fastest
 rank, so the command (relayed on the agents' once-a-second sync) reaches every rank in time.
 Each state of a toggle is written into the history as a `toggle` record and appended to
-`toggles.log` in the run directory (the audit: who, from where, what, when, outcome).
+the audit (`hub.audit`: who, from where, what, when, outcome).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -24,6 +23,8 @@ from scalemon.flags import RESTART, FlagError
 from scalemon.jobstate import JobState
 from scalemon.protocol import ProtocolError
 
+from .audit import Audit
+
 log = logging.getLogger("scalemon.hub")
 
 LEAD_S = 4.0
@@ -33,7 +34,6 @@ ANSWER_WAIT_S = 60.0
 """A rank that has not answered this long after the planned step's time is named as missing."""
 RESTART_WAIT_S = 300.0
 """Restarted workers must say hello again within this (torchrun restart plus start-up)."""
-AUDIT_FILE = "toggles.log"
 ACTIVE = ("requested", "restarting")
 
 
@@ -60,8 +60,8 @@ class Pending:
 class Toggles:
     """The hub's toggles; records go out through `records` (drained by the hub)."""
 
-    def __init__(self, run_dir: Path, state: JobState) -> None:
-        self.audit_path = run_dir / AUDIT_FILE
+    def __init__(self, run_dir: Path, state: JobState, audit: Audit | None = None) -> None:
+        self.audit = audit or Audit(run_dir)
         self.state = state
         self.records: list[dict[str, Any]] = []  # `toggle` bodies to write into the history
         self.commands: dict[int, list[dict[str, Any]]] = {}  # per rank, taken by `sync`
@@ -69,11 +69,10 @@ class Toggles:
         self._next_id = 1 + max(state.flags.toggles, default=0)
 
     # --- a request -------------------------------------------------------------------------
-    def request(self, name: str, value: str, restart: bool, user: str,
-                host: str) -> dict[str, Any]:
-        """Check and plan a toggle; returns the reply, raises ToggleRefused (the refusal is in
-        the audit too)."""
-        who = {"user": user[:64], "client_host": host[:128]}
+    def request(self, name: str, value: str, restart: bool,
+                who: dict[str, str]) -> dict[str, Any]:
+        """Check and plan a toggle asked by `who` (`user`, `client_host`, `role`, `via`: as the
+        hub knows the asker); returns the reply, raises ToggleRefused (in the audit too)."""
         toggle_id = self._next_id
         self._next_id += 1
         base = {"id": toggle_id, "name": name[:100], "value": value[:200], **who}
@@ -207,11 +206,14 @@ class Toggles:
                                 "see the job's output)"})
 
     # --- audit -------------------------------------------------------------------------------
+    def refuse(self, name: str, value: str, who: dict[str, str], text: str) -> None:
+        """A toggle refused before planning (by role, or a malformed request): a `refused`
+        record in the history and the audit, with its own id."""
+        toggle_id = self._next_id
+        self._next_id += 1
+        self._emit({"id": toggle_id, "name": name[:100], "value": value[:200], **who,
+                    "state": "refused", "text": text[:1000]})
+
     def _emit(self, body: dict[str, Any]) -> None:
         self.records.append(body)
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **body}
-        try:
-            with open(self.audit_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-        except OSError as exc:  # the history has it too
-            log.error("could not append to %s: %s", self.audit_path, exc)
+        self.audit.write({"event": "toggle", **body})

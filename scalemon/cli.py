@@ -402,6 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dump_parser(sub)
 
+    from scalemon.cli_keys import add_parsers as add_key_parsers
+
+    add_key_parsers(sub)
+
     hub = sub.add_parser(
         "hub", help="run a job's hub (ranks start one by themselves)",
         description="Run a job's hub in the foreground: it collects the ranks' messages, keeps "
@@ -414,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `scalemon` console script."""
-    args = build_parser().parse_args(argv)
+    from scalemon.cli_keys import key_last
+
+    args = build_parser().parse_args(key_last(sys.argv[1:] if argv is None else argv))
     if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs clean
         return args.func(args)
     with clean_output():  # a rank's text (host, error, value) shows its control characters

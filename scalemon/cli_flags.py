@@ -123,21 +123,25 @@ def cmd_toggle(args: argparse.Namespace) -> int:
     try:
         target, assignment = _split_words(args.words)
         name, value = parse_assignment(assignment)
-        check(name, value)  # the hub checks again; this answers a typo at once
     except FlagError as exc:
         print(f"scalemon toggle: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    try:  # the hub decides (and audits) whether to make it; this is said if it cannot
+        check(name, value)
+        local_refusal = None
+    except FlagError as exc:
+        local_refusal = f"scalemon toggle: refused: {exc}"
     try:
         job, address = resolve_hub(target)
         control = Controller(address, timeout_s=args.timeout)
     except (JobLookupError, ValueError, ControlError) as exc:
-        print(f"scalemon toggle: {exc}", file=sys.stderr)
-        return 2
+        print(local_refusal or f"scalemon toggle: {exc}", file=sys.stderr)
+        return EXIT_REFUSED if local_refusal else 2
     try:
         reply = control.toggle(name, value, restart=args.restart)
     except HubUnreachable as exc:
-        print(f"scalemon toggle: {exc}", file=sys.stderr)
-        return 2
+        print(local_refusal or f"scalemon toggle: {exc}", file=sys.stderr)
+        return EXIT_REFUSED if local_refusal else 2
     except protocol.ProtocolError as exc:
         print(f"scalemon toggle: {str(exc).removeprefix('hub refused the request: ')}",
               file=sys.stderr)

@@ -1,8 +1,10 @@
-"""Steering a job: requests to the hub's control socket (flag toggles, Flight Recorder dumps).
+"""Steering a job: requests to the hub that change it (flag toggles, Flight Recorder dumps,
+stop).
 
-The control socket is an ipc socket in the hub's run directory, which only the job's owner can
-open (mode 0700); a hub reached over tcp from another machine cannot be steered from there.
-`Controller` checks that before connecting, so the error names the reason instead of timing out.
+On the hub's host, the job's owner uses the hub's control socket, an ipc socket in its run
+directory (mode 0700). From elsewhere the requests go to the hub's tcp rpc socket, where the
+hub allows them to a key of role `control` only (`scalemon keys`) and refuses, with the role
+named, any other: the hub decides and audits, whoever asks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from scalemon.client import HubClient, HubUnreachable
 from scalemon.flagstate import log_counts_due
 from scalemon.jobs import HubAddress, node_name
+from scalemon.keys import server_key_for
 
 
 class ControlError(RuntimeError):
@@ -23,19 +26,23 @@ class ControlError(RuntimeError):
 
 
 class Controller:
-    """Requests to one hub's control socket."""
+    """Requests that steer one hub's job."""
 
     def __init__(self, address: HubAddress, timeout_s: float = 5.0) -> None:
-        if address.control is None:
+        if address.control is not None and not (
+                address.rpc.startswith("tcp://") and not _local(address.control)):
+            check_reachable(address.control)
+            endpoint = address.control
+            self.client = HubClient(HubAddress(endpoint, endpoint, endpoint), timeout_s)
+        elif address.rpc.startswith("tcp://"):  # the hub checks this key's role
+            server_key_for(address.rpc, address.server_key)  # NoServerKey now, said plainly
+            self.client = HubClient(address, timeout_s)
+        else:
             raise ControlError(
                 f"the hub at {address.rpc} is not on this machine (or its run directory is "
-                "unknown): a job is steered (flags, Flight Recorder dumps) only on the hub's "
-                "host, by the job's owner (ssh there and run `scalemon toggle JOB NAME=VALUE` "
-                "or `scalemon dump JOB`)")
-        check_reachable(address.control)
+                "unknown): steer the job (flags, Flight Recorder dumps) on the hub's host, or "
+                "over tcp with a key of role control (`scalemon keys` on the hub's host)")
         self.address = address
-        self.client = HubClient(
-            HubAddress(address.control, address.control, address.control), timeout_s)
 
     def toggle(self, name: str, value: str, restart: bool = False) -> dict[str, Any]:
         """Ask the hub to change flag `name` on every rank; the reply names the toggle's id,
@@ -109,6 +116,11 @@ def log_count_wait(toggle: dict[str, Any]) -> float:
                if isinstance(res.get("log_window_s"), (int, float))]
     return max(windows) + LOG_COUNT_SLACK_S if windows else 0.0
 
+
+
+def _local(endpoint: str) -> bool:
+    """Whether an ipc control endpoint's directory exists here (the hub's host)."""
+    return endpoint.startswith("ipc://") and Path(endpoint[len("ipc://"):]).parent.exists()
 
 
 def check_reachable(endpoint: str) -> None:

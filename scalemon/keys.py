@@ -4,7 +4,8 @@ Layout (`$SCALEMON_HOME/keys`, mode 0700, this user's only)::
 
     keys/user.key  user.key_secret    the user's keypair: clients and agents (secret 0600)
     keys/hub.key   hub.key_secret     the keypair this user's hubs serve TCP with (secret 0600)
-    keys/authorized                   public keys (z85) a hub admits: one a line, '#' comments
+    keys/authorized                   the keys a hub admits: `KEY role=ROLE name=NAME` a line,
+                                      '#' comments (see ROLES; `scalemon keys` manages it)
 
 Both keypairs are made on first use, in the certificate format `zmq.auth.load_certificate`
 reads; `authorized` is made holding the user's own public key (ssh-style).
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
+import getpass
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,18 @@ HUB_KEY_ENV = "SCALEMON_HUB_KEY"
 AUTHORIZED = "authorized"
 ZAP_DOMAIN = "scalemon"
 _Z85_KEY_LEN = 40
+ROLES = ("rank", "watch", "control")
+"""What a key may do: `rank` sends a job's metrics and answers its commands (agents, relays);
+`watch` reads jobs (snapshot, attach, jobs); `control` does both and steers the job (toggles,
+Flight Recorder dumps, stop). The user's own key is `control`."""
+ROLE_TEXT = {
+    "rank": "send metrics and answer the job's commands (agents, relays)",
+    "watch": "read jobs (jobs, snapshot, attach, flags)",
+    "control": "everything: read, send, toggle flags, dump, stop",
+}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+NAME_RULE = ("is not a key name: 1 to 64 letters, digits or ._@+- , starting with a letter or "
+             "digit")
 
 
 class KeyFileError(ValueError):
@@ -41,6 +57,18 @@ class KeyFileError(ValueError):
 
 class NoServerKey(KeyFileError):
     """A tcp endpoint whose hub public key is not known: no connection is made."""
+
+
+@dataclass(frozen=True)
+class AuthorizedKey:
+    """A key of `authorized`: who it is (`name`), what it may do (`role`, one of ROLES)."""
+
+    key: bytes
+    role: str
+    name: str
+    line: int = 0
+    legacy: bool = False  # a line without a role (read as `watch`)
+    own: bool = False  # the user's own key (always `control`)
 
 
 @dataclass(frozen=True)
@@ -126,9 +154,7 @@ def authorized_file(home: Path | None = None) -> Path:
     path = keys_dir(home) / AUTHORIZED
     if not path.exists():
         own = load_or_create("user", home).public.decode()
-        text = ("# public keys (z85) of the clients and agents this user's hubs admit over "
-                "TCP,\n# one a line; '#' starts a comment. The first is your own.\n"
-                f"{own}\n")
+        text = (f"{AUTHORIZED_HEADER}{own} role=control name={_own_name()}\n")
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -139,32 +165,157 @@ def authorized_file(home: Path | None = None) -> Path:
     return path
 
 
-def parse_authorized(text: str, where: str = AUTHORIZED) -> set[bytes]:
-    """The z85 public keys of an `authorized` file's text; KeyFileError names a bad line."""
-    keys: set[bytes] = set()
+AUTHORIZED_HEADER = (
+    "# The keys this user's hubs admit over TCP, one a line: KEY role=ROLE name=NAME\n"
+    "# roles: rank (agents, relays), watch (read only), control (read and steer).\n"
+    "# '#' starts a comment. The first key is your own. `scalemon keys` manages this file.\n")
+
+
+def add_key(key: str, role: str, name: str, home: Path | None = None) -> AuthorizedKey:
+    """Admit public `key` with `role` under `name`; KeyFileError says why not (a bad key, role
+    or name, or a key or name already there). Hubs of this home read it again within a
+    second."""
+    key = key.strip()
+    if not valid_z85_key(key):
+        raise KeyFileError(f"{key[:60]!r} is not a Curve public key (40 z85 characters): ask "
+                           "for the line `scalemon keys show` prints on the other side")
+    if role not in ROLES:
+        raise KeyFileError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if not valid_key_name(name):
+        raise KeyFileError(f"{name[:64]!r} {NAME_RULE}")
+    with _authorized_lock(home) as path:
+        current = load_authorized(home)
+        for known in current.values():
+            if known.key == key.encode():
+                raise KeyFileError(f"that key is already admitted as {known.name!r} (role "
+                                   f"{known.role}); `scalemon keys remove {known.name}` first "
+                                   "to give it another role")
+            if known.name == name:
+                raise KeyFileError(f"a key named {name!r} is already admitted; choose another "
+                                   "name or remove that one first")
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            text += "\n"
+        _rewrite(path, text + f"{key} role={role} name={name}\n")
+    return AuthorizedKey(key.encode(), role, name)
+
+
+def remove_key(name: str, home: Path | None = None) -> AuthorizedKey:
+    """Take the key named `name` out of `authorized` (every line of that key); returns it.
+    KeyFileError for an unknown name or the user's own key."""
+    with _authorized_lock(home) as path:
+        current = load_authorized(home)
+        match = [k for k in current.values() if k.name == name]
+        if not match:
+            names = ", ".join(sorted(k.name for k in current.values())) or "none"
+            raise KeyFileError(f"no admitted key is named {name!r} (admitted: {names}); "
+                               "`scalemon keys list` shows them")
+        gone = match[0]
+        if gone.own:
+            raise KeyFileError(f"{name!r} is your own key: your agents and dashboards use it "
+                               "to reach your hubs over TCP, so it cannot be removed")
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip().split()[:1] != [gone.key.decode()]]
+        _rewrite(path, "".join(kept))
+    return gone
+
+
+@contextlib.contextmanager
+def _authorized_lock(home: Path | None):  # noqa: ANN202 - a context manager
+    """Hold `keys/authorized.lock` while the file is read and rewritten (no lost update)."""
+    path = authorized_file(home)
+    fd = os.open(path.with_name(AUTHORIZED + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        os.close(fd)
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once (a reader sees the old or the new file), 0600."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def parse_authorized(text: str, where: str = AUTHORIZED,
+                     own: bytes | None = None) -> dict[bytes, AuthorizedKey]:
+    """The keys of an `authorized` file's text by public key; KeyFileError names a bad line.
+
+    A line is `KEY [role=ROLE] [name=NAME]`; other text after the key is a comment. `own` (the
+    user's own public key) is `control` whatever its line says; another key without a role is
+    `watch` (its `legacy` flag set: written before keys had roles)."""
+    keys: dict[bytes, AuthorizedKey] = {}
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()  # '#' is a z85 character: comments start a line or follow a blank
-        if not line or line.startswith("#"):
+        words = raw.split()  # '#' is a z85 character, but never a key's first (85**4 *
+        if not words or words[0].startswith("#"):  # 83 > 2**32): comments start with it
             continue
-        line = line.split()[0]
-        if not valid_z85_key(line):
+        if not valid_z85_key(words[0]):
             raise KeyFileError(
-                f"{where} line {number}: {line[:60]!r} is not a Curve public key (40 z85 "
+                f"{where} line {number}: {words[0][:60]!r} is not a Curve public key (40 z85 "
                 "characters, as in a .key file's public-key): fix or remove the line, or "
                 "comment it out with '#'")
-        keys.add(line.encode())
+        key = words[0].encode()
+        fields: dict[str, str] = {}
+        for word in words[1:]:
+            if word.startswith("#"):
+                break
+            label, sep, value = word.partition("=")
+            if sep and label in ("role", "name"):
+                fields[label] = value
+        role = fields.get("role")
+        if role is not None and role not in ROLES:
+            raise KeyFileError(f"{where} line {number}: role {role[:40]!r} is not one of "
+                               f"{', '.join(ROLES)}: fix the line (`scalemon keys add` writes "
+                               "it right)")
+        name = fields.get("name") or (
+            _own_name() if key == own else "key-" + zmq.utils.z85.decode(key)[:4].hex())
+        if not valid_key_name(name):
+            raise KeyFileError(f"{where} line {number}: name {name[:40]!r} {NAME_RULE}")
+        if key == own:
+            role = "control"
+        if key not in keys:  # the first line of a key counts
+            keys[key] = AuthorizedKey(key, role or "watch", name, number,
+                                      legacy=role is None and key != own, own=key == own)
     return keys
 
 
-def load_authorized(home: Path | None = None) -> set[bytes]:
-    """The public keys a hub of this home admits."""
+def load_authorized(home: Path | None = None) -> dict[bytes, AuthorizedKey]:
+    """The keys a hub of this home admits, with their roles."""
     path = authorized_file(home)
     info = path.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
         raise KeyFileError(f"{path} can be changed by others (owner uid {info.st_uid}, mode "
                         f"{stat.S_IMODE(info.st_mode):04o}): anyone could admit themselves. "
                         f"Make it yours and `chmod 600 {path}`")
-    return parse_authorized(path.read_text(), str(path))
+    return parse_authorized(path.read_text(), str(path), own_public_key(home))
+
+
+def own_public_key(home: Path | None = None) -> bytes | None:
+    """This user's own public key (keys/user.key), None while it does not exist."""
+    path = keys_dir(home) / "user.key"
+    try:
+        return zmq.auth.load_certificate(path)[0]
+    except (OSError, ValueError):
+        return None
+
+
+def valid_key_name(name: str) -> bool:
+    """True for a key name `keys add` accepts (see NAME_RULE)."""
+    return bool(_NAME.fullmatch(name))
+
+
+def _own_name() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid{os.getuid()}"
+    return user if valid_key_name(user) else "owner"
 
 
 def valid_z85_key(text: str) -> bool:
@@ -233,11 +384,11 @@ def secure_client(sock: zmq.Socket, endpoint: str, server_key: str | bytes | Non
     sock.curve_serverkey = server
 
 
-def secure_server(sock: zmq.Socket, keys: Keypair) -> None:
-    """Make `sock` a Curve server whose clients the ZAP handler must admit (bind afterwards);
-    with no handler running every handshake fails (ZAP_ENFORCE_DOMAIN), never admits."""
+def secure_server(sock: zmq.Socket, keys: Keypair, domain: str = ZAP_DOMAIN) -> None:
+    """Make `sock` a Curve server whose clients the ZAP handler must admit for `domain` (bind
+    afterwards); with no handler running every handshake fails (ZAP_ENFORCE_DOMAIN)."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
-    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.zap_domain = domain.encode()
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)

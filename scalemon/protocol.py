@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -158,6 +158,8 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "tier": (_OPT_STR, False),
         "user": (_OPT_STR, False),
         "client_host": (_OPT_STR, False),
+        "role": (_OPT_STR, False),  # 1.8: the asker's role, and how the hub knows who it is
+        "via": (_OPT_STR, False),
         "at_step": (_OPT_INT, False),
         "step": (_OPT_INT, False),
         "ranks": (_OPT_DICT, False),
@@ -190,6 +192,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "reason": (_OPT_STR, False),
         "user": (_OPT_STR, False),
         "host": (_OPT_STR, False),
+        "via": (_OPT_STR, False),  # 1.8
     },
 }
 
@@ -422,11 +425,11 @@ RPC_OPS = {
     "relay": {"node": str, "pid": int, "t": float, "stats": dict},
     # a dashboard asks the hub to have every rank do something (see hub.COMMANDS)
     "command": {"name": str},
-    # change a flag on every rank (`scalemon.flags`); only on the hub's private control
-    # socket. `value` "" unsets; `restart` asks for the restart tier whatever the flag's
-    # tier; `user` and `host` name who asked, for the audit
+    # change a flag on every rank (`scalemon.flags`); `control` peers only (OP_ROLES).
+    # `value` "" unsets; `restart` asks for the restart tier whatever the flag's
+    # tier; `user` and `host` are ignored since 1.8 (the hub audits who it knows asked)
     "toggle": {"name": str, "value": str, "restart": bool, "user": str, "host": str},
-    # the job's user stops the job (1.5; only on the control socket): the hub records a
+    # the job's user stops the job (1.5; `control` peers only): the hub records a
     # `job_stop` before whoever asked signals the ranks, so their end reads "stopped by user"
     "stop": {"reason": str, "user": str, "host": str},
     "state": {},
@@ -443,8 +446,25 @@ RANK_RECORDS_KEPT = 4096
 
 
 CONTROL_OPS = ("command", "toggle", "stop")
-"""Requests that steer the job: accepted only on the hub's control socket, an ipc socket in its
-run directory (mode 0700), so only the job's owner on the hub's host reaches it."""
+"""Requests that steer the job: only a `control` peer's (see OP_ROLES)."""
+
+OP_ROLES: dict[str, tuple[str, ...]] = {
+    "ping": ("rank", "watch", "control"),
+    "sync": ("rank", "control"),
+    "relay": ("rank", "control"),
+    "state": ("watch", "control"),
+    "fetch": ("watch", "control"),
+    "seed": ("watch", "control"),
+    "rank_records": ("watch", "control"),
+    **{op: ("control",) for op in CONTROL_OPS},
+}
+"""The roles (`scalemon.keys.ROLES`) that may make each request (1.8). The hub knows a peer's
+role from its Curve key over tcp (`keys/authorized`), and from its uid over ipc (the owner's
+sockets: `control`); never from what the request says. `user` and `host` of `toggle` and
+`stop` are kept for older hubs and ignored."""
+SOCKET_ROLES = {"ingest": ("rank", "control"), "feed": ("watch", "control"),
+                "rpc": ("rank", "watch", "control")}
+"""The roles a tcp socket admits at its Curve handshake (1.8)."""
 
 
 def encode_request(op: str, **args: Any) -> bytes:

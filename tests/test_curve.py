@@ -43,7 +43,8 @@ def test_keys_are_made_private_on_first_use(home: Path) -> None:
         assert _mode(directory / name) == 0o600
     assert own != hub and len(own.public) == len(own.secret) == 40
     assert user_keypair(home) == own  # loaded, not made anew
-    assert load_authorized(home) == {own.public}  # the user's own key, ssh-style
+    admitted = load_authorized(home)  # the user's own key, ssh-style, as control
+    assert list(admitted) == [own.public] and admitted[own.public].role == "control"
     assert _mode(authorized_file(home)) == 0o600
 
 
@@ -60,7 +61,7 @@ def test_a_malformed_authorized_line_is_named() -> None:
     text = f"# mine\n{good}  # laptop\n\nnot-a-key\n"
     with pytest.raises(KeyFileError, match=r"authorized line 4: 'not-a-key' is not a Curve"):
         parse_authorized(text)
-    assert parse_authorized(f"{good}\n") == {good.encode()}
+    assert list(parse_authorized(f"{good}\n")) == [good.encode()]
 
 
 def test_a_tcp_address_without_a_server_key_is_never_connected(home: Path) -> None:

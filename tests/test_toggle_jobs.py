@@ -114,14 +114,22 @@ def check_refusals(home: Path, before: dict) -> None:
                 control.toggle(name, value)
     finally:
         control.close()
-    # steering requests are refused on the ordinary RPC socket
+    # on the ipc rpc socket the asker is the owner (its uid, from the kernel): a request that
+    # claims to be someone else is audited as who sent it
     client = HubClient(job_file.hub_address())
     try:
-        with pytest.raises(protocol.ProtocolError, match="only on the hub's control socket"):
-            client.request("toggle", name="NCCL_DEBUG", value="INFO", restart=False,
-                           user="x", host="y")
+        with pytest.raises(protocol.ProtocolError, match="not among the flags"):
+            client.request("toggle", name="NCCL_FOO", value="1", restart=False,
+                           user="mallory", host="elsewhere")
     finally:
         client.close()
+    forged = [json.loads(line) for line in
+              (home / "run" / home.name / "toggles.log").read_text().splitlines()
+              if "NCCL_FOO" in line][-1]
+    assert forged["state"] == "refused" and forged["role"] == "control"
+    assert forged["user"] == pwd.getpwuid(os.getuid()).pw_name, forged
+    assert forged["via"].startswith(f"uid {os.getuid()} (") and "over ipc" in forged["via"]
+    assert "mallory" not in json.dumps(forged) and "elsewhere" not in json.dumps(forged)
     # a restart-tier flag on a job without checkpoints: refused, with the reason
     done = scalemon(home, "toggle", home.name, "TORCH_CPP_LOG_LEVEL=INFO")
     assert done.returncode == REFUSED and "--ckpt-dir" in done.stderr, done.stderr
@@ -152,7 +160,7 @@ def hub_losses(home: Path) -> dict[int, list[tuple[int, float]]]:
 
 
 def test_a_restart_tier_flag_restarts_from_a_checkpoint_without_losing_a_step(home, tmp_path):
-    steps = 60
+    steps = 100  # a toggle is planned ~4 s (40 steps) ahead: room for a slow start under load
     reference = tmp_path / "reference.json"
     ran = subprocess.run(torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps",
                                       str(steps), "--stats-json", str(reference)),
