@@ -59,11 +59,14 @@ def _offline_state(job: str) -> dict[str, Any] | None:
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     """Print the job's state (JSON with --json)."""
-    from scalemon.client import HubClient, HubUnreachable
+    from scalemon.client import HubClient, HubUnreachable, hub_key_problem
 
     job = args.target
     try:
         job, address = resolve_hub(args.target)
+        if missing := hub_key_problem(address):
+            print(f"scalemon snapshot: {missing}", file=sys.stderr)
+            return 2
         reply = HubClient(address, timeout_s=args.timeout).state()
         reply["source"] = address.base
     except protocol.VersionMismatch as exc:
@@ -269,6 +272,10 @@ def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
+    if args.connect:
+        from scalemon.cli_connect import print_connect
+
+        return print_connect(args.connect)
     try:
         jobs = serving_jobs()
     except JobLookupError as exc:  # job files not to be trusted
@@ -339,7 +346,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
-    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, seconds
+    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, job_id, seconds
     from scalemon.hub.main import add_arguments as add_hub_arguments
 
     parser = Parser(
@@ -364,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "job ended while its hub lingers), world size, hub pid "
                                       "and address.")
     jobs.add_argument("--json", action="store_true", help="machine-readable JSON")
+    jobs.add_argument("--connect", type=job_id, metavar="JOB",
+                      help="print one command line that attaches to JOB's hub over tcp from "
+                           "another machine (no shared SCALEMON_HOME needed)")
     jobs.set_defaults(func=cmd_jobs)
 
     attach = sub.add_parser(
