@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -422,13 +423,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STDOUT_CLOSED = 128 + 13
+"""The exit status when whoever read stdout left (`scalemon snapshot | head -1`): what a
+shell reports for a command that SIGPIPE ended."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `scalemon` console script."""
-    args = build_parser().parse_args(argv)
-    if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs clean
-        return args.func(args)
-    with clean_output():  # a rank's text (host, error, value) shows its control characters
-        return args.func(args)
+    try:
+        args = build_parser().parse_args(argv)  # --help writes too
+        if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs
+            return args.func(args)
+        with clean_output():  # a rank's text (host, error, value) shows its control characters
+            code = args.func(args)
+            sys.stdout.flush()  # now, where a reader that left is caught, not at exit
+            return code
+    except BrokenPipeError:  # the reader of stdout left: stop quietly, as `cat` would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere at exit
+        return STDOUT_CLOSED
 
 
 if __name__ == "__main__":
