@@ -20,7 +20,6 @@ from scalemon.jobs import (
     resolve_hub,
     serving_jobs,
 )
-from scalemon.jobstate import JobState
 from scalemon.safe_text import clean, clean_output
 
 
@@ -41,16 +40,17 @@ def _json_safe(value: Any) -> Any:
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
+    from scalemon.fold import JobFold
     from scalemon.history import earlier_loss_text, history_path, read_messages
 
     path = history_path(job)
     if not path.exists():
         return None
-    state = JobState(job=job)
+    fold = JobFold(job=job)  # as the hub folds (compute times for `stragglers` too)
     messages, rejected = read_messages(path, job)
-    for _, msg in messages:
-        state.apply(msg)
-    out = state.to_json()
+    for seq, msg in messages:
+        fold.apply(seq, msg)
+    out = fold.state.to_json()
     loss = earlier_loss_text(path)  # what its last hub could not write (a full disk)
     if loss:
         out["hub_notes"] = [*(out.get("hub_notes") or []), {"t": time.time(), "kind": "history",
