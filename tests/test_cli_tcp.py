@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,14 +106,24 @@ def test_jobs_connect_prints_a_line_that_works_from_another_home(
     assert "keys/authorized" in out.stderr  # who pastes it must be admitted first
 
     elsewhere = Path(tempfile.mkdtemp(prefix="smo", dir="/tmp"))  # a login node's own home
+    try:
+        _snapshot_from(elsewhere, out.stdout.strip(), home)
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def _snapshot_from(elsewhere: Path, line: str, home: Path) -> None:
+    """The connect line pasted into a shell on a machine whose SCALEMON_HOME is `elsewhere`
+    (`snapshot --json` for `attach`), once that machine's key is admitted."""
     own = user_keypair(elsewhere).public.decode()
     with open(home / "keys" / "authorized", "a") as f:  # what the owner admits
         f.write(own + "\n")
-    key = words[0].partition("=")[2]
+    pasted = line.replace(" scalemon attach ", f" {SCALEMON} snapshot --json --timeout 2 ")
+    env = {k: v for k, v in os.environ.items() if k != "SCALEMON_HUB_KEY"}
 
     def snapshot() -> dict | None:  # the hub reads its authorized file again within 1 s
-        got = scalemon("snapshot", "--json", "--timeout", "2", words[3], home=elsewhere,
-                       env={"SCALEMON_HUB_KEY": key})
+        got = subprocess.run(["sh", "-c", pasted], capture_output=True, text=True, timeout=60,
+                             env={**env, "SCALEMON_HOME": str(elsewhere)})
         if got.returncode != 0:
             assert "no answer from the hub" in got.stderr, got.stderr
             return None
