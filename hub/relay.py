@@ -393,7 +393,10 @@ def _master_addr_hub() -> HubAddress | None:
     port = listen.rpartition(":")[2]
     if not master or not listen.startswith("tcp://") or not port.isdigit() or port == "0":
         return None
-    return HubAddress.parse(f"tcp://{master}:{port}")
+    try:
+        return HubAddress.parse(f"tcp://{master}:{port}")
+    except ValueError:  # a port past 65533: the hub could not bind it either
+        return None
 
 
 def _take_lock(path: Path, job: str):  # noqa: ANN202 - file object held for the relay's life

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,6 @@ from scalemon.jobs import (
     resolve_hub,
     serving_jobs,
 )
-from scalemon.jobstate import JobState
 from scalemon.safe_text import clean, clean_output
 
 
@@ -40,16 +40,17 @@ def _json_safe(value: Any) -> Any:
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
+    from scalemon.fold import JobFold
     from scalemon.history import earlier_loss_text, history_path, read_messages
 
     path = history_path(job)
     if not path.exists():
         return None
-    state = JobState(job=job)
+    fold = JobFold(job=job)  # as the hub folds (compute times for `stragglers` too)
     messages, rejected = read_messages(path, job)
-    for _, msg in messages:
-        state.apply(msg)
-    out = state.to_json()
+    for seq, msg in messages:
+        fold.apply(seq, msg)
+    out = fold.state.to_json()
     loss = earlier_loss_text(path)  # what its last hub could not write (a full disk)
     if loss:
         out["hub_notes"] = [*(out.get("hub_notes") or []), {"t": time.time(), "kind": "history",
@@ -59,11 +60,14 @@ def _offline_state(job: str) -> dict[str, Any] | None:
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     """Print the job's state (JSON with --json)."""
-    from scalemon.client import HubClient, HubUnreachable
+    from scalemon.client import HubClient, HubUnreachable, hub_key_problem
 
     job = args.target
     try:
         job, address = resolve_hub(args.target)
+        if missing := hub_key_problem(address):
+            print(f"scalemon snapshot: {missing}", file=sys.stderr)
+            return 2
         reply = HubClient(address, timeout_s=args.timeout).state()
         reply["source"] = address.base
     except protocol.VersionMismatch as exc:
@@ -269,6 +273,10 @@ def _group_equal(by_rank: dict[str, Any]) -> dict[str, str]:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
+    if args.connect:
+        from scalemon.cli_connect import print_connect
+
+        return print_connect(args.connect)
     try:
         jobs = serving_jobs()
     except JobLookupError as exc:  # job files not to be trusted
@@ -339,7 +347,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
-    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, seconds
+    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, job_id, seconds
     from scalemon.hub.main import add_arguments as add_hub_arguments
 
     parser = Parser(
@@ -364,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "job ended while its hub lingers), world size, hub pid "
                                       "and address.")
     jobs.add_argument("--json", action="store_true", help="machine-readable JSON")
+    jobs.add_argument("--connect", type=job_id, metavar="JOB",
+                      help="print one command line that attaches to JOB's hub over tcp from "
+                           "another machine (no shared SCALEMON_HOME needed)")
     jobs.set_defaults(func=cmd_jobs)
 
     attach = sub.add_parser(
@@ -416,15 +427,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STDOUT_CLOSED = 128 + 13
+"""The exit status when whoever read stdout left (`scalemon snapshot | head -1`): what a
+shell reports for a command that SIGPIPE ended."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `scalemon` console script."""
     from scalemon.cli_keys import key_last
 
-    args = build_parser().parse_args(key_last(sys.argv[1:] if argv is None else argv))
-    if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs clean
-        return args.func(args)
-    with clean_output():  # a rank's text (host, error, value) shows its control characters
-        return args.func(args)
+    try:
+        args = build_parser().parse_args(  # --help writes too
+            key_last(sys.argv[1:] if argv is None else argv))
+        if args.func in (cmd_attach, cmd_demo, cmd_hub):  # the dashboard draws; the hub logs
+            return args.func(args)
+        with clean_output():  # a rank's text (host, error, value) shows its control characters
+            code = args.func(args)
+            sys.stdout.flush()  # now, where a reader that left is caught, not at exit
+            return code
+    except BrokenPipeError:  # the reader of stdout left: stop quietly, as `cat` would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere at exit
+        return STDOUT_CLOSED
 
 
 if __name__ == "__main__":

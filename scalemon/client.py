@@ -7,6 +7,7 @@ has and fetches any range the feed skipped (slow subscriber, late connect).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import zmq
 
 from scalemon import protocol
 from scalemon.jobs import HubAddress
-from scalemon.keys import secure_client
+from scalemon.keys import HUB_KEY_ENV, NoServerKey, secure_client, server_key_for
 from scalemon.protocol import Message, ProtocolError
 
 PAGE = 10_000
@@ -32,10 +33,13 @@ class HistoryReset(ProtocolError):
 
 def _where(address: HubAddress) -> str:
     """The hub as the user gave it: `tcp://h:5555 (requests go to its port 5557; a tcp hub
-    listens on 5555-5557)`, `ipc:///dir (socket rpc.sock)`."""
+    listens on ports 5555-5557)`, `tcp://h:4100,4000,3900 (requests go to its port 3900)`,
+    `ipc:///dir (socket rpc.sock)`."""
     base = address.base
     if address.rpc.startswith("tcp://"):
-        first, rpc = base.rpartition(":")[2], address.rpc.rpartition(":")[2]
+        first, rpc = address.ingest.rpartition(":")[2], address.rpc.rpartition(":")[2]
+        if "," in base or not first.isdigit() or not rpc.isdigit() or int(rpc) < int(first):
+            return f"{base} (requests go to its port {rpc})"  # each port said in `base`
         return (f"{base} (requests go to its port {rpc}; a tcp hub listens on ports "
                 f"{first}-{rpc})")
     return f"{base} (socket {address.rpc.rpartition('/')[2]})"
@@ -50,6 +54,25 @@ def _what_to_check(address: HubAddress) -> str:
             f"that this machine reaches {host} on that port (a firewall?), and that your key "
             "is in the hub's $SCALEMON_HOME/keys/authorized (a refused key gets no answer; "
             "the hub's log names it)")
+
+
+def hub_key_problem(address: HubAddress) -> str | None:
+    """None when talking to `address` needs no hub key (ipc) or one is known
+    (`keys.server_key_for`); else what is missing and how to get it, for a command to say
+    before it connects or draws anything."""
+    if not address.rpc.startswith("tcp://"):
+        return None
+    try:
+        server_key_for(address.rpc, address.server_key)
+    except NoServerKey as exc:
+        if address.server_key or os.environ.get(HUB_KEY_ENV):
+            return str(exc)  # a key was given and is none: the text says which
+        return (f"the hub's public key is missing for {address.base}: scalemon talks TCP only "
+                f"with CurveZMQ and must know it. Print it on the hub's host with `scalemon "
+                f"keys show --hub` (as the hub's user, with its SCALEMON_HOME) and pass it here "
+                f"as {HUB_KEY_ENV}=KEY (`scalemon jobs --connect JOB` there prints the whole "
+                "command), or use the hub's SCALEMON_HOME")
+    return None
 
 
 class HubClient:

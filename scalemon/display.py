@@ -10,6 +10,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.metrics import Metric
+from scalemon.stragglers import straggler_bar
 
 NA = "n/a"
 OFF = "off"
@@ -144,20 +145,12 @@ AGGREGATE_AT = 512
 row per node (host) instead of a row per rank (`snapshot --json` always has every rank)."""
 NO_HOST = "?"
 """The node shown for ranks whose host is not known yet (no hello seen)."""
-STRAGGLER_MIN_S = 0.010
-"""A rank must arrive this much later than the first rank (and 10% of a step) to be named."""
 KEY_METRICS = ("step_time_s", "arrival_lateness_s", "loss", "mem_allocated_bytes")
 """Metrics whose node rows show the min, the median and the max over the node's ranks; the
 other metric columns show the node's worst value (`LOW_IS_WORSE`: the min, else the max)."""
 LOW_IS_WORSE = frozenset({"tokens_per_s", "mfu", "loss_scale", "gpu_util_pct"})
 NODE_STATES = ("failed", "lost", "restarting", "stuck", "straggler", "running", "finished")
 """A node's worst state is the first of these that one of its ranks is in."""
-
-
-def straggler_bar(median_step_s: float | None) -> float:
-    """How much later than the first rank (seconds) a rank must arrive to be named a
-    straggler: `STRAGGLER_MIN_S`, and 10% of the median step time."""
-    return max(STRAGGLER_MIN_S, 0.1 * (median_step_s or 0.0))
 
 
 def rank_kind(state: str, exit_code: int | None) -> str:

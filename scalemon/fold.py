@@ -44,8 +44,8 @@ MAX_EXTRA_SERIES = 16
 class RankTrack:
     """The per-rank history the reducer does not keep."""
 
-    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "compute_ema", "cap",
-                 "_rates", "_rates_of")
+    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "cap", "_rates",
+                 "_rates_of")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -54,7 +54,6 @@ class RankTrack:
         self.skipped = Marks()
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
         self.tokens = 0
-        self.compute_ema: float | None = None
         self._rates: tuple[float | None, float | None] = (None, None)
         self._rates_of: tuple[float, int, int] | None = None  # the sample they end with
 
@@ -378,10 +377,12 @@ class JobFold:
         if len(acc.compute) >= 2:
             median = statistics.median(acc.compute.values())
             for rank, c in acc.compute.items():
-                track = self.track(rank)
-                slower = c - median
-                track.compute_ema = slower if track.compute_ema is None else (
-                    (1 - EMA) * track.compute_ema + EMA * slower)
+                view = self.state.ranks.get(rank)
+                if view is None:
+                    continue
+                slower, before = c - median, view.compute_over_median_s
+                view.compute_over_median_s = slower if before is None else (
+                    (1 - EMA) * before + EMA * slower)
 
     # ---- the series of a watched rank in a big job -------------------------------------------
 

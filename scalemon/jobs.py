@@ -39,6 +39,7 @@ log = logging.getLogger("scalemon")
 
 _JOB_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
+_PORT_MAX = 65535
 
 
 class JobLookupError(RuntimeError):
@@ -98,8 +99,9 @@ class HubAddress:
 
     @classmethod
     def parse(cls, address: str) -> HubAddress:
-        """From `ipc:///dir` (sockets inside dir) or `tcp://host:port` (ports port..port+2;
-        port 0 stays 0 for all three: each binds a free port)."""
+        """From `ipc:///dir` (sockets inside dir), `tcp://host:port` (ports port..port+2;
+        port 0 stays 0 for all three: each binds a free port) or `tcp://host:I,F,R` (the
+        ingest, feed and rpc ports of a hub that bound free ones: what `base` says for it)."""
         if address.startswith("ipc://"):
             base = address[len("ipc://") :].rstrip("/")
             if not base:
@@ -107,10 +109,20 @@ class HubAddress:
             return cls.for_directory(Path(base))
         if address.startswith("tcp://"):
             host, _, port = address[len("tcp://") :].rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"{address!r}: expected tcp://HOST:PORT")
-            p = int(port)
-            return cls(*(f"tcp://{host}:{p + i if p else 0}" for i in range(3)))
+            ports = port.split(",")
+            if not host or len(ports) not in (1, 3) or not all(p.isdigit() for p in ports):
+                raise ValueError(f"{address!r}: expected tcp://HOST:PORT (or "
+                                 "tcp://HOST:INGEST,FEED,RPC, as `scalemon jobs` prints it)")
+            numbers = [int(p) for p in ports]
+            if len(numbers) == 1:
+                first = numbers[0]
+                if first > _PORT_MAX - 2:
+                    raise ValueError(f"{address!r}: a tcp hub uses ports PORT to PORT+2, so "
+                                     f"PORT must be from 0 to {_PORT_MAX - 2}, not {first}")
+                numbers = [first + i if first else 0 for i in range(3)]
+            elif max(numbers) > _PORT_MAX:
+                raise ValueError(f"{address!r}: ports must be from 0 to {_PORT_MAX}")
+            return cls(*(f"tcp://{host}:{p}" for p in numbers))
         raise ValueError(f"hub address {address!r} must start with ipc:// or tcp://")
 
     @classmethod
@@ -131,7 +143,14 @@ class HubAddress:
         """The address string `parse` accepts."""
         if self.ingest.startswith("ipc://"):
             return "ipc://" + str(Path(self.ingest[len("ipc://") :]).parent)
-        return self.ingest
+        hosts, ports = zip(*(e.rpartition(":")[::2] for e in (self.ingest, self.feed, self.rpc)),
+                           strict=True)
+        if len(set(hosts)) > 1 or not all(p.isdigit() for p in ports):
+            return self.ingest  # not one hub's: nothing `parse` would give back
+        first, feed, rpc = (int(p) for p in ports)
+        if (feed, rpc) in ((first + 1, first + 2), (0, 0)):
+            return self.ingest
+        return f"{hosts[0]}:{first},{feed},{rpc}"  # free ports the hub bound
 
 
 def run_dir(job: str, home: Path | None = None) -> Path:

@@ -27,6 +27,7 @@ from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
 from scalemon.hangs import FOR_SHOWN, HangReport, span_text
 from scalemon.protocol import HUB_RANK, STEP_COMM_FIELDS, Message
+from scalemon.stragglers import stragglers_json
 
 STEP_FIELDS = metrics.latest_of("step")
 
@@ -85,6 +86,9 @@ class RankView:
     skip_streak: list[int] | None = field(default=None, repr=False)
     """[first step, count] of the steps skipped in a row so far (None: the last was not)."""
     last_step_t: float | None = None
+    compute_over_median_s: float | None = None
+    """How much longer than the median rank's this rank's compute time is (seconds, smoothed
+    over steps; a `JobFold` keeps it): the straggler measure before any collective is seen."""
     lateness: deque[float] | None = field(default=None, repr=False)
     collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
     comm_hook: bool = field(default=False, repr=False)
@@ -545,6 +549,8 @@ class JobState:
         """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
         now = time.time() if now is None else now
         hang = self.hang(now)
+        ranks = [{**self.ranks[r].to_json(now), "flags": self.flags.values_of(r)}
+                 for r in sorted(self.ranks)]
         return {
             "job": self.job,
             "world_size": self.world_size,
@@ -555,8 +561,8 @@ class JobState:
             "started_t": self.started_t,
             "last_t": self.last_t,
             "info": {k: {str(r): v for r, v in d.items()} for k, d in self.info.items()},
-            "ranks": [{**self.ranks[r].to_json(now), "flags": self.flags.values_of(r)}
-                      for r in sorted(self.ranks)],
+            "ranks": ranks,
+            "stragglers": stragglers_json(ranks),  # the dashboard's rule (scalemon.stragglers)
             "flags": self.flags.table(sorted(self.ranks)),
             "toggles": self.flags.toggles_json(),
             "log": {"lines": self.flags.log_total,

@@ -16,7 +16,19 @@ import pytest
 from scalemon.cli import build_parser
 
 SCALEMON = str(Path(sys.executable).with_name("scalemon"))
-ENV_VARS = ("SCALEMON_HOME", "SCALEMON_HUB", "SCALEMON_JOB_ID", "SCALEMON_HUB_ARGS")
+SOURCES = ("scalemon", "hub", "agent", "tui", "demo_train")
+
+
+def environment_variables() -> set[str]:
+    """Every SCALEMON_* name the code reads: each quoted literal of the sources (`environ.get(
+    "SCALEMON_X")`, `env.get(...)`, `X_ENV = "SCALEMON_X"` read later), so a new variable
+    without a line in `scalemon --help` fails the test."""
+    repo = Path(__file__).resolve().parents[1]
+    names: set[str] = set()
+    for folder in SOURCES:
+        for path in (repo / folder).rglob("*.py"):
+            names.update(re.findall(r"""["'](SCALEMON_[A-Z0-9_]+)["']""", path.read_text()))
+    return names
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:
@@ -63,7 +75,9 @@ def test_top_level_help_lists_commands_and_environment_variables(home: Path):
     for name in commands():
         assert re.search(rf"^    {name}\s+\S", out.stdout, re.M), f"{name} has no help line"
     env_part = out.stdout[out.stdout.index("environment variables:"):]
-    for var in ENV_VARS:
+    read = environment_variables()
+    assert {"SCALEMON_HOME", "SCALEMON_HUB", "SCALEMON_HUB_KEY", "SCALEMON_LISTEN"} <= read
+    for var in sorted(read):
         line = re.search(rf"^  {var}\s+(\S.*)$", env_part, re.M)
         assert line, f"{var} is not described in `scalemon --help`"
 

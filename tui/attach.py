@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from scalemon.client import hub_key_problem
 from scalemon.history import history_path
 from scalemon.jobs import HubAddress, JobLookupError, default_jobs, serving_jobs
 from scalemon.safe_text import clean
@@ -27,6 +28,9 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
             address = HubAddress.parse(target)
         except ValueError as exc:
             return str(exc)
+        missing = hub_key_problem(address)  # said here: the dashboard would only crash
+        if missing:
+            return missing
         return DashboardApp(HubFeed(address=address), stats_path=stats_path,
                             hang_after_s=hang_after_s)
     if target:

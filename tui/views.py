@@ -21,9 +21,11 @@ import numpy as np
 
 from scalemon import alerts as alerting
 from scalemon import display, metrics
+from scalemon import stragglers as straggler_rule
 from scalemon.display import AGGREGATE_AT, NA, Column
 from scalemon.jobstate import JOB_ENDED_STATES, RankView
 from scalemon.metrics import Metric
+from scalemon.stragglers import ARRIVAL_BASIS, COMPUTE_BASIS, MEASURE_NAMES  # noqa: F401
 from scalemon.tui import nodeview
 from scalemon.tui.flagview import header_note
 from scalemon.tui.hangview import current_hang
@@ -158,9 +160,8 @@ def _one_line_texts(s: Summary) -> Summary:
 
 
 def _median_step_s(data: DashboardData) -> float | None:
-    times = [v.metrics["step_time_s"] for v in data.state.ranks.values()
-             if v.metrics["step_time_s"] is not None and v.state == "running"]
-    return statistics.median(times) if times else None
+    return straggler_rule.median_step_s(
+        v.metrics["step_time_s"] for v in data.state.ranks.values() if v.state == "running")
 
 
 def _summary(data: DashboardData, now: float, median_step: float | None,
@@ -233,38 +234,23 @@ def _hub_down_text(data: DashboardData, now: float) -> str | None:
     return f"hub down: no data since {clock} ({ago} ago)"
 
 
-ARRIVAL_BASIS = "arrival at collectives, vs the first rank"
-COMPUTE_BASIS = "compute time, vs the median rank"
-MEASURE_NAMES = {ARRIVAL_BASIS: "late ms", COMPUTE_BASIS: "compute ms over the median"}
-"""The straggler measure of each basis, as the node overview names it."""
-
-
 def straggler_measure(data: DashboardData) -> tuple[dict[int, float], str]:
-    """Each running rank's straggler measure in seconds, and its basis: how much later than
-    the first rank it issues its collectives (median over its last 100,
-    `DashboardData.lateness`); before any rank has that, how much longer than the median
-    rank's its compute time is (smoothed). Call under the lock."""
-    late = data.lateness.get(data.state)
-    running = [v.rank for v in data.state.ranks.values() if v.state == "running"]
-    measure = {r: value for r in running if (value := late.get(r)) is not None}
-    if measure:
-        return measure, ARRIVAL_BASIS
-    ids = set(running)
-    measure = {r: t.compute_ema for r, t in data.tracks.items()
-               if r in ids and t.compute_ema is not None}
-    return measure, COMPUTE_BASIS if measure else ""
+    """Each running rank's straggler measure in seconds, and its basis
+    (`scalemon.stragglers.measure`): its median arrival lateness (`DashboardData.lateness`),
+    else its compute time over the median rank's. Call under the lock."""
+    views = data.state.ranks.values()
+    return straggler_rule.measure(
+        (v.rank for v in views if v.state == "running"), data.lateness.get(data.state),
+        {v.rank: v.compute_over_median_s for v in views})
 
 
 def _stragglers(data: DashboardData, median_step: float | None,
                 measure: tuple[dict[int, float], str] | None = None
                 ) -> tuple[list[tuple[int, float]], str]:
-    """Running ranks whose straggler measure (`straggler_measure`) is at least 10 ms and 10%
-    of a step (`display.straggler_bar`). Largest first."""
+    """Running ranks whose straggler measure (`straggler_measure`) is over
+    `scalemon.stragglers.straggler_bar`, largest first, and the basis."""
     values, basis = measure if measure is not None else straggler_measure(data)
-    bar = display.straggler_bar(median_step)
-    found = sorted(((r, v) for r, v in values.items() if v > bar),
-                   key=lambda rv: (-rv[1], rv[0]))
-    return found, basis
+    return straggler_rule.stragglers(values, median_step), basis
 
 
 def rank_values(data: DashboardData, v: RankView, now: float,
