@@ -18,6 +18,10 @@ environment variables:
                      variables)
   SCALEMON_HUB_ARGS  extra `scalemon hub` options for the hub rank 0 starts, e.g.
                      "--linger 60 --lost-after 10"
+  SCALEMON_METRICS   HOST:PORT where the job's hub serves OpenMetrics (/metrics; :PORT
+                     alone is 127.0.0.1, port 0 any free port; the URL: `scalemon jobs --json`)
+  SCALEMON_METRICS_FILE  a file the hub writes the same metrics to every 5 s, for
+                     node_exporter's textfile collector
 """
 """The epilog of `scalemon --help`: each variable scalemon reads, one entry each."""
 
