@@ -14,6 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, FakeRank, kill_tree, torchrun_cmd, wait_for
@@ -131,10 +134,45 @@ def test_scraped_metrics_carry_every_rank_with_their_values(start_hub, zctx, hom
     assert found[("scalemon_alerts", (("job", "omA"), ("kind", "skipped_steps")))] == 0
     assert found[("scalemon_world_size", (("job", "omA"),))] == 2
 
+    # Prometheus may ask for OpenMetrics proper: the strict OpenMetrics parser reads it
+    request = urllib.request.Request(url, headers={
+        "Accept": "application/openmetrics-text; version=1.0.0"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
+        strict = {f.name: f for f in openmetrics_families(reply.read().decode())}
+    assert {"scalemon_loss", "scalemon_collective_seconds", "scalemon_collective_bytes"} <= \
+        set(strict)
+
     listed = subprocess.run([sys.executable, "-m", "scalemon", "jobs", "--json"],
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
     assert [j["metrics_url"] for j in json.loads(listed.stdout)] == [url]
+
+
+def test_scrapes_while_ranks_join_and_step_all_parse(start_hub, zctx, home):
+    """The HTTP threads never read the state the loop changes (ranks appearing mid-scrape):
+    every scrape parses, and the last one has every rank."""
+    hub = start_hub("omR", "--metrics", "127.0.0.1:0", "--world-size", "64")
+    url = job_file(home, "omR").metrics_url
+    ranks = [FakeRank(zctx, hub.address, "omR", r) for r in range(64)]
+    scrapes = 0
+    for rank in ranks:
+        rank.hello(world_size=64)
+        for step in range(1, 21):
+            rank.step(step, loss=1.0 / step)
+        if rank.rank % 4 == 0:
+            assert samples(scrape(url))  # parses (a broken text raises)
+            scrapes += 1
+    assert scrapes == 16
+
+    def all_ranks() -> dict | None:
+        found = samples(scrape(url))
+        steps = {r: rank_value(found, "scalemon_step", "omR", r) for r in range(64)}
+        return found if set(steps.values()) == {20} else None
+
+    found = wait_for(all_ranks, timeout=30)
+    assert rank_value(found, "scalemon_loss", "omR", 63) == 0.05
+    assert hub.proc.poll() is None
 
 
 def test_a_lost_rank_reads_down(start_hub, zctx, home):
