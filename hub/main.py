@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from scalemon.cli_args import Parser, int_at_least, job_id, seconds
@@ -13,6 +14,7 @@ from scalemon.collectives import hang_after_default
 from scalemon.jobs import check_job_id
 from scalemon.safe_text import CleanStream, clean
 
+from .openmetrics import METRICS_ENV, METRICS_FILE_ENV, start_exporter
 from .server import Hub, HubAlreadyRunning, install_signal_handlers
 
 
@@ -51,6 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-limit", type=int_at_least(1), default=1_000_000, metavar="N",
         help="records kept in memory; older ones are read back from the history file",
     )
+    parser.add_argument(
+        "--metrics", metavar="HOST:PORT",
+        help="serve OpenMetrics (Prometheus) on http://HOST:PORT/metrics; :PORT alone is "
+             "127.0.0.1, port 0 any free port (the URL is in the job file); default: "
+             f"${METRICS_ENV}, else off",
+    )
+    parser.add_argument(
+        "--metrics-file", metavar="PATH",
+        help="write the same metrics to PATH every 5 s, atomically, for node_exporter's "
+             f"textfile collector (name it *.prom); default: ${METRICS_FILE_ENV}, else off",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
             lost_after_s=args.lost_after, linger_s=args.linger, memory_limit=args.memory_limit,
             hang_after_s=args.hang_after, listen=args.listen,
         )
+        # from the options: an error stops the hub; from the environment (an auto-started
+        # hub): logged, and the hub serves on without metrics
+        hub.exporter = start_exporter(args.job, args.metrics, args.metrics_file)
     except (HubAlreadyRunning, ValueError, OSError) as exc:
         print(f"scalemon hub: {clean(str(exc))}", file=sys.stderr)
         return 2
+    if hub.exporter is not None:  # served from the first scrape on, before the loop runs
+        hub.exporter.update(hub.state, time.monotonic(), force=True)
     install_signal_handlers(hub)
     hub.serve_forever()
     return 0

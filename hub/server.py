@@ -57,6 +57,7 @@ from .audit import Audit
 from .auth import DOMAINS, KeyGate, start_gate
 from .frdump import FrDump
 from .limits import RejectBook, check_name, clip, raise_open_files_limit, reason_class
+from .openmetrics import Exporter
 from .relays import RelayBook
 from .tcpguard import TcpGuard
 from .toggles import ToggleRefused, Toggles
@@ -150,6 +151,7 @@ class Hub:
         self._stop = threading.Event()
         self._job_file: JobFile | None = None
         self._feed: _FanOut | None = None  # while serving: where `stop` records go
+        self.exporter: Exporter | None = None  # OpenMetrics (hub/openmetrics.py), when asked
         self._replay_history()
         self.audit = Audit(self.run_dir)
         self.toggles = Toggles(self.run_dir, self.state, self.audit)
@@ -294,6 +296,7 @@ class Hub:
             ended=ended,
             tcp=self.tcp_endpoints,
             server_key=self._keys.public.decode() if self._keys else None,
+            metrics_url=self.exporter.url if self.exporter else None,
         )
         try:
             self._job_file.write(self.home)
@@ -391,6 +394,9 @@ class Hub:
             sock.close(linger=0)
         self._stop_auth()
         ctx.term()
+        if self.exporter is not None:  # the file keeps the final state
+            self.exporter.update(self.state, time.monotonic(), force=True)
+            self.exporter.close()
         if self._job_file is not None:
             self._mark_job_file()
         self._lock_file.close()
@@ -590,6 +596,8 @@ class Hub:
         while self.relays.records:
             self._record(feed, "relay", self.relays.records.pop(0))
         self._detect_lost(feed, now)
+        if self.exporter is not None:
+            self.exporter.update(self.state, now)
         job_state = self._lifecycle_state(now)
         if job_state != self._ending_state:  # each ending state counts its own linger
             self._ending_state, self._ended_since = job_state, now

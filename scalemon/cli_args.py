@@ -27,6 +27,10 @@ environment variables:
   SCALEMON_NODE         the node name ranks, hubs and relays report (default: the host name)
   SCALEMON_RUNTIME_DIR  node-local directory of the relays' sockets (default
                         /tmp/scalemon-<uid>)
+  SCALEMON_METRICS      HOST:PORT where the job's hub serves OpenMetrics (/metrics; :PORT
+                        alone is 127.0.0.1, port 0 any free port; the URL: `jobs --json`)
+  SCALEMON_METRICS_FILE a file the hub writes the same metrics to every 5 s, for
+                        node_exporter's textfile collector
   SCALEMON_CUDA_DIRECT  0: the agent reads CUDA through torch instead of calling the CUDA
                         runtime itself
 """

@@ -189,6 +189,8 @@ class JobFile:
     resolve; None for an ipc-only hub."""
     server_key: str | None = None
     """The hub's Curve public key (z85), which tcp clients must know; None without tcp."""
+    metrics_url: str | None = None
+    """Where the hub serves OpenMetrics (`http://HOST:PORT/metrics`); None when it does not."""
 
     def write(self, home: Path | None = None) -> Path:
         """Atomically (re)write the job file."""
@@ -205,7 +207,8 @@ class JobFile:
         others)."""
         try:
             data = json.loads(read_private(path))
-            optional = {"state", "ended", "hub_stopped", "tcp", "server_key"}  # older hubs
+            optional = {"state", "ended", "hub_stopped", "tcp", "server_key",
+                        "metrics_url"}  # older hubs
             jf = cls(**{k: data[k] for k in cls.__dataclass_fields__
                         if k not in optional or k in data})
         except UnsafePathError:
