@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from scalemon.jobs import HubAddress, JobFile, JobLookupError, scalemon_home, serving_jobs
+from scalemon.jobs import HubAddress, JobFile, JobLookupError, serving_jobs
 from scalemon.keys import HUB_KEY_ENV
 
 
@@ -44,8 +44,8 @@ def print_connect(job: str) -> int:
               file=sys.stderr)
         return 2
     print(line)
-    authorized = scalemon_home() / "keys" / "authorized"
-    print(f"scalemon jobs: the hub admits only the keys in {authorized}: add the public key "
-          "of the user who pastes this (`scalemon keys show` on that machine) there first",
+    print("scalemon jobs: the hub admits only the keys of `scalemon keys list`: admit the "
+          "public key of whoever pastes this (`scalemon keys show` on that machine) first, "
+          "with `scalemon keys add KEY --role watch --name NAME` (control to steer too)",
           file=sys.stderr)
     return 0

@@ -349,8 +349,8 @@ def server_key_for(endpoint: str, explicit: str | bytes | None = None,
             return zmq.auth.load_certificate(own)[0]
     raise NoServerKey(
         f"no server key for {endpoint}: scalemon talks TCP only with CurveZMQ and needs the "
-        f"hub's public key. Set {HUB_KEY_ENV} to the `server_key` of the hub's job file "
-        f"($SCALEMON_HOME/jobs/<job>.json on its host), or use the same SCALEMON_HOME as the "
+        f"hub's public key. Set {HUB_KEY_ENV} to what `scalemon keys show --hub` prints on "
+        "the hub's host (its job file's `server_key`), or use the same SCALEMON_HOME as the "
         "hub")
 
 

@@ -103,7 +103,7 @@ def test_jobs_connect_prints_a_line_that_works_from_another_home(
     assert words[0].startswith("SCALEMON_HUB_KEY=") and words[1:3] == ["scalemon", "attach"]
     jf = JobFile.read(jobs_dir(home) / "far1.json")
     assert words[0] == f"SCALEMON_HUB_KEY={jf.server_key}"
-    assert "keys/authorized" in out.stderr  # who pastes it must be admitted first
+    assert "scalemon keys add KEY --role watch" in out.stderr  # who pastes it: admitted first
 
     elsewhere = Path(tempfile.mkdtemp(prefix="smo", dir="/tmp"))  # a login node's own home
     try:
@@ -116,8 +116,10 @@ def _snapshot_from(elsewhere: Path, line: str, home: Path) -> None:
     """The connect line pasted into a shell on a machine whose SCALEMON_HOME is `elsewhere`
     (`snapshot --json` for `attach`), once that machine's key is admitted."""
     own = user_keypair(elsewhere).public.decode()
-    with open(home / "keys" / "authorized", "a") as f:  # what the owner admits
-        f.write(own + "\n")
+    added = subprocess.run([SCALEMON, "keys", "add", own, "--role", "watch", "--name", "login"],
+                           env={**os.environ, "SCALEMON_HOME": str(home)}, capture_output=True,
+                           text=True, timeout=60)  # what the owner admits
+    assert added.returncode == 0, added.stderr
     pasted = line.replace(" scalemon attach ", f" {SCALEMON} snapshot --json --timeout 2 ")
     env = {k: v for k, v in os.environ.items() if k != "SCALEMON_HUB_KEY"}
 
