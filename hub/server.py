@@ -906,6 +906,8 @@ class Hub:
             "tcp_connections": self.guard.connections() if self.guard else 0,
             "tcp_cap": self.guard.cap if self.guard else 0,
             "tcp_shed": self.guard.shed if self.guard else 0,
+            "tcp_source_cap": self.guard.source_cap if self.guard else 0,
+            "tcp_shed_by_source": self.guard.shed_by_source if self.guard else 0,
         }
 
 

@@ -9,6 +9,11 @@ younger than the handshake deadline: only those can still be mid-handshake (unau
 since libzmq drops a connection whose handshake took longer (ZMQ_HANDSHAKE_IVL). Connections
 older than that passed the handshake and are left alone. A new client's request, answered in
 milliseconds, gets through while idle ones are shed oldest first.
+
+One source address may hold at most `source_cap` connections of a socket (a quarter of its cap):
+past it, that source's connections are shed, those that may be mid-handshake first, then its
+newest. So a peer that holds connections open, even authenticated ones (an admitted key), uses
+up its own share only, and others still get in.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import zmq
@@ -38,6 +44,17 @@ class _Watched:
     monitor: zmq.Socket
     port: int
     conns: dict[int, float] = field(default_factory=dict)  # fd -> monotonic accept time
+    sources: dict[int, str] = field(default_factory=dict)  # fd -> the peer's address
+    per_source: Counter[str] = field(default_factory=Counter)
+
+    def forget(self, fd: int) -> None:
+        """Stop counting connection `fd`."""
+        self.conns.pop(fd, None)
+        source = self.sources.pop(fd, None)
+        if source is not None:
+            self.per_source[source] -= 1
+            if self.per_source[source] <= 0:
+                del self.per_source[source]
 
 
 class TcpGuard:
@@ -48,7 +65,9 @@ class TcpGuard:
         self.handshake_s = handshake_s
         self.watched: list[_Watched] = []
         self.shed = 0
+        self.shed_by_source = 0
         self.cap = 0
+        self.source_cap = 0
         self._rounds = 0  # times connections were shed
 
     def prepare(self, sock: zmq.Socket) -> None:
@@ -68,8 +87,9 @@ class TcpGuard:
             return
         spare = self.fd_limit - _open_fds() - FD_RESERVE
         self.cap = max(8, spare // 2 // len(self.watched))
-        log.info("tcp connections capped at %d per socket (open-files limit %d)", self.cap,
-                 self.fd_limit)
+        self.source_cap = max(4, self.cap // 4)
+        log.info("tcp connections capped at %d per socket, %d per source address (open-files "
+                 "limit %d)", self.cap, self.source_cap, self.fd_limit)
 
     @property
     def monitors(self) -> list[zmq.Socket]:
@@ -91,10 +111,41 @@ class TcpGuard:
                 break
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
+                watched.forget(fd)  # a number reused before its close was told
                 watched.conns[fd] = now
+                source = _peer_host(fd)
+                if source is not None:
+                    watched.sources[fd] = source
+                    watched.per_source[source] += 1
             elif event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                watched.conns.pop(fd, None)
+                watched.forget(fd)
+        self._shed_sources(watched, now)
         self._shed(watched, now)
+
+    def _shed_sources(self, watched: _Watched, now: float) -> None:
+        """Shed the connections of each source address over `source_cap`: those that may be
+        mid-handshake first (oldest first), then its newest."""
+        if not self.source_cap:
+            return
+        for source, count in list(watched.per_source.items()):
+            excess = count - self.source_cap
+            if excess <= 0:
+                continue
+            mine = [(t, fd) for fd, t in watched.conns.items()
+                    if watched.sources.get(fd) == source]
+            young = sorted(e for e in mine if now - e[0] < self.handshake_s + 1.0)
+            old = sorted((e for e in mine if now - e[0] >= self.handshake_s + 1.0),
+                         reverse=True)
+            for _, fd in (young + old)[:excess]:
+                if shutdown_connection(fd, watched.port):
+                    self.shed += 1
+                    self.shed_by_source += 1
+                watched.forget(fd)
+            self._rounds += 1
+            if self._rounds <= 20 or self._rounds % 1000 == 0:
+                log.warning("tcp port %d: %s holds %d connections, over the %d one source may "
+                            "hold: shed %d", watched.port, source, count, self.source_cap,
+                            excess)
 
     def _shed(self, watched: _Watched, now: float) -> None:
         excess = len(watched.conns) - self.cap
@@ -106,7 +157,7 @@ class TcpGuard:
         for _, fd in young[:excess]:
             if shutdown_connection(fd, watched.port):
                 self.shed += 1
-            watched.conns.pop(fd, None)  # its DISCONNECTED event may still come
+            watched.forget(fd)  # its DISCONNECTED event may still come
         self._rounds += 1
         if self._rounds <= 20 or self._rounds % 1000 == 0:  # the first 20, then every 1000th
             log.warning("tcp port %d over its cap of %d connections: shed %d that may not be "
@@ -146,6 +197,20 @@ def shutdown_connection(fd: int, port: int) -> bool:
         return False
     finally:
         sock.detach()  # the descriptor stays libzmq's
+
+
+def _peer_host(fd: int) -> str | None:
+    """The address of the peer of connection `fd` (None when it is already gone)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError):
+        return None
+    finally:
+        sock.detach()
 
 
 def _open_fds() -> int:

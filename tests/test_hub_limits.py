@@ -55,10 +55,11 @@ def test_thousands_of_idle_tcp_connections_do_not_end_the_hub(home: Path) -> Non
     held: list[socket.socket] = []
     try:
         for port in _tcp_ports(home, "jobF"):
-            for _ in range(200):
+            for n in range(200):  # from 100 addresses, under the per-source share each
                 s = socket.socket()
                 s.settimeout(2.0)
                 try:
+                    s.bind((f"127.0.0.{2 + n % 100}", 0))
                     s.connect(("127.0.0.1", port))
                 except OSError:  # a shed connection refused is fine too
                     s.close()
@@ -214,3 +215,44 @@ def test_a_reply_over_the_reply_limit_is_an_error_never_sent(home: Path, zctx) -
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_one_source_holding_authenticated_connections_cannot_crowd_out_others(
+        home: Path) -> None:
+    """An admitted key (the owner's here) opens 60 connections from 127.0.0.2 and holds them
+    past the handshake deadline: the hub keeps that source to its share (`tcp_source_cap`),
+    shedding the rest, and a client from 127.0.0.1 gets its answer."""
+    proc, log = _low_fd_hub(home, "jobS", 200)
+    jf = JobFile.read(jobs_dir(home) / "jobS.json")
+    rpc_port = int(jf.tcp["rpc"].rpartition(":")[2])
+    ctx = zmq.Context()
+    held = []
+    try:
+        hub = HubClient(HubAddress.for_directory(home / "run" / "jobS")).state()["hub"]
+        cap, source_cap = hub["tcp_cap"], hub["tcp_source_cap"]
+        assert 4 <= source_cap < cap < 60
+        from scalemon.keys import user_keypair
+
+        own = user_keypair(home)
+        for _ in range(60):
+            sock = ctx.socket(zmq.DEALER)
+            sock.curve_publickey, sock.curve_secretkey = own.public, own.secret
+            sock.curve_serverkey = jf.server_key.encode()
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # a shed one stays away
+            sock.connect(f"tcp://127.0.0.2:0;127.0.0.1:{rpc_port}")
+            held.append(sock)
+        time.sleep(7.0)  # past the handshake window: every surviving one is authenticated
+        state = HubClient(HubAddress.for_directory(home / "run" / "jobS")).state()["hub"]
+        assert state["tcp_shed_by_source"] >= 60 - source_cap, state
+        tcp = HubAddress(jf.tcp["ingest"], jf.tcp["feed"], jf.tcp["rpc"],
+                         server_key=jf.server_key)
+        assert HubClient(tcp, timeout_s=5.0).state()["hub"]["pid"] == proc.pid
+        assert proc.poll() is None
+    finally:
+        for sock in held:
+            sock.close(linger=0)
+        ctx.term()
+        proc.kill()
+        proc.wait()
+    assert "over the" in log.read_text() and "one source may hold" in log.read_text()
