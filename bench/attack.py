@@ -5,7 +5,12 @@ what it did to the hub: connections held, hub alive, snapshot latency, RSS befor
 2. distinct malformed frames (each with its own text) on ingest;
 3. relay reports with huge node names, and (as the owner) a toggle with a huge flag name.
 
-    .venv/bin/python bench/attack.py [--connections 3000] [--frames 100000] [--fd-limit N]
+    .venv/bin/python bench/attack.py [--connections 3000] [--sources 250] [--frames 100000]
+                                     [--fd-limit N]
+
+The connections come from `--sources` loopback addresses (127.0.0.2 and up), so that each
+source stays under the hub's per-source share and the global cap is what is attacked. A rank
+sends a step every 10 ms over ipc all along: `steps_in_history` says whether it went on.
 
 `--fd-limit N` starts the hub with an open-files limit of N (soft and hard), as on a node
 whose hard limit is low; by default the hub runs with this shell's limits (it raises its soft
@@ -24,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,9 +84,10 @@ def start_hub(home: Path, fd_limit: int | None) -> subprocess.Popen:
     return proc
 
 
-def hold_connections(ports: list[int], n: int, budget_s: float = 15.0) -> list[socket.socket]:
-    """Open `n` idle connections spread over `ports` (for at most `budget_s`); returns those
-    that connected."""
+def hold_connections(ports: list[int], n: int, sources: int,
+                     budget_s: float = 15.0) -> list[socket.socket]:
+    """Open `n` idle connections spread over `ports` and `sources` loopback source addresses
+    (for at most `budget_s`); returns those that connected."""
     held = []
     deadline = time.monotonic() + budget_s
     for i in range(n):
@@ -89,12 +96,34 @@ def hold_connections(ports: list[int], n: int, budget_s: float = 15.0) -> list[s
         s = socket.socket()
         s.settimeout(1.0)
         try:
+            k = 2 + i % sources  # 127.0.0.2 and up: all loopback (127/8)
+            s.bind((f"127.0.{k >> 8}.{k & 255}", 0))
             s.connect(("127.0.0.1", ports[i % len(ports)]))
         except OSError:
             s.close()
             continue
         held.append(s)
     return held
+
+
+class Rank(threading.Thread):
+    """A rank sending a step every 10 ms to the hub's ipc ingest until stopped."""
+
+    def __init__(self, ctx: zmq.Context, address: HubAddress) -> None:
+        super().__init__(daemon=True)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.connect(address.ingest)
+        self.sent = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        self.sock.send(protocol.encode("hello", JOB, 0, 0, {
+            "host": "bench", "pid": os.getpid(), "world_size": 1, "local_rank": 0}))
+        while not self.halt.wait(0.01):
+            self.sent += 1
+            self.sock.send(protocol.encode("step", JOB, 0, self.sent, {
+                "step": self.sent, "loss": 1.0, "tokens": 1, "step_time_s": 0.01}))
+        self.sock.close(linger=5000)
 
 
 def flood(ctx: zmq.Context, address: HubAddress, control: str, frames: int) -> None:
@@ -121,6 +150,8 @@ def flood(ctx: zmq.Context, address: HubAddress, control: str, frames: int) -> N
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=3000)
+    parser.add_argument("--sources", type=int, default=250,
+                        help="loopback source addresses the connections come from")
     parser.add_argument("--frames", type=int, default=100_000)
     parser.add_argument("--fd-limit", type=int, default=None)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -142,8 +173,10 @@ def main() -> int:
         ipc, tcp = HubClient(ipc_address, ctx=ctx), HubClient(tcp_address, ctx=ctx)
         figures["rss_before_mib"] = round(rss_mib(proc.pid), 1)
         figures["snapshot_ms_before"] = {"ipc": latency_ms(ipc), "tcp": latency_ms(tcp)}
+        rank = Rank(ctx, ipc_address)
+        rank.start()
         started = time.monotonic()
-        held = hold_connections(ports, n)
+        held = hold_connections(ports, n, max(1, args.sources))
         figures["connections_opened"] = len(held)
         figures["open_s"] = round(time.monotonic() - started, 2)
         time.sleep(1.0)
@@ -153,12 +186,23 @@ def main() -> int:
             "tcp": latency_ms(HubClient(tcp_address, ctx=ctx))}
         try:
             hub = ipc.state()["hub"]
-            figures["hub_tcp"] = {k: hub[k] for k in ("tcp_connections", "tcp_cap", "tcp_shed")}
+            figures["hub_tcp"] = {k: hub[k] for k in (
+                "tcp_connections", "tcp_cap", "tcp_shed", "tcp_source_cap", "tcp_shed_by_source")}
         except Exception as exc:  # noqa: BLE001
             figures["hub_tcp"] = f"no answer: {exc}"
         for s in held:
             s.close()
+        rank.halt.set()
+        rank.join()
         figures["hub_alive_after_connections"] = proc.poll() is None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            got = ipc.state()["state"]["ranks"]
+            if got and got[0]["step"] == rank.sent:
+                break
+            time.sleep(0.2)
+        figures["steps_sent"] = rank.sent
+        figures["steps_in_history"] = got[0]["step"] if got else 0
         flood(ctx, ipc_address, ipc_address.control, args.frames)
         deadline = time.monotonic() + 30
         hub = {}
@@ -167,7 +211,7 @@ def main() -> int:
                 hub = ipc.state()["hub"]
             except Exception:  # noqa: BLE001
                 break
-            if hub["rejected"] >= args.frames + 21:
+            if hub["rejected"] >= args.frames + 20:  # the huge toggle is refused, audited
                 break
             time.sleep(0.2)
         figures["rejected"] = hub.get("rejected")
