@@ -43,6 +43,7 @@ _CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("unknown request", r"unknown request op"),
         ("bad request field", r"request \w+\.\w+ is "),
         ("refused by role", r"refused: "),
+        ("not the rank's key", r"\w+ for rank -?\d+ from key "),
         ("unknown command", r"unknown command"),
     ))
 REASON_CLASSES = ("other protocol major version", *(name for name, _ in _CLASSES), "other")

@@ -78,6 +78,10 @@ HELLO_NAMES = ("host", "agent_version", "torch_version", "device", "backend")
 """A rank's hello strings, each at most MAX_NAME_CHARS long (the state lists them per rank)."""
 """A toggle's value or a stop's reason may be this long."""
 WAITING_S = 300.0
+OWNER_IPC = b""
+"""The 'key' of a rank whose hello came over the owner's ipc socket."""
+MAX_RANK_KEYS = 1 << 20
+"""Ranks whose key the hub remembers (a rank's messages must come with its hello's key)."""
 
 
 class HubAlreadyRunning(RuntimeError):
@@ -157,6 +161,7 @@ class Hub:
         self.toggles = Toggles(self.run_dir, self.state, self.audit)
         self._tcp_ports: dict[zmq.Socket, tuple[str, int]] = {}  # tcp socket -> label, port
         self.peers: PeerBook | None = None  # which key each tcp connection is, while serving
+        self._rank_keys: dict[int, bytes] = {}  # the key each rank's hello came with
         self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
 
     # --- setup ---------------------------------------------------------------------------
@@ -417,12 +422,13 @@ class Hub:
         taken = 0
         tcp = self._tcp_ports.get(ingest)
         while taken < INGEST_BATCH:
+            sender = None
             try:
                 if tcp is None:  # ipc: the owner's ranks (0700 directory)
                     frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
                 else:
-                    frames = self._admitted_frames(ingest.recv_multipart(zmq.NOBLOCK,
-                                                                         copy=False), tcp[1])
+                    frames, sender = self._admitted_frames(
+                        ingest.recv_multipart(zmq.NOBLOCK, copy=False), tcp[1])
             except zmq.Again:
                 break
             taken += max(1, len(frames))
@@ -430,6 +436,10 @@ class Hub:
                 self.received += 1
                 try:
                     msg = self._accept(frame)
+                    if sender is not None:
+                        self._check_sender(msg, sender)
+                    elif msg.type == "hello" and len(self._rank_keys) < MAX_RANK_KEYS:
+                        self._rank_keys[msg.rank] = OWNER_IPC
                 except ProtocolError as exc:
                     self._reject(exc, len(frame))
                     continue
@@ -443,20 +453,45 @@ class Hub:
             self.history.flush()  # published only once written: a hub crash cannot unsay it
             feed.send_multipart([self._topic, protocol.pack_seq(first_seq), *accepted])
 
-    def _admitted_frames(self, frames: list[zmq.Frame], port: int) -> list[bytes]:
-        """The frames of one message from a tcp rank or relay, if its key may still send
-        (else none: it is refused, audited, and its connection cut)."""
+    def _admitted_frames(self, frames: list[zmq.Frame],
+                         port: int) -> tuple[list[bytes], Peer | None]:
+        """The frames of one message from a tcp rank or relay, and who sent it, if its key may
+        still send (else none: it is refused, audited, and its connection cut)."""
         peer = tcp_peer(frames[0], self._gate.keys if self._gate else {})
         if peer.role in SOCKET_ROLES["ingest"]:
             self.peers.learn(peer, port)
-            return [f.bytes for f in frames]
+            return [f.bytes for f in frames], peer
         self.received += len(frames)
         self.rejected += len(frames)
         self.rejects.add(ProtocolError(refusal(peer, "ingest")), sum(len(f) for f in frames))
         self._refused(peer, "ingest", f"{len(frames)} message(s) refused: the key may not "
                                       "send (removed or another role)")
         self.peers.cut_one(peer, port)
-        return []
+        return [], None
+
+    def _check_sender(self, msg: protocol.Message, sender: Peer) -> None:
+        """A rank speaks with the key its hello came with (over tcp): another admitted key
+        cannot answer toggles or send steps in its name. A new hello takes the rank over only
+        once it is not running (a restart) or from the same key. Raises ProtocolError."""
+        bound = self._rank_keys.get(msg.rank)
+        if bound == sender.key:
+            return
+        view = self.state.ranks.get(msg.rank)
+        if msg.type == "hello" and (bound is None or view is None or view.state != "running"):
+            if len(self._rank_keys) >= MAX_RANK_KEYS and msg.rank not in self._rank_keys:
+                raise ProtocolError(f"hello for rank {msg.rank} from key {sender.user}: over "
+                                    f"the hub's limit of {MAX_RANK_KEYS} ranks")
+            self._rank_keys[msg.rank] = sender.key
+            return
+        if bound is None:  # its hello came before this hub started: the first key holds it
+            if len(self._rank_keys) < MAX_RANK_KEYS:
+                self._rank_keys[msg.rank] = sender.key
+            return
+        owner = "the owner's ipc socket" if bound == OWNER_IPC else next(
+            (k.name for k in (self._gate.keys.values() if self._gate else ()) if k.key == bound),
+            "a key no longer admitted")
+        raise ProtocolError(f"{msg.type} for rank {msg.rank} from key {sender.user}, not from "
+                            f"{owner} that its hello came with")
 
     def _refused(self, peer: Peer, kind: str, text: str, **extra: Any) -> None:
         """Put a refusal of `peer` into the audit (limited per asker and kind)."""

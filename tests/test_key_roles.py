@@ -294,3 +294,53 @@ def test_refused_handshakes_are_audited_with_the_peer_and_bounded(start_hub, hom
     assert 1 <= len(entries) <= 10  # the first ten in full; then one in a thousand
     assert entries[0]["key"] == stranger[0].decode() and entries[0]["client_host"] == "127.0.0.1"
     assert "not in authorized" in entries[0]["text"]
+
+
+def test_a_rank_speaks_only_with_the_key_its_hello_came_with(start_hub, home: Path,
+                                                             zctx: zmq.Context,
+                                                             other_homes) -> None:
+    """Two rank keys: node-b cannot send steps or answer a toggle in rank 0's name while rank
+    0 (node-a) runs, nor take it over with a hello; once rank 0 ended, a new hello may."""
+    base, jf = _tcp_hub(start_hub, "jobK")
+    keys = {}
+    for name in ("node-a", "node-b"):
+        keys[name] = user_keypair(other_homes())
+        assert cli(home, "keys", "add", keys[name].public.decode(), "--role", "rank",
+                   "--name", name).returncode == 0
+
+    def pusher(name: str) -> zmq.Socket:
+        sock = zctx.socket(zmq.PUSH)
+        sock.curve_publickey, sock.curve_secretkey = keys[name].public, keys[name].secret
+        sock.curve_serverkey = jf.server_key.encode()
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(jf.tcp["ingest"])
+        return sock
+
+    a, b = pusher("node-a"), pusher("node-b")
+    owner = HubClient(HubAddress.parse(jf.address))
+
+    def send(sock: zmq.Socket, mtype: str, seq: int, body: dict) -> None:
+        sock.send(protocol.encode(mtype, "jobK", 0, seq, body))
+
+    hello = {"host": "a", "pid": 1, "world_size": 1, "local_rank": 0}
+    send(a, "hello", 0, hello)
+    send(a, "step", 1, {"step": 1, "loss": 1.0, "tokens": 1, "step_time_s": 0.01})
+    wait_for(lambda: owner.state()["state"]["ranks"][:1] and
+             owner.state()["state"]["ranks"][0]["step"] == 1)
+    send(b, "step", 2, {"step": 2, "loss": 9.0, "tokens": 1, "step_time_s": 0.01})
+    send(b, "toggle_result", 3, {"id": 1, "name": "NCCL_DEBUG", "value": "INFO",
+                                 "outcome": "applied", "step": 2})
+    send(b, "hello", 4, {**hello, "host": "b"})
+    hub = wait_for(lambda: (h := owner.state()["hub"])["rejected"] >= 3 and h)
+    assert hub["reject_reasons"].get("not the rank's key", 0) + hub["reject_reasons"].get(
+        "bad hello", 0) == 3, hub["reject_reasons"]
+    assert any("step for rank 0 from key node-b, not from node-a" in r["detail"]
+               for r in hub["reject_recent"])
+    state = owner.state()["state"]
+    assert state["ranks"][0]["step"] == 1 and state["ranks"][0]["host"] == "a"
+    assert not state["toggles"]  # no forged answer reached the audit
+    send(a, "exit", 5, {"exit_code": 0, "reason": "finished"})
+    wait_for(lambda: owner.state()["state"]["ranks"][0]["state"] != "running")
+    send(b, "hello", 6, {**hello, "host": "b"})  # a restart on node b takes rank 0 over
+    wait_for(lambda: owner.state()["state"]["ranks"][0]["host"] == "b")
+    owner.close()
