@@ -1,6 +1,6 @@
 """Benchmark FusedAdamW (one Triton launch per step) against torch.optim.AdamW.
 
-Protocol (shared/REFERENCE.md, "Fused AdamW"): baselines torch AdamW with foreach=False,
+Protocol: baselines torch AdamW with foreach=False,
 foreach=True and fused=True on the same params and grads; workloads GPT-2 124M tensor shapes,
 1000 x 4096, 10000 x 64 and 1 x 1G elements; fp32, and bf16 (ours: bf16 params with fp32
 master/moments; torch: bf16 params and state); >= 20 warm-up and >= 100 timed steps per

@@ -18,6 +18,17 @@ from scalemon.jobs import JobLookupError, resolve_hub
 
 EXIT_REFUSED = 3
 EXIT_NOT_APPLIED = 4
+TOGGLE_REFUSALS = """\
+The hub refuses a toggle (exit 3, the reason said, the refusal audited) when:
+  - NAME is not among the flags scalemon changes (`scalemon flags JOB` lists them), or VALUE
+    is not one the flag accepts (docs/flags.md);
+  - another toggle of the job is still under way (wait for it: `scalemon flags JOB`);
+  - no rank of the job is running;
+  - the flag needs a restart (or --restart was given) and a rank cannot checkpoint and be
+    restarted: the job needs --ckpt-dir and torchrun --max-restarts >= 1;
+  - the asker may not steer the job: from another machine, a key of role control is needed
+    (the job's owner runs `scalemon keys add KEY --role control --name NAME`).
+"""
 
 
 def add_parsers(sub: Any) -> None:
@@ -34,7 +45,8 @@ def add_parsers(sub: Any) -> None:
                        "effect",
         description="Change NAME on every rank of the job at one step boundary (NAME= unsets). "
                     "Exit status: 0 in effect on every rank, 3 refused, 4 not in effect on "
-                    "every rank in time, 2 no hub.")
+                    "every rank in time, 2 no hub.",
+        epilog=TOGGLE_REFUSALS)
     toggle.add_argument("words", nargs="+", metavar="[JOB] NAME=VALUE",
                         help="the flag and its new value, after the job id or hub address "
                              "(default: the live job)")

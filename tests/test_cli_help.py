@@ -162,3 +162,16 @@ def test_the_demo_refuses_a_job_id_that_a_live_job_has(home: Path, start_hub):
     assert "scalemon demo: a live job is named busy already (see `scalemon jobs`): pass " \
            "another --job, or leave it out" in out.stderr
     assert not (home / "demo").exists()
+
+
+def test_toggle_help_explains_each_refusal(home: Path):
+    """Every reason the hub refuses a toggle for (hub/toggles.py, the roles) is in the usage."""
+    out = run("toggle", "--help", home=home)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for reason in ("not among the flags", "still under way", "no rank of the job is running",
+                   "--ckpt-dir", "--max-restarts", "role control", "scalemon keys add"):
+        assert reason in text, f"`scalemon toggle --help` does not say: {reason}"
+    source = (Path(__file__).parents[1] / "hub" / "toggles.py").read_text()
+    for said in ("still under way", "no rank of the job is running"):
+        assert said in source  # the usage quotes what the hub says
