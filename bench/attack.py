@@ -126,6 +126,61 @@ class Rank(threading.Thread):
         self.sock.close(linger=5000)
 
 
+def removal_cut_s(ctx: zmq.Context, jf: JobFile, home: Path) -> dict:
+    """Admit a `watch` key, have it follow the feed and make a request, ask for a toggle (to
+    be refused), then `keys remove` it: the seconds until both its connections were cut."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    from scalemon.keys import add_key, remove_key
+
+    bob_home = Path(tempfile.mkdtemp(prefix="smb", dir="/tmp"))
+    try:
+        os.environ["SCALEMON_HOME"] = str(bob_home)
+        from scalemon.keys import user_keypair
+
+        bob = user_keypair(bob_home)
+        os.environ["SCALEMON_HOME"] = str(home)
+        add_key(bob.public.decode(), "watch", "bob", home)
+        socks, monitors = [], []
+        for kind, endpoint in ((zmq.SUB, jf.tcp["feed"]), (zmq.DEALER, jf.tcp["rpc"])):
+            sock = ctx.socket(kind)
+            sock.curve_publickey, sock.curve_secretkey = bob.public, bob.secret
+            sock.curve_serverkey = jf.server_key.encode()
+            sock.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            sock.connect(endpoint)
+            socks.append(sock)
+        dealer = socks[1]
+        dealer.send(protocol.encode_request("toggle", name="NCCL_DEBUG", value="INFO",
+                                            restart=False, user="root", host="hub"))
+        refused = dealer.recv() if dealer.poll(5000) else None
+        reply = msgpack_reply(refused) if refused else {}
+        time.sleep(0.5)
+        started = time.monotonic()
+        remove_key("bob", home)
+        cut = [None, None]
+        while time.monotonic() - started < 10 and None in cut:
+            for i, monitor in enumerate(monitors):
+                if cut[i] is None and monitor.poll(10) and parse_monitor_message(
+                        monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                    cut[i] = round(time.monotonic() - started, 3)
+        for sock in socks:
+            sock.close(linger=0)
+        return {"watch_toggle_reply": reply.get("error", "")[:90],
+                "cut_after_remove_s": {"feed": cut[0], "rpc": cut[1]}}
+    finally:
+        shutil.rmtree(bob_home, ignore_errors=True)
+
+
+def msgpack_reply(frame: bytes) -> dict:
+    """A reply's map, refused or not."""
+    import msgpack
+
+    return msgpack.unpackb(frame, raw=False)
+
+
 def flood(ctx: zmq.Context, address: HubAddress, control: str, frames: int) -> None:
     """Distinct malformed frames, huge relay names, a huge flag name."""
     push = ctx.socket(zmq.PUSH)
@@ -218,6 +273,7 @@ def main() -> int:
         figures["reject_reason_keys"] = len(hub.get("reject_reasons") or {})
         figures["reject_reasons"] = hub.get("reject_reasons")
         figures["snapshot_ms_after"] = {"ipc": latency_ms(ipc), "tcp": latency_ms(tcp)}
+        figures.update(removal_cut_s(ctx, jf, home))
         figures["rss_after_mib"] = round(rss_mib(proc.pid), 1)
         figures["hub_alive"] = proc.poll() is None
     finally:

@@ -749,11 +749,11 @@ class Hub:
                     else ipc_peer(last, self._host))
             op = "?"
             try:
+                if tcp and peer.role is not None:  # whatever it asks: cut if it loses access
+                    self.peers.learn(peer, tcp[1])
                 op, args = protocol.decode_request(payload)
                 if not may(peer, op):
                     self._refuse_request(peer, op, args, tcp[1] if tcp else None)
-                if tcp:
-                    self.peers.learn(peer, tcp[1])
                 reply = protocol.encode_reply(**self._answer(op, args, peer),
                                               history=self.history.identity)
             except ToggleRefused as exc:  # a reasoned refusal, not a bad frame

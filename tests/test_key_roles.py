@@ -237,8 +237,10 @@ def test_removing_a_key_cuts_its_live_connections(start_hub, home: Path, zctx: z
     monitors = [_watched(sub), _watched(dealer)]
     sub.connect(jf.tcp["feed"])
     dealer.connect(jf.tcp["rpc"])
-    dealer.send(protocol.encode_request("ping"))
-    assert dealer.poll(5000) and protocol.decode_reply(dealer.recv())["ok"]
+    dealer.send(protocol.encode_request("command", name="dump_fr"))  # refused: still cut
+    assert dealer.poll(5000)
+    with pytest.raises(protocol.ProtocolError, match="command needs role control"):
+        protocol.decode_reply(dealer.recv())
     time.sleep(0.5)  # the subscription reached the hub
     step = 1
     wait_for(lambda: (rank.step(step), sub.poll(200))[1])  # bob follows the job
