@@ -580,6 +580,12 @@ def _hang_lines(hangs: Mapping[str, Any], failure: Mapping[str, Any] | None) -> 
     return lines
 
 
+def _loss_text(loss: Mapping[str, Any] | None) -> str:
+    if not loss or loss.get("rank") is None:
+        return "no loss logged"
+    return f"last {_point(loss['last'])} (rank {loss['rank']})"
+
+
 def compare_text(c: Mapping[str, Any]) -> str:
     """The comparison for people: a row per figure (A, B, B/A), losses at equal steps, then
     what differs."""
@@ -598,8 +604,7 @@ def compare_text(c: Mapping[str, Any]) -> str:
         label, fmt = shown.get(name, (name, _num))
         lines.append(f"{label:<20} {fmt(row['a']):>14} {fmt(row['b']):>14} "
                      f"{_num(row['ratio'], '.3f'):>7}")
-    lines.append(f"loss A (rank {c['loss']['a']['rank']}): last {_point(c['loss']['a']['last'])}"
-                 f"; B (rank {c['loss']['b']['rank']}): last {_point(c['loss']['b']['last'])}")
+    lines.append(f"loss A: {_loss_text(c['loss']['a'])}; B: {_loss_text(c['loss']['b'])}")
     for row in c["loss"]["at_steps"]:
         lines.append(f"  loss at step {row['step']}: A {_num(row['a'], '.4f')}  B "
                      f"{_num(row['b'], '.4f')}  B-A {_num(row['b_minus_a'], '+.4f')}")
