@@ -135,6 +135,46 @@ def test_compare_of_two_optimizers_shows_both_their_ratio_and_the_config_differe
     assert line.split()[-1] == f"{tps['ratio']:.3f}"
 
 
+def test_summary_of_a_crashed_job_names_its_first_failure_and_its_straggler(home):
+    proc = subprocess.run(
+        torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps", "20", "--monitor",
+                     "--inject-crash", "1:12", "--slow-rank", "1:0.05"),
+        env=job_env(home, "crashed"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    done = scalemon(home, "summary", "crashed", "--json")
+    assert done.returncode == 0, done.stderr
+    s = strict_json(done.stdout)
+    assert s["state"] == "crashed" and s["steps"]["last_per_rank"] == {"0": 11, "1": 11}
+    failure = s["first_failure"]
+    assert failure["rank"] == 1 and "InjectedCrash" in failure["error"]
+    assert failure["peer_loss"] == [0]
+    assert s["stragglers"]["now"] == []  # no rank runs any more
+    over = s["stragglers"]["over_run"]  # but over the run rank 1 came late to the all-reduces
+    assert [row["rank"] for row in over] == [1] and over[0]["measure"] == "arrival_lateness_s"
+    text = scalemon(home, "summary", "crashed").stdout
+    assert "first failure: rank 1 failed first (step 11)" in text
+    assert "stragglers over the run by arrival at collectives, vs the first rank: rank 1" in text
+
+
+def test_summary_reads_every_page_of_a_long_history(start_hub, home, zctx):
+    from scalemon.client import PAGE
+
+    hub = start_hub("long")
+    rank = FakeRank(zctx, hub.address, "long", 0)
+    rank.hello(world_size=1)
+    steps = PAGE + 500  # more records than one fetch returns
+    for step in range(1, steps + 1):
+        rank.step(step, loss=1.0 + 1.0 / step)
+    client = HubClient(hub.address)
+    wait_for(lambda: client.state()["head"] >= steps + 1, timeout=60)
+    client.close()
+    s = strict_json(scalemon(home, "summary", "long", "--json").stdout)
+    assert s["source"]["kind"] == "hub" and s["steps"]["count"] == steps
+    assert s["loss"]["first"] == {"step": 1, "value": 2.0}
+    assert s["loss"]["min"]["step"] == steps == s["loss"]["last"]["step"]
+    assert s["step_time"]["per_rank"]["0"]["samples"] == steps
+
+
 def test_unknown_job_is_one_line_and_exit_2(home):
     for args in (("summary", "nosuchjob"), ("compare", "nosuchjob", "other"),
                  ("summary", "--json", "nosuchjob")):
