@@ -146,7 +146,7 @@ def summarize(state: Mapping[str, Any], records: RunRecords,
         "stragglers": _stragglers(state, records, per_rank_time),
         "hangs": _hangs(state, records),
         "first_failure": state.get("first_failure"),
-        "toggles": [_toggle(t) for t in state.get("toggles") or []],
+        "toggles": list(state.get("toggles") or []),
         "collectives": [_collective(c) for c in state.get("collectives") or []],
         "memory": _memory(records, sorted(set(by_rank) | set(records.steps))),
         "config": _config(state),
@@ -299,15 +299,10 @@ def _hangs(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any]:
         "hang_after_s": after,
         "stalls": sorted(stalls, key=lambda s: -s["seconds"])[:STALLS_SHOWN],
         "stall_count": len(stalls),
-        "alerts": [{"kind": a.get("kind"), "text": a.get("text")}
+        "alerts": [{k: a.get(k) for k in ("kind", "ranks", "since_step", "text")}
                    for a in state.get("alerts") or []],
         "fr_dumps": len(state.get("fr_dumps") or []),
     }
-
-
-def _toggle(t: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: t.get(k) for k in ("id", "t", "name", "value", "state", "step", "at_step",
-                                  "user", "text")}
 
 
 def _collective(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -535,10 +530,10 @@ def summary_text(s: Mapping[str, Any]) -> str:
                                                  for r in st["slowest"]))
     lines.extend(_straggler_lines(s["stragglers"]))
     lines.extend(_hang_lines(s["hangs"], s["first_failure"]))
-    for t in s["toggles"]:
-        step = t["step"] if t["step"] is not None else t["at_step"]
-        lines.append(f"toggle #{t['id']} {t['name']}={t['value'] or ''}: {t['state'] or '?'}"
-                     + (f" at step {step}" if step is not None else ""))
+    if s["toggles"]:
+        from scalemon.cli_flags import toggle_line  # as `scalemon snapshot` writes them
+
+        lines.extend("toggle " + toggle_line(t) for t in s["toggles"])
     if s["collectives"]:
         lines.append("collectives (count and bytes per rank; busbw GB/s):")
         lines.extend(f"  {c['group']} {c['op']}: {c['count']} x, {c['bytes']} bytes, busbw "

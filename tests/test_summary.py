@@ -175,6 +175,36 @@ def test_summary_reads_every_page_of_a_long_history(start_hub, home, zctx):
     assert s["step_time"]["per_rank"]["0"]["samples"] == steps
 
 
+def test_summary_of_a_running_job_then_its_toggle_and_flag_after_it_ended(home):
+    proc = subprocess.Popen(
+        torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps", "200",
+                     "--step-delay", "0.05", "--monitor"),
+        env=job_env(home, "toggled"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        def running() -> dict | None:
+            done = scalemon(home, "summary", "toggled", "--json")
+            s = strict_json(done.stdout) if done.returncode == 0 else None
+            return s if s and s["state"] == "running" and \
+                (s["steps"]["last_on_every_rank"] or 0) >= 3 else None
+
+        live = wait_for(running, timeout=120, interval=0.5)
+        assert live["source"]["kind"] == "hub" and live["flags"]["TORCH_DISTRIBUTED_DEBUG"] == "OFF"
+        done = scalemon(home, "toggle", "toggled", "TORCH_DISTRIBUTED_DEBUG=DETAIL")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert proc.wait(timeout=240) == 0
+    finally:
+        kill_tree(proc)
+    s = strict_json(scalemon(home, "summary", "toggled", "--json").stdout)
+    assert s["state"] == "finished" and s["steps"]["last"] == 200
+    [toggle] = s["toggles"]
+    assert toggle["name"] == "TORCH_DISTRIBUTED_DEBUG" and toggle["value"] == "DETAIL"
+    assert toggle["state"] == "applied"
+    assert s["flags"]["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    text = scalemon(home, "summary", "toggled").stdout
+    assert re.search(r"^toggle #\d+ .* TORCH_DISTRIBUTED_DEBUG=DETAIL .*applied", text, re.M), text
+
+
 def test_unknown_job_is_one_line_and_exit_2(home):
     for args in (("summary", "nosuchjob"), ("compare", "nosuchjob", "other"),
                  ("summary", "--json", "nosuchjob")):
