@@ -21,6 +21,9 @@ from scalemon.protocol import Message
 
 SLOWEST_SHOWN = 3
 """How many of the slowest ranks (by median step time) the summary names."""
+RANK_LINES_MAX = 16
+"""The text form writes a line per rank up to this many ranks; beyond, half as many: the
+largest (slowest, most memory). --json has every rank."""
 STALLS_SHOWN = 10
 """How many stalls (no rank completed a step for the hang threshold) the summary lists."""
 LOSS_AT = (0.1, 0.5, 1.0)
@@ -522,9 +525,10 @@ def summary_text(s: Mapping[str, Any]) -> str:
         "MFU: n/a (no rank logs it: the device's peak FLOP/s is unknown)",
         f"step time: median {_ms(st['median'])} p90 {_ms(st['p90'])}",
     ]
-    for rank, row in st["per_rank"].items():
+    for rank, row in _shown(st["per_rank"], lambda r: r["median"]):
         lines.append(f"  rank {rank}: median {_ms(row['median'])} p90 {_ms(row['p90'])} "
                      f"({row['samples']} steps)")
+    lines.extend(_more(st["per_rank"], "the slowest"))
     if st["slowest"]:
         lines.append("  slowest: " + ", ".join(f"rank {r['rank']} ({_ms(r['median'])})"
                                                  for r in st["slowest"]))
@@ -541,14 +545,34 @@ def summary_text(s: Mapping[str, Any]) -> str:
     mem = s["memory"]
     lines.append(f"peak memory: torch {_gib(mem['peak_bytes'])}, process RSS "
                  f"{_gib(mem['rss_bytes'])}")
-    for rank, row in mem["per_rank"].items():
+    for rank, row in _shown(mem["per_rank"], lambda r: r["peak_bytes"] or r["rss_bytes"]):
         lines.append(f"  rank {rank}: torch {_gib(row['peak_bytes'])}, RSS "
                      f"{_gib(row['rss_bytes'])}")
+    lines.extend(_more(mem["per_rank"], "those with the most memory"))
     versions = "; ".join(f"{what} {v} (ranks {','.join(map(str, r))})"
                          for what, by in s["versions"].items() for v, r in by.items())
     if versions:
         lines.append(f"versions: {versions}")
     return "\n".join(lines)
+
+
+def _shown(per_rank: Mapping[str, Any], key: Any) -> list[tuple[str, Any]]:
+    """Every rank's row up to `RANK_LINES_MAX` ranks; beyond, the largest by `key` (the
+    slowest, the most memory)."""
+    rows = list(per_rank.items())
+    if len(rows) <= RANK_LINES_MAX:
+        return rows
+    top = sorted(rows, key=lambda kv: -(finite(key(kv[1])) or 0.0))[:RANK_LINES_MAX // 2]
+    return top
+
+
+def _more(per_rank: Mapping[str, Any], which: str) -> list[str]:
+    """"  (8 of 64 ranks shown, the slowest; --json has every rank)" where `_shown` left
+    ranks out."""
+    if len(per_rank) <= RANK_LINES_MAX:
+        return []
+    return [f"  ({RANK_LINES_MAX // 2} of {len(per_rank)} ranks shown, {which}; --json has "
+            "every rank)"]
 
 
 def _straggler_lines(st: Mapping[str, Any]) -> list[str]:

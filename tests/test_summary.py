@@ -270,3 +270,17 @@ def test_quantile_and_common_steps():
     assert quantile([], 0.5) is None
     assert common_steps(range(1, 101), range(50, 201)) == [55, 75, 100]
     assert common_steps([1, 2], [3, 4]) == []
+
+
+def test_text_of_many_ranks_shows_the_slowest_and_says_so():
+    from scalemon.summary import RANK_LINES_MAX, RunRecords, summarize, summary_text
+
+    ranks = range(3 * RANK_LINES_MAX)
+    records = RunRecords(steps={r: {s: {"step_time_s": 0.01 + r * 1e-4, "loss": 1.0}
+                                    for s in range(1, 5)} for r in ranks})
+    state = {"job": "many", "state": "finished", "world_size": len(ranks),
+             "ranks": [{"rank": r, "state": "finished"} for r in ranks]}
+    text = summary_text(summarize(state, records, {"kind": "history", "where": "f"}))
+    shown = re.findall(r"^  rank (\d+): median", text, re.M)
+    assert [int(r) for r in shown] == list(ranks)[::-1][:RANK_LINES_MAX // 2]
+    assert f"({RANK_LINES_MAX // 2} of {len(ranks)} ranks shown, the slowest;" in text
