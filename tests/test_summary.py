@@ -284,3 +284,22 @@ def test_text_of_many_ranks_shows_the_slowest_and_says_so():
     shown = re.findall(r"^  rank (\d+): median", text, re.M)
     assert [int(r) for r in shown] == list(ranks)[::-1][:RANK_LINES_MAX // 2]
     assert f"({RANK_LINES_MAX // 2} of {len(ranks)} ranks shown, the slowest;" in text
+
+
+def test_summary_and_compare_into_a_closed_pipe_stop_quietly(start_hub, home, zctx):
+    from test_cli_pipe import run_into_closed_pipe
+
+    from scalemon.cli import STDOUT_CLOSED
+
+    hub = start_hub("piped")
+    rank = FakeRank(zctx, hub.address, "piped", 0)
+    rank.hello(world_size=1)
+    for step in range(1, 30):
+        rank.step(step, loss=3.0 - step * 0.01)
+    client = HubClient(hub.address)
+    wait_for(lambda: client.state()["head"] >= 30)
+    client.close()
+    for args in (["summary", "piped"], ["summary", "piped", "--json"],
+                 ["compare", "piped", "piped"], ["compare", "piped", "piped", "--json"]):
+        out = run_into_closed_pipe(*args, home=home)
+        assert out.stderr == "" and out.returncode == STDOUT_CLOSED, args
