@@ -417,6 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_key_parsers(sub)
 
+    from scalemon.cli_summary import add_parsers as add_summary_parsers
+
+    add_summary_parsers(sub)
+
     hub = sub.add_parser(
         "hub", help="run a job's hub (ranks start one by themselves)",
         description="Run a job's hub in the foreground: it collects the ranks' messages, keeps "
