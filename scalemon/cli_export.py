@@ -53,17 +53,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     steps = sum(1 for _, m in records if m.type == "step")
     ranks = len({m.rank for _, m in records if m.rank != protocol.HUB_RANK})
+    target = args.perfetto
     try:
         if args.perfetto is not None:
             doc = export.trace(records, job)
             _write(args.perfetto, [json.dumps(doc, allow_nan=False, separators=(",", ":"))])
             _say(f"wrote the trace of {ranks} rank(s), {steps} step message(s) to "
                  f"{_name(args.perfetto)}")
+        target = args.jsonl
         if args.jsonl is not None:
             _write(args.jsonl, export.jsonl_lines(records))
             _say(f"wrote {len(records)} record(s) to {_name(args.jsonl)}")
+    except BrokenPipeError:
+        raise  # the reader of stdout left: `scalemon` ends quietly
     except OSError as exc:
-        return _fail(f"cannot write {exc.filename or ''}: {exc.strerror or exc}")
+        return _fail(f"cannot write {target}: {exc.strerror or exc}")
     _say(f"(from {source})")
     return 0
 

@@ -83,7 +83,7 @@ def test_nan_alert_runs_the_command_once_rate_limited_then_rank_lost(
     assert len(alerts_in(out, "loss_not_finite")) == 1
 
     entries = audit(home, "alertA")
-    sent = [(e["kind"], e["rank"]) for e in entries if e["event"] == "alert" and e["sent"]]
+    sent = sorted((e["kind"], e["rank"]) for e in entries if e["event"] == "alert" and e["sent"])
     assert sent == [("loss_not_finite", 0), ("rank_lost", 1)]
     suppressed = next(e for e in entries if e["event"] == "alert" and not e["sent"])
     assert "at most one per 60 s" in suppressed["why"]

@@ -217,3 +217,6 @@ def test_export_says_what_is_wrong(home: Path, tmp_path: Path) -> None:
     assert "no live hub for job 'nojob'" in out.stderr and "history" in out.stderr
     out = run_export(home, "nojob")
     assert out.returncode == 2 and "--perfetto FILE and/or --jsonl FILE" in out.stderr
+    out = run_export(home, "ipc:///nowhere/x", "--jsonl", str(tmp_path / "x"),
+                     "--timeout", "1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "no answer" in out.stderr
