@@ -53,6 +53,7 @@ from scalemon.protocol import (
 )
 
 from .access import Peer, PeerBook, ipc_peer, may, refusal, tcp_peer
+from .alerts_out import AlertsOut
 from .audit import Audit
 from .auth import DOMAINS, KeyGate, start_gate
 from .frdump import FrDump
@@ -159,6 +160,7 @@ class Hub:
         self._replay_history()
         self.audit = Audit(self.run_dir)
         self.toggles = Toggles(self.run_dir, self.state, self.audit)
+        self.alerts_out = AlertsOut.from_env(os.environ, job, self.audit, self.state, self.run_dir)
         self._tcp_ports: dict[zmq.Socket, tuple[str, int]] = {}  # tcp socket -> label, port
         self.peers: PeerBook | None = None  # which key each tcp connection is, while serving
         self._rank_keys: dict[int, bytes] = {}  # the key each rank's hello came with
@@ -631,6 +633,8 @@ class Hub:
         while self.relays.records:
             self._record(feed, "relay", self.relays.records.pop(0))
         self._detect_lost(feed, now)
+        if self.alerts_out is not None:  # $SCALEMON_ALERT_CMD (hub/alerts_out.py)
+            self.alerts_out.check(self.state, now)
         if self.exporter is not None:
             self.exporter.update(self.state, now)
         job_state = self._lifecycle_state(now)

@@ -413,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dump_parser(sub)
 
+    from scalemon.cli_export import add_parser as add_export_parser
+
+    add_export_parser(sub)
+
     from scalemon.cli_keys import add_parsers as add_key_parsers
 
     add_key_parsers(sub)

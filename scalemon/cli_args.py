@@ -31,6 +31,8 @@ environment variables:
                         alone is 127.0.0.1, port 0 any free port; the URL: `jobs --json`)
   SCALEMON_METRICS_FILE a file the hub writes the same metrics to every 5 s, for
                         node_exporter's textfile collector
+  SCALEMON_ALERT_CMD    a command the hub runs with each alert (NaN loss, hang, straggler,
+                        memory, rank lost) as JSON on stdin; rate-limited, audited
   SCALEMON_CUDA_DIRECT  0: the agent reads CUDA through torch instead of calling the CUDA
                         runtime itself
 """
