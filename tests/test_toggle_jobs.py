@@ -50,10 +50,15 @@ def toggle_record(state: dict, toggle_id: int) -> dict:
     return next(t for t in state["toggles"] if t["id"] == toggle_id)
 
 
+DESYNC_STEP = 600
+"""Far enough ahead: the refusals checked first take ~10 CLI runs (20 steps a second go by;
+at 150 a loaded machine got there before DETAIL was in effect)."""
+
+
 def test_detail_goes_live_on_both_ranks_at_one_step_and_back(home, tmp_path):
     out = tmp_path / "job.out"
     proc = start_job(home, out, "--max-steps", "100000", "--step-delay", "0.05",
-                     "--inject-desync", "1:150")
+                     "--inject-desync", f"1:{DESYNC_STEP}")
     try:
         before = running_at(home, 3)
         assert [r["flags"]["TORCH_DISTRIBUTED_DEBUG"] for r in before["ranks"]] == ["OFF"] * 2
@@ -67,7 +72,7 @@ def test_detail_goes_live_on_both_ranks_at_one_step_and_back(home, tmp_path):
         steps = {r["step"] for r in on["results"].values()}
         assert len(on["results"]) == 2 and steps == {on["at_step"]}, on  # one boundary
         assert [r["flags"]["TORCH_DISTRIBUTED_DEBUG"] for r in state["ranks"]] == ["DETAIL"] * 2
-        assert on["at_step"] < 150, "the planted desync must come after DETAIL"
+        assert on["at_step"] < DESYNC_STEP, "the planted desync must come after DETAIL"
         # torch's own check (the DETAIL wrapper) names the mismatch, in the job's output and
         # in the log lines the agents stream to the hub
         wait_for(lambda: out.read_text().count("Detected mismatch between collectives") >= 2,
