@@ -86,10 +86,12 @@ def test_on_a_terminal_the_countdown_updates_in_place_and_is_cleared(home: Path)
 
 
 def attach(*args: str, home: Path) -> subprocess.Popen:
-    """`scalemon attach ARGS` with its stderr piped."""
+    """`scalemon attach ARGS` with its stderr piped, and Ctrl-C delivered as on a terminal
+    (a test run started in the background, `pytest &`, hands its children SIGINT ignored)."""
     return subprocess.Popen([SCALEMON, "attach", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "SCALEMON_HOME": str(home)})
+                            env={**os.environ, "SCALEMON_HOME": str(home)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_attach_waits_the_time_given_then_exits_2_saying_why(home: Path):
