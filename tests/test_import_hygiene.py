@@ -202,3 +202,45 @@ def test_the_numpy_flag_is_up_to_date():
     assert uses_numpy != NUMPY_GONE, (
         "the dashboard no longer imports numpy: set NUMPY_GONE = True in this file"
         if not uses_numpy else "NUMPY_GONE is True but the dashboard imports numpy")
+
+
+def test_the_relay_imports_no_training_stack():
+    """The node's relay (`python -m scalemon.hub.relay`, started by rank 0's agent beside the
+    job) is hub code: it stays light too."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "scalemon.hub.relay",
+                          "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = imported(run.stderr)
+    assert "scalemon.hub" in names  # (the relay itself runs as __main__)
+    assert not heavy(names), f"the relay imported {heavy(names)}"
+
+
+# Without an extra: its packages hidden (None in sys.modules: not found, not importable).
+_HIDDEN = "import sys\nfor name in sys.argv[1].split(','):\n    sys.modules[name] = None\n"
+
+
+def without(packages: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` in a python where `packages` (comma-separated) cannot be imported."""
+    return subprocess.run([sys.executable, "-c", _HIDDEN + code, packages, *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_demo_without_its_extra_says_what_to_install():
+    main = "from scalemon.cli import main\nsys.exit(main(sys.argv[2:]))"
+    for args in (["demo"], ["demo", "--preset", "small", "--ranks", "1"]):
+        run = without("torch,triton", main, *args)
+        assert run.returncode == 2, run.stderr[-3000:]
+        assert run.stderr == ("scalemon demo: the demo trainer needs torch, triton, which this "
+                              "install of scalemon lacks: pip install 'scalemon[demo]'\n")
+    run = without("torch,triton", main, "demo", "--ranks", "0")  # a bad option: said first
+    assert run.returncode == 2 and "--ranks" in run.stderr, run.stderr[-3000:]
+
+
+def test_the_agent_without_torch_says_what_to_install():
+    run = without("torch", "import scalemon.agent")
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: scalemon.agent needs torch"), run.stderr[-3000:]
+    assert "pip install 'scalemon[agent]'" in last
+    run = without("torch", "import scalemon.agent.overrides")  # every way in stops there
+    assert "pip install 'scalemon[agent]'" in run.stderr
