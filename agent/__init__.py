@@ -5,15 +5,24 @@
     sm.log(step=step, loss=loss, tokens=tokens)                # once per optimizer step
     sm.finish()                                                # at the end
 
-torch is imported only when `init` is called, so the protocol-level pieces stay light.
+torch is imported only when `init` is called, so the protocol-level pieces stay light; it must be
+installed though (`pip install 'scalemon[agent]'`): without it this import says so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import overrides
+MISSING_TORCH = ("scalemon.agent needs torch, which this install of scalemon lacks: "
+                 "pip install 'scalemon[agent]' (torch and nvidia-ml-py) where the job trains")
+"""What `import scalemon.agent` says without torch (the base install is the login node's)."""
+
+if importlib.util.find_spec("torch") is None:  # looked up, not imported: init imports it
+    raise ImportError(MISSING_TORCH, name="torch")
+
+from . import overrides  # noqa: E402 (after the check: a broken install stops at its cause)
 
 if TYPE_CHECKING:
     from .run import Run

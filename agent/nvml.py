@@ -12,7 +12,7 @@ from .warn import Warnings
 
 try:  # nvidia-ml-py installs the module `pynvml`
     import pynvml
-except ImportError:  # pragma: no cover - it is a dependency, but stay usable without it
+except ImportError:  # pragma: no cover - scalemon[agent] installs it; usable without it
     pynvml = None
 
 

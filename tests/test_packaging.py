@@ -10,6 +10,7 @@ PYTHONPATH behind the install target.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,10 +40,9 @@ def source_modules() -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel built from a copy of the source tree (nothing written into the repo)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def build_wheel(tmp: Path) -> Path:
+    """The wheel built under `tmp` from a copy of the source tree (nothing written into the
+    repo), without build isolation (no network)."""
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
@@ -55,6 +55,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheels = list((tmp / "dist").glob("scalemon-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built once for the module's tests."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_the_wheel_holds_every_source_module(wheel: Path):
@@ -88,3 +94,24 @@ def test_installed_outside_the_repo_it_imports_and_runs(wheel: Path, tmp_path: P
     assert help_run.returncode == 0, help_run.stderr[-3000:]
     for command in ("snapshot", "attach", "demo", "jobs", "hub"):
         assert command in help_run.stdout
+
+
+def requirements(wheel: Path) -> dict[str, set[str]]:
+    """The wheel's Requires-Dist by extra ("" for the base install): extra -> project names."""
+    meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    by_extra: dict[str, set[str]] = {}
+    for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        spec, _, marker = line.removeprefix("Requires-Dist:").partition(";")
+        name = re.split(r"[<>=!~\[ ]", spec.strip(), maxsplit=1)[0].lower()
+        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
+        by_extra.setdefault(extra.group(1) if extra else "", set()).add(name)
+    return by_extra
+
+
+def test_the_base_install_leaves_the_training_stack_to_the_extras(wheel: Path):
+    needs = requirements(wheel)
+    assert needs[""] == {"textual", "pyzmq", "msgpack", "psutil", "prometheus_client"}
+    assert {"torch", "nvidia-ml-py"} <= needs["agent"]
+    assert {"torch", "triton", "numpy"} <= needs["demo"]

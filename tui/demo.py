@@ -42,8 +42,32 @@ QUIT_REASON = "scalemon demo: quit (q)"
 """How the demo's user stopped the job, as the hub records it (`job_stop`)."""
 
 
+DEMO_EXTRA = ("torch", "triton", "numpy")
+"""What the demo trainer needs beyond the base install (pyproject.toml's `demo` extra)."""
+
+
+def missing_extra() -> str | None:
+    """What this install lacks for `scalemon demo`, said with the command that adds it; None
+    when it has everything (the packages are looked up, not imported)."""
+    missing = [name for name in DEMO_EXTRA if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"the demo trainer needs {', '.join(missing)}, which this install of scalemon "
+            "lacks: pip install 'scalemon[demo]'")
+
+
+def _stop_without_extra() -> None:
+    """Exit with status 2 and the message when the demo extra is missing."""
+    problem = missing_extra()
+    if problem:
+        print(f"scalemon demo: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def preset_names() -> list[str]:
-    """The trainer's model presets (importing them imports torch)."""
+    """The trainer's model presets (importing them imports torch; without the demo extra,
+    `scalemon demo --preset`/`--help` stop here with the message)."""
+    _stop_without_extra()
     from scalemon.demo_train.model import PRESETS
 
     return sorted(PRESETS)
@@ -255,6 +279,7 @@ def job_problem(job: str) -> str | None:
 def demo(args: argparse.Namespace) -> int:
     """Run the demo job and the dashboard on it; returns the exit code: the job's when it
     ended by itself with an error, else 0."""
+    _stop_without_extra()  # before the dashboard's imports: a base install lacks numpy today
     from scalemon.history import history_path
     from scalemon.tui.app import DashboardApp, run_app
     from scalemon.tui.feed import HubFeed

@@ -1,0 +1,246 @@
+"""The base install's commands never import the training stack (in the style of harlequin's
+import-hygiene test): `scalemon jobs`, `snapshot`, `hub` and `attach` run for real, each in a
+subprocess under `python -X importtime`, against a real hub fed by fake ranks, and the modules
+they imported are read back: no torch, no triton, nothing of the agent or the demo trainer (the
+base install has none of them: pyproject.toml's extras), and no numpy once the dashboard is pure
+Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from conftest import REPO, FakeRank, HubProcess, wait_for
+from scalemon.jobs import HubAddress, JobFile, jobs_dir
+
+NUMPY_GONE = False
+"""Flip to True when the pure-Python dashboard (branch nonumpy) is merged: numpy then joins the
+modules no command may import (and `test_the_numpy_flag_is_up_to_date` tells when to flip)."""
+
+HEAVY = ("torch", "triton", "scalemon.agent", "scalemon.demo_train")
+"""What no command of the base install may import (numpy too, with NUMPY_GONE)."""
+
+
+def forbidden() -> tuple[str, ...]:
+    return (*HEAVY, "numpy") if NUMPY_GONE else HEAVY
+
+
+def imported(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run reported on its stderr."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            name = line.rsplit("|", 1)[1].strip()
+            if name and name != "imported package":
+                names.add(name)
+    return names
+
+
+def heavy(names: set[str], prefixes: tuple[str, ...] | None = None) -> list[str]:
+    """The names among `names` that are, or are inside, one of `prefixes` (default: forbidden)."""
+    prefixes = forbidden() if prefixes is None else prefixes
+    return sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes))
+
+
+def scalemon(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `python -X importtime -m scalemon ARGS`; the result and the modules it imported."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "scalemon", *args],
+                         capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run, imported(run.stderr)
+
+
+def feed(zctx: zmq.Context, address: HubAddress, job: str, steps: int = 5) -> list[FakeRank]:
+    """Two fake ranks that said hello and made `steps` steps each."""
+    ranks = [FakeRank(zctx, address, job, r) for r in range(2)]
+    for rank in ranks:
+        rank.hello(world_size=2)
+    for step in range(1, steps + 1):
+        for rank in ranks:
+            rank.step(step, loss=2.0 / step)
+            rank.heartbeat()
+    return ranks
+
+
+def hub_has_steps(job: str, steps: int) -> bool:
+    """The hub of `job` folded `steps` steps of both ranks (asked as `scalemon snapshot`
+    would, in this process)."""
+    from scalemon.client import HubClient
+    from scalemon.jobs import resolve_hub
+
+    _, address = resolve_hub(job)
+    state = HubClient(address, timeout_s=5).state()["state"]
+    return len(state["ranks"]) == 2 and all(r.get("step") == steps for r in state["ranks"])
+
+
+def test_the_heavy_list_reads_importtime_output():
+    """The parser finds what a run that imports a heavy module reports (the test can fail)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c", "import json.decoder"],
+                         capture_output=True, text=True, timeout=60)
+    names = imported(run.stderr)
+    assert "json.decoder" in names and "json" in names
+    assert {"json", "json.decoder"} <= set(heavy(names, ("json",)))
+    assert heavy({"torchvision", "torch_x"}, ("torch",)) == []  # whole names only
+
+
+def test_jobs_and_snapshot_import_no_training_stack(
+        start_hub, zctx: zmq.Context, home: Path):
+    hub = start_hub("hyg1")
+    feed(zctx, hub.address, "hyg1")
+    wait_for(lambda: hub_has_steps("hyg1", 5), timeout=30, interval=0.2)
+
+    jobs, names = scalemon("jobs")
+    assert jobs.returncode == 0, jobs.stderr[-3000:]
+    assert "hyg1" in jobs.stdout
+    assert names, "no import list on stderr"
+    assert not heavy(names), f"`scalemon jobs` imported {heavy(names)}"
+
+    snap, names = scalemon("snapshot", "hyg1", "--json")
+    assert snap.returncode == 0, snap.stderr[-3000:]
+    state = json.loads(snap.stdout)
+    assert state["job"] == "hyg1" and len(state["ranks"]) == 2
+    assert not heavy(names), f"`scalemon snapshot` imported {heavy(names)}"
+
+
+def test_the_hub_imports_no_training_stack_while_it_folds_a_job(zctx: zmq.Context, home: Path):
+    """`scalemon hub` started by hand, fed by two ranks until it folded their steps, then
+    stopped: what it imported on the way, the lazy imports of folding included."""
+    log = home / "hub-importtime.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "scalemon", "hub", "--job", "hyg2",
+             "--home", str(home)], stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+    try:
+        job_file = jobs_dir(home) / "hyg2.json"
+
+        def ready() -> JobFile | None:
+            assert proc.poll() is None, f"hub exited early:\n{log.read_text()[-3000:]}"
+            return JobFile.read(job_file) if job_file.exists() else None
+
+        address = HubAddress.parse(wait_for(ready, timeout=60).address)
+        feed(zctx, address, "hyg2", steps=8)
+        wait_for(lambda: hub_has_steps("hyg2", 8), timeout=30, interval=0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    names = imported(log.read_text())
+    assert "scalemon.hub.server" in names
+    assert not heavy(names), f"`scalemon hub` imported {heavy(names)}"
+
+
+# `scalemon attach JOB` as the console script runs it, but the dashboard headless (Textual's
+# run_test in place of the terminal) until it shows both ranks; then the modules it imported.
+_ATTACH = """
+import asyncio, json, sys, time
+import scalemon.tui.attach as attach
+from scalemon.cli import main
+
+def headless(app):
+    from scalemon.tui.widgets.rank_table import RankTable
+
+    async def run():
+        async with app.run_test(size=(140, 40)) as pilot:
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                tables = app.screen.query(RankTable)
+                if tables and len(tables.first().cells_by_rank()) == 2:
+                    return 0
+                await pilot.pause(0.2)
+            return 3
+    return asyncio.run(run())
+
+attach.run_app = headless
+code = main(["attach", sys.argv[1]])
+print(json.dumps(sorted(sys.modules)))
+sys.exit(code)
+"""
+
+
+def test_attach_imports_no_training_stack(start_hub, zctx: zmq.Context, home: Path):
+    hub: HubProcess = start_hub("hyg3")
+    ranks = feed(zctx, hub.address, "hyg3")
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-c", _ATTACH, "hyg3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "TERM": "xterm-256color"})
+    step = 5
+    end = time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < end:  # the ranks go on stepping
+            step += 1
+            for rank in ranks:
+                rank.step(step)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, f"exit {proc.returncode} (3: ranks never shown)\n{err[-3000:]}"
+    modules = set(json.loads(out.strip().splitlines()[-1]))
+    assert "scalemon.tui.app" in modules  # the dashboard ran
+    names = imported(err) | modules
+    assert not heavy(names), f"`scalemon attach` imported {heavy(names)}"
+
+
+def test_the_numpy_flag_is_up_to_date():
+    """While NUMPY_GONE is False the dashboard still imports numpy; when it no longer does, this
+    fails to say: set NUMPY_GONE = True above (numpy then counts as heavy)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                          "import scalemon.tui.app, scalemon.tui.attach, scalemon.fold"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    uses_numpy = bool(heavy(imported(run.stderr), ("numpy",)))
+    assert uses_numpy != NUMPY_GONE, (
+        "the dashboard no longer imports numpy: set NUMPY_GONE = True in this file"
+        if not uses_numpy else "NUMPY_GONE is True but the dashboard imports numpy")
+
+
+def test_the_relay_imports_no_training_stack():
+    """The node's relay (`python -m scalemon.hub.relay`, started by rank 0's agent beside the
+    job) is hub code: it stays light too."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "scalemon.hub.relay",
+                          "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = imported(run.stderr)
+    assert "scalemon.hub" in names  # (the relay itself runs as __main__)
+    assert not heavy(names), f"the relay imported {heavy(names)}"
+
+
+# Without an extra: its packages hidden (None in sys.modules: not found, not importable).
+_HIDDEN = "import sys\nfor name in sys.argv[1].split(','):\n    sys.modules[name] = None\n"
+
+
+def without(packages: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` in a python where `packages` (comma-separated) cannot be imported."""
+    return subprocess.run([sys.executable, "-c", _HIDDEN + code, packages, *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_demo_without_its_extra_says_what_to_install():
+    main = "from scalemon.cli import main\nsys.exit(main(sys.argv[2:]))"
+    for args in (["demo"], ["demo", "--preset", "small", "--ranks", "1"]):
+        run = without("torch,triton", main, *args)
+        assert run.returncode == 2, run.stderr[-3000:]
+        assert run.stderr == ("scalemon demo: the demo trainer needs torch, triton, which this "
+                              "install of scalemon lacks: pip install 'scalemon[demo]'\n")
+    run = without("torch,triton", main, "demo", "--ranks", "0")  # a bad option: said first
+    assert run.returncode == 2 and "--ranks" in run.stderr, run.stderr[-3000:]
+
+
+def test_the_agent_without_torch_says_what_to_install():
+    run = without("torch", "import scalemon.agent")
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: scalemon.agent needs torch"), run.stderr[-3000:]
+    assert "pip install 'scalemon[agent]'" in last
+    run = without("torch", "import scalemon.agent.overrides")  # every way in stops there
+    assert "pip install 'scalemon[agent]'" in run.stderr
