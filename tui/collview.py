@@ -186,15 +186,17 @@ def heat_map(samples: dict[int, Sequence[tuple[float, float]]], columns: int) ->
     repeat, columns = columns // bins, bins
     ranks = sorted(samples)
     cells = []
+    last = columns - 1
     for rank in ranks:
         n = [0] * columns
         total = [0.0] * columns
         for t, late in samples[rank]:
-            t = float(t)
             if t >= t0:
-                col = min(int((t - t0) / width * columns), columns - 1)
+                col = int((t - t0) / width * columns)
+                if col > last:
+                    col = last
                 n[col] += 1
-                total[col] += float(late)
+                total[col] += late
         cells.append([s / k if k else math.nan for s, k in zip(total, n, strict=True)])
     seen = [v for row in cells for v in row if not math.isnan(v)]
     top = max(seen) if any(math.isfinite(v) for v in seen) else 0.0

@@ -105,13 +105,6 @@ def interp(xs: Sequence[float], xp: Sequence[float], fp: Sequence[float]) -> lis
     return out
 
 
-def _row(value: float, last: int) -> int:
-    """A value's pixel row: rounded half to even, clipped to 0..last (row 0 where it has no
-    integer, as numpy's cast gives)."""
-    r = round(value) if -_INT_LIMIT < value < _INT_LIMIT else 0
-    return 0 if r < 0 else last if r > last else r
-
-
 def line_spans(col_lo: Sequence[float], col_hi: Sequence[float], y0: float, y1: float,
                height: int, log: bool = False, connect: bool = True
                ) -> tuple[list[int], list[int]]:
@@ -125,9 +118,9 @@ def line_spans(col_lo: Sequence[float], col_hi: Sequence[float], y0: float, y1: 
     if not present:
         return tops, bots
     lo, hi = list(col_lo), list(col_hi)
-    if log:
-        lo = [math.log10(max(v, LOG_FLOOR)) for v in lo]
-        hi = [math.log10(max(v, LOG_FLOOR)) for v in hi]
+    if log:  # NaN stays NaN, as in numpy.maximum
+        lo = [math.log10(LOG_FLOOR if v < LOG_FLOOR else v) for v in lo]
+        hi = [math.log10(LOG_FLOOR if v < LOG_FLOOR else v) for v in hi]
     first, last = present[0], present[-1]
     missing = [c for c in range(first, last + 1) if not math.isfinite(lo[c])]
     if missing:
@@ -137,10 +130,15 @@ def line_spans(col_lo: Sequence[float], col_hi: Sequence[float], y0: float, y1: 
             lo[c] = hi[c] = v
     scale = (height - 1) / (y1 - y0) if y1 > y0 else 0.0
     bottom = height - 1
+    limit = _INT_LIMIT
     prev_top = prev_bot = 0
     for c in range(first, last + 1):
-        top = _row((y1 - hi[c]) * scale, bottom)  # larger value = higher = row 0
-        bot = _row((y1 - lo[c]) * scale, bottom)
+        # a value's row: larger = higher = row 0; rounded half to even; clipped to the plot
+        # (row 0 where the float has no integer, as numpy's cast gives)
+        top = round(f) if -limit < (f := (y1 - hi[c]) * scale) < limit else 0
+        top = 0 if top < 0 else bottom if top > bottom else top
+        bot = round(f) if -limit < (f := (y1 - lo[c]) * scale) < limit else 0
+        bot = 0 if bot < 0 else bottom if bot > bottom else bot
         tops[c], bots[c] = top, bot
         if connect and c > first:
             tops[c], bots[c] = min(top, prev_bot), max(bot, prev_top)
