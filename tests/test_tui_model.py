@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 from collections import deque
@@ -17,7 +18,14 @@ from scalemon.tui.model import DashboardData, step_values
 from scalemon.tui.nodeview import bin_counts
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
-from scalemon.tui.widgets.braille import DOT_BITS, column_envelope, line_spans, pack, rasterize
+from scalemon.tui.widgets.braille import (
+    DOT_BITS,
+    column_envelope,
+    interp,
+    line_spans,
+    pack,
+    rasterize,
+)
 
 
 def test_series_stays_bounded_and_keeps_the_extremes():
@@ -86,6 +94,25 @@ def test_histogram_bins_hold_their_left_edge_and_the_last_its_right_edge_too():
     # edges 0, 2.5, 5, 7.5, 10; values outside the range are left out
     assert bin_counts([0.0, 0.5, 1.0, 2.5, 10.0, -1.0, 11.0], 4, 0.0, 10.0) == [3, 1, 0, 1]
     assert bin_counts([0.1 * i for i in range(11)], 10, 0.0, 1.0) == [1] * 9 + [2]
+
+
+def test_bin_counts_and_interp_match_numpy():
+    """The plain-Python histogram and interpolation give numpy's numbers (tests have numpy)."""
+    np = pytest.importorskip("numpy")
+    rng = random.Random(3)
+    for _ in range(300):
+        values = [rng.choice([rng.gauss(5, 20), round(rng.uniform(-5, 40), 1), 0.0])
+                  for _ in range(rng.randint(1, 200))]
+        lo, hi = min(0.0, min(values)), max(values)
+        hi = hi if hi > lo else lo + 1.0
+        bins = rng.choice([1, 3, 12, 40])
+        edges = np.linspace(lo, hi, bins + 1).tolist()  # on an edge, and an ulp either side
+        values += [math.nextafter(e, d) for e in edges for d in (-math.inf, e, math.inf)]
+        assert bin_counts(values, bins, lo, hi) == np.histogram(values, bins, (lo, hi))[0].tolist()
+        xp = sorted(rng.sample(range(300), rng.randint(2, 30)))
+        fp = [rng.gauss(0, 10) for _ in xp]
+        xs = [float(x) for x in range(xp[0], xp[-1] + 1) if x not in xp]
+        assert interp(xs, [float(x) for x in xp], fp) == np.interp(xs, xp, fp).tolist()
 
 
 def metric_cell(name: str, value: object, **others: object) -> str:

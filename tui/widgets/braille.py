@@ -38,11 +38,22 @@ def data_range(values: Iterable[Sequence[float]], log: bool = False
     lo, hi = math.inf, -math.inf
     found = False
     for v in values:
-        # a - a == 0 only for a finite float (inf - inf and NaN are NaN): a fast isfinite
-        kept = [a for a in v if a > 0 and a - a == 0] if log else [a for a in v if a - a == 0]
-        if kept:
-            found = True
-            lo, hi = min(lo, min(kept)), max(hi, max(kept))
+        if not len(v):
+            continue
+        if math.isfinite(sum(v)):  # no NaN, no infinity: every value counts...
+            v_lo, v_hi = min(v), max(v)
+            if log and v_lo <= 0:  # ...but those <= 0 on a log scale
+                kept = [a for a in v if a > 0]
+                if not kept:
+                    continue
+                v_lo, v_hi = min(kept), max(kept)
+        else:  # a - a == 0 only for a finite float (inf - inf and NaN are NaN)
+            kept = [a for a in v if a - a == 0 and (a > 0 or not log)]
+            if not kept:
+                continue
+            v_lo, v_hi = min(kept), max(kept)
+        found = True
+        lo, hi = min(lo, v_lo), max(hi, v_hi)
     if not found:
         return None
     if log:
@@ -70,11 +81,18 @@ def column_envelope(x: Sequence[float], lo: Sequence[float], hi: Sequence[float]
     col_hi = [-math.inf] * width
     if len(x):
         cols = [width - 1] * len(x) if x1 - x0 <= 0 else pixel_columns(x, x0, x1, width)
-        for c, a, b in zip(cols, lo, hi, strict=True):
-            if a < col_lo[c] or a != a:  # NaN wins, as in numpy.minimum
-                col_lo[c] = a
-            if b > col_hi[c] or b != b:
-                col_hi[c] = b
+        if math.isfinite(sum(lo) + sum(hi)):  # no NaN to carry
+            for c, a, b in zip(cols, lo, hi, strict=True):
+                if a < col_lo[c]:
+                    col_lo[c] = a
+                if b > col_hi[c]:
+                    col_hi[c] = b
+        else:
+            for c, a, b in zip(cols, lo, hi, strict=True):
+                if a < col_lo[c] or a != a:  # NaN wins, as in numpy.minimum
+                    col_lo[c] = a
+                if b > col_hi[c] or b != b:
+                    col_hi[c] = b
     for c in range(width):
         if col_lo[c] > col_hi[c]:
             col_lo[c] = col_hi[c] = math.nan
