@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from array import array
 
-import numpy as np
-
 DEFAULT_CAP = 512
 
 
@@ -79,17 +77,15 @@ class Series:
         self.mean = array("f", ((a + b) / 2 for a, b in pairs))
         self.stride *= 2
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Copies (x, lo, hi, mean) as float64 arrays, the bucket still filling included."""
-        x = np.array(self.xs, dtype=np.float64)
-        lo = np.array(self.lo, dtype=np.float64)
-        hi = np.array(self.hi, dtype=np.float64)
-        mean = np.array(self.mean, dtype=np.float64)
+    def arrays(self) -> tuple[array, array, array, array]:
+        """Copies (x, lo, hi, mean) as float64 arrays (`array('d')`), the bucket still filling
+        included."""
+        x, lo, hi, mean = (array("d", a) for a in (self.xs, self.lo, self.hi, self.mean))
         if self._pn:
-            x = np.append(x, self._px / self._pn)
-            lo = np.append(lo, self._plo)
-            hi = np.append(hi, self._phi)
-            mean = np.append(mean, self._psum / self._pn)
+            x.append(self._px / self._pn)
+            lo.append(self._plo)
+            hi.append(self._phi)
+            mean.append(self._psum / self._pn)
         return x, lo, hi, mean
 
 
@@ -110,6 +106,6 @@ class Marks:
         if len(self.xs) > self.cap:
             self.xs = self.xs[::2]
 
-    def array(self) -> np.ndarray:
-        """A copy as a float64 array."""
-        return np.array(self.xs, dtype=np.float64)
+    def array(self) -> array:
+        """A copy as a float64 array (`array('d')`)."""
+        return array("d", self.xs)

@@ -193,7 +193,7 @@ def test_enter_opens_the_rank_detail_and_help_and_palette_work(start_hub, zctx):
             mem = app.screen.query_one("#detail-mem_allocated_bytes", LinePlot)
             await until(pilot, lambda: mem.spec.has_data)
             assert [line.label for line in mem.spec.lines] == ["alloc", "resv", "peak"]
-            assert mem.spec.unit == "GiB" and mem.spec.lines[0].hi.max() == pytest.approx(
+            assert mem.spec.unit == "GiB" and max(mem.spec.lines[0].hi) == pytest.approx(
                 ranks.sent[1]["mem_allocated_bytes"] / 2**30, rel=1e-3)
             assert app.screen.query_one("#detail-loss", LinePlot).spec.has_data
             lr = app.screen.query_one("#detail-extra-0", LinePlot)  # log(lr=...): plotted too

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 from collections import deque
 
-import numpy as np
 import pytest
 
 from scalemon import display as fmt
@@ -15,9 +15,17 @@ from scalemon import metrics
 from scalemon.protocol import Message
 from scalemon.series import Series
 from scalemon.tui.model import DashboardData, step_values
+from scalemon.tui.nodeview import bin_counts
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
-from scalemon.tui.widgets.braille import column_envelope, line_mask, pack, rasterize
+from scalemon.tui.widgets.braille import (
+    DOT_BITS,
+    column_envelope,
+    interp,
+    line_spans,
+    pack,
+    rasterize,
+)
 
 
 def test_series_stays_bounded_and_keeps_the_extremes():
@@ -28,10 +36,10 @@ def test_series_stays_bounded_and_keeps_the_extremes():
         s.add(i, v)
     x, lo, hi, mean = s.arrays()
     assert len(x) <= 64 and s.stride >= 128
-    assert hi.max() == pytest.approx(42.0) and lo.min() == pytest.approx(-1.0, abs=1e-3)
+    assert max(hi) == pytest.approx(42.0) and min(lo) == pytest.approx(-1.0, abs=1e-3)
     assert x[0] < 200 and x[-1] > 9_800  # the whole run, evenly
-    assert np.all(np.diff(x) > 0)
-    assert np.all(lo <= mean + 1e-6) and np.all(mean <= hi + 1e-6)
+    assert all(b > a for a, b in zip(x, x[1:], strict=False))
+    assert all(a <= m + 1e-6 and m <= b + 1e-6 for a, m, b in zip(lo, mean, hi, strict=True))
 
 
 def test_series_ignores_non_finite_values_and_shows_the_filling_bucket():
@@ -46,36 +54,65 @@ def test_series_ignores_non_finite_values_and_shows_the_filling_bucket():
 
 
 def test_braille_column_envelope_and_packing():
-    lo, hi = column_envelope(np.array([0.0, 1, 2, 3]), np.array([0.0, 5, 1, 2]),
-                             np.array([0.0, 5, 1, 2]), 0.0, 4.0, 2)
+    lo, hi = column_envelope([0.0, 1, 2, 3], [0.0, 5, 1, 2], [0.0, 5, 1, 2], 0.0, 4.0, 2)
     assert list(lo) == [0, 1] and list(hi) == [5, 2]
-    mask = np.zeros((4, 2), dtype=bool)
-    mask[:, 0] = True  # left column of dots, all four rows
-    assert pack(mask).tolist() == [[0x01 | 0x02 | 0x04 | 0x40]]
+    # left column of dots, all four rows; the right one unlit (top > bottom)
+    assert pack([0, 1], [3, 0], rows=1) == [[0x01 | 0x02 | 0x04 | 0x40]]
+    assert pack([1, 0], [2, 0], rows=2) == [[0x02 | 0x04 | 0x08], [0]]
+
+
+def test_braille_empty_columns_are_nan():
+    lo, hi = column_envelope([0.0, 3.0], [1.0, 2.0], [1.5, 2.5], 0.0, 3.0, 4)
+    assert [math.isnan(v) for v in lo] == [False, True, True, False] and hi[3] == 2.5
 
 
 def test_braille_line_is_continuous_and_rising():
-    x = np.arange(100.0)
+    x = [float(i) for i in range(100)]
     raster = rasterize([(x, x, x, 3, False)], rows=4, cols=10, x_range=(0, 99),
                        y_range=(0, 99))
-    mask = np.zeros((16, 20), dtype=bool)
+    mask = [[False] * 20 for _ in range(16)]
     for r in range(4):
         for c in range(10):
-            code = raster.codes[r, c]
+            code = raster.codes[r][c]
             for dy in range(4):
                 for dx in range(2):
-                    bit = [[0x01, 0x08], [0x02, 0x10], [0x04, 0x20], [0x40, 0x80]][dy][dx]
-                    mask[r * 4 + dy, c * 2 + dx] = bool(code & bit)
-    lit_rows = [np.flatnonzero(mask[:, c]) for c in range(20)]
+                    mask[r * 4 + dy][c * 2 + dx] = bool(code & DOT_BITS[dy][dx])
+    lit_rows = [[y for y in range(16) if mask[y][c]] for c in range(20)]
     assert all(len(rows) for rows in lit_rows)  # every pixel column lit: no holes
-    assert lit_rows[0].max() == 15 and lit_rows[-1].min() == 0  # bottom-left to top-right
-    assert set(raster.colors[raster.codes > 0].tolist()) == {3}
+    assert max(lit_rows[0]) == 15 and min(lit_rows[-1]) == 0  # bottom-left to top-right
+    assert {raster.colors[r][c] for r in range(4) for c in range(10) if raster.codes[r][c]} == {3}
 
 
-def test_line_mask_interpolates_missing_columns():
-    col = np.array([0.0, np.nan, np.nan, 3.0])
-    mask = line_mask(col, col, 0.0, 3.0, 4)
-    assert mask.any(axis=0).all()
+def test_line_spans_interpolate_missing_columns():
+    col = [0.0, math.nan, math.nan, 3.0]
+    tops, bots = line_spans(col, col, 0.0, 3.0, 4)
+    # 0..3 (3 at the top, row 0), each column stretched to touch the one before it
+    assert (tops, bots) == ([3, 2, 1, 0], [3, 3, 2, 1])
+
+
+def test_histogram_bins_hold_their_left_edge_and_the_last_its_right_edge_too():
+    # edges 0, 2.5, 5, 7.5, 10; values outside the range are left out
+    assert bin_counts([0.0, 0.5, 1.0, 2.5, 10.0, -1.0, 11.0], 4, 0.0, 10.0) == [3, 1, 0, 1]
+    assert bin_counts([0.1 * i for i in range(11)], 10, 0.0, 1.0) == [1] * 9 + [2]
+
+
+def test_bin_counts_and_interp_match_numpy():
+    """The plain-Python histogram and interpolation give numpy's numbers (tests have numpy)."""
+    np = pytest.importorskip("numpy")
+    rng = random.Random(3)
+    for _ in range(300):
+        values = [rng.choice([rng.gauss(5, 20), round(rng.uniform(-5, 40), 1), 0.0])
+                  for _ in range(rng.randint(1, 200))]
+        lo, hi = min(0.0, min(values)), max(values)
+        hi = hi if hi > lo else lo + 1.0
+        bins = rng.choice([1, 3, 12, 40])
+        edges = np.linspace(lo, hi, bins + 1).tolist()  # on an edge, and an ulp either side
+        values += [math.nextafter(e, d) for e in edges for d in (-math.inf, e, math.inf)]
+        assert bin_counts(values, bins, lo, hi) == np.histogram(values, bins, (lo, hi))[0].tolist()
+        xp = sorted(rng.sample(range(300), rng.randint(2, 30)))
+        fp = [rng.gauss(0, 10) for _ in xp]
+        xs = [float(x) for x in range(xp[0], xp[-1] + 1) if x not in xp]
+        assert interp(xs, [float(x) for x in xp], fp) == np.interp(xs, xp, fp).tolist()
 
 
 def metric_cell(name: str, value: object, **others: object) -> str:

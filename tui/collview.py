@@ -5,11 +5,10 @@ arrival lateness, the ranking of ranks by lateness and each rank's Flight Record
 
 from __future__ import annotations
 
-import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from scalemon.display import NA
 from scalemon.tui.model import DashboardData
@@ -41,15 +40,20 @@ class CollRow:
 @dataclass
 class Heat:
     """Arrival lateness binned by rank (rows) and time (columns), in seconds; NaN where the
-    rank issued no collective in that column. `top` is the lateness of the darkest shade;
-    each column is drawn `repeat` characters wide."""
+    rank issued no collective in that column (`cells[row][column]`, one list per rank). `top`
+    is the lateness of the darkest shade; each column is drawn `repeat` characters wide."""
 
     ranks: list[int]
-    cells: np.ndarray
+    cells: list[list[float]]
     t0: float
     t1: float
     top: float
     repeat: int = 1
+
+    @property
+    def columns(self) -> int:
+        """Time columns per row."""
+        return len(self.cells[0]) if self.cells else 0
 
 
 @dataclass
@@ -94,7 +98,7 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         if h.late_s is not None and top > 0:
             h.cells = (h.cells[0], "█" * round(BAR * h.late_s / top), *h.cells[2:])
     wrapped = [(h.rank, h.lost) for h in health if h.lost > 0]
-    heat = heat_map({r: _array(pairs) for r, pairs in samples.items()}, heat_columns)
+    heat = heat_map(samples, heat_columns)
     return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad)
 
 
@@ -168,37 +172,34 @@ def _span(ranks: list[int]) -> str:
 
 # ---- the heat map --------------------------------------------------------------------------
 
-def _array(samples: list[tuple[float, float]]) -> np.ndarray:
-    """A rank's (issue time, lateness) samples as an (n, 2) array."""
-    flat = np.fromiter(itertools.chain.from_iterable(samples), dtype=float,
-                       count=2 * len(samples))
-    return flat.reshape(-1, 2)
-
-
-def heat_map(samples: dict[int, np.ndarray], columns: int) -> Heat | None:
-    """Mean lateness per (rank, column) over the time the samples cover (at most the last
-    HEAT_SPAN_S) in at most `columns` characters; None without samples or room."""
+def heat_map(samples: dict[int, Sequence[tuple[float, float]]], columns: int) -> Heat | None:
+    """Mean lateness per (rank, column) over the time the samples (issue time, lateness; in
+    time order) cover (at most the last HEAT_SPAN_S) in at most `columns` characters; None
+    without samples or room."""
     samples = {r: a for r, a in samples.items() if len(a)}
     if not samples or columns < 1:
         return None
-    t1 = max(float(a[-1, 0]) for a in samples.values())
-    t0 = max(min(float(a[0, 0]) for a in samples.values()), t1 - HEAT_SPAN_S)
+    t1 = max(float(a[-1][0]) for a in samples.values())
+    t0 = max(min(float(a[0][0]) for a in samples.values()), t1 - HEAT_SPAN_S)
     width = max(t1 - t0, 1e-9)
     bins = max(1, min(columns, int(width / MIN_COLUMN_S)))
     repeat, columns = columns // bins, bins
     ranks = sorted(samples)
-    cells = np.full((len(ranks), columns), np.nan)
-    for i, rank in enumerate(ranks):
-        a = samples[rank]
-        a = a[a[:, 0] >= t0]
-        if not len(a):
-            continue
-        col = np.minimum(((a[:, 0] - t0) / width * columns).astype(int), columns - 1)
-        n = np.bincount(col, minlength=columns)
-        total = np.bincount(col, weights=a[:, 1], minlength=columns)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cells[i] = np.where(n > 0, total / np.maximum(n, 1), np.nan)
-    top = float(np.nanmax(cells)) if np.isfinite(cells).any() else 0.0
+    cells = []
+    last = columns - 1
+    for rank in ranks:
+        n = [0] * columns
+        total = [0.0] * columns
+        for t, late in samples[rank]:
+            if t >= t0:
+                col = int((t - t0) / width * columns)
+                if col > last:
+                    col = last
+                n[col] += 1
+                total[col] += late
+        cells.append([s / k if k else math.nan for s, k in zip(total, n, strict=True)])
+    seen = [v for row in cells for v in row if not math.isnan(v)]
+    top = max(seen) if any(math.isfinite(v) for v in seen) else 0.0
     return Heat(ranks, cells, t0, t1, max(top, 1e-3), repeat)
 
 

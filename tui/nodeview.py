@@ -10,12 +10,11 @@ textual import. Built under the data's lock from `JobState` in one pass over the
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
-
-import numpy as np
 
 from scalemon import display
 from scalemon.display import NO_HOST, NODE_STATES, Column
@@ -217,16 +216,40 @@ def histogram(measure: dict[int, float], what: str, bar_s: float,
               bins: int = BINS) -> Histogram | None:
     """The straggler measure (`what`) of the running ranks in `bins` equal bins (ms), from
     the lowest (at most 0) to the highest value; None without values."""
-    values = np.fromiter(measure.values(), dtype=float, count=len(measure)) * 1e3
-    values = values[np.isfinite(values)]
-    if not len(values):
+    values = [v for v in (float(m) * 1e3 for m in measure.values()) if math.isfinite(v)]
+    if not values:
         return None
-    lo, hi = min(0.0, float(values.min())), float(values.max())
+    lo, hi = min(0.0, min(values)), max(values)
     if hi <= lo:
         hi = lo + 1.0
-    counts, _ = np.histogram(values, bins=bins, range=(lo, hi))
-    return Histogram(f"{what}, {len(values)} ranks", lo, hi, [int(c) for c in counts],
+    return Histogram(f"{what}, {len(values)} ranks", lo, hi, bin_counts(values, bins, lo, hi),
                      bar_s * 1e3)
+
+
+def bin_counts(values: list[float], bins: int, lo: float, hi: float) -> list[int]:
+    """How many of `values` fall in each of `bins` equal bins from `lo` to `hi` (lo < hi),
+    counted as `numpy.histogram(values, bins, (lo, hi))` does: a bin holds its left edge, the
+    last one its right edge too, values outside are left out."""
+    step = (hi - lo) / bins
+    if step == 0:
+        edges = [i / bins * (hi - lo) + lo for i in range(bins)]
+    else:
+        edges = [i * step + lo for i in range(bins)]
+    edges.append(hi)
+    counts = [0] * bins
+    span = hi - lo
+    for v in values:
+        if not lo <= v <= hi:
+            continue
+        i = int((v - lo) / span * bins)
+        if i == bins:
+            i -= 1
+        if v < edges[i]:  # the division can miss an edge by an ulp
+            i -= 1
+        if v >= edges[i + 1] and i != bins - 1:
+            i += 1
+        counts[i] += 1
+    return counts
 
 
 def node_ranks(data: DashboardData, host: str | None) -> list[int]:

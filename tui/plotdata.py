@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from scalemon.series import Series
 
 
 @dataclass
 class Line:
-    """One series: a line through (x, lo..hi), or a filled min..max band when `band`."""
+    """One series: a line through (x, lo..hi), or a filled min..max band when `band`; the
+    coordinates are float sequences of one length (`array('d')` from a series)."""
 
     label: str
-    x: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
+    x: Sequence[float]
+    lo: Sequence[float]
+    hi: Sequence[float]
     color: int = 0  # index into the widget's palette
     band: bool = False
 
@@ -31,7 +32,7 @@ class Line:
         if mean:
             lo = hi = avg
         if scale != 1.0:
-            lo, hi = lo * scale, hi * scale
+            lo, hi = scaled(lo, scale), scaled(hi, scale)
         return cls(label, x, lo, hi, color, band)
 
 
@@ -43,7 +44,7 @@ class PlotSpec:
     unit: str = ""
     lines: list[Line] = field(default_factory=list)
     log: bool = False
-    marks: np.ndarray | None = None  # x positions to flag (skipped steps)
+    marks: Sequence[float] | None = None  # x positions to flag (skipped steps)
     marks_label: str = ""
     empty: str = "no data yet"
 
@@ -51,3 +52,8 @@ class PlotSpec:
     def has_data(self) -> bool:
         """True when at least one line has a point."""
         return any(len(line.x) for line in self.lines)
+
+
+def scaled(values: Sequence[float], scale: float) -> array:
+    """`values` times `scale`, as a new float64 array."""
+    return array("d", [v * scale for v in values])

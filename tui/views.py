@@ -11,13 +11,13 @@ time. A hung job (`JobState.hang`) says so in the header's state.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
+from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from scalemon import alerts as alerting
 from scalemon import display, metrics
@@ -31,7 +31,7 @@ from scalemon.tui.flagview import header_note
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
 from scalemon.tui.nodeview import NodeView
-from scalemon.tui.plotdata import Line, PlotSpec
+from scalemon.tui.plotdata import Line, PlotSpec, scaled
 from scalemon.tui.safe_text import clean
 
 MAX_LINES = 4
@@ -372,9 +372,10 @@ def _rss_band(data: DashboardData) -> list[Line]:
              if "rss_bytes" in t.series]
     if not parts:
         return []
-    x, lo, hi = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    x, lo, hi = (array("d", itertools.chain.from_iterable(p[i] for p in parts))
+                 for i in range(3))
     scale = _scale("rss_bytes")
-    return [Line("min..max", x, lo * scale, hi * scale, color=-1, band=True)]
+    return [Line("min..max", x, scaled(lo, scale), scaled(hi, scale), color=-1, band=True)]
 
 
 def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> RankDetail | None:

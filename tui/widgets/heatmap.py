@@ -7,8 +7,8 @@ Drawn with the Line API: only the rows on screen are built, each from runs of eq
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -34,7 +34,7 @@ _NONE_STYLE = Style(color="grey30")
 _DIM = Style(dim=True)
 
 
-def levels(row: np.ndarray, top: float) -> list[int]:
+def levels(row: Sequence[float], top: float) -> list[int]:
     """The shade index of each cell of a row (-1: no collective there)."""
     out = []
     for value in row:
@@ -50,7 +50,7 @@ def head_text(heat: Heat | None) -> list[Text]:
     if heat is None:
         return [Text("no collective issued by every rank of a group yet: nothing to shade",
                      style="dim")]
-    columns = heat.cells.shape[1]
+    columns = heat.columns
     span = heat.t1 - heat.t0
     title = Text.assemble(("arrival lateness by rank", "bold"),
                           (" (after the first rank to issue each collective)", "dim"))
@@ -67,7 +67,7 @@ def head_text(heat: Heat | None) -> list[Text]:
 def axis_text(heat: Heat) -> str:
     """The time axis under the grid."""
     span = heat.t1 - heat.t0
-    columns = heat.cells.shape[1]
+    columns = heat.columns
     axis = f"-{span:.0f} s" if span >= 1 else f"-{span:.2f} s"
     return " " * LABEL + axis.ljust(max(len(axis), columns * heat.repeat - 6)) + "latest"
 

@@ -7,7 +7,8 @@ cached, so a repaint without new data costs nothing.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
+
 from rich.segment import Segment
 from rich.style import Style
 from textual.strip import Strip
@@ -15,7 +16,7 @@ from textual.widget import Widget
 
 from scalemon.tui.plotdata import PlotSpec
 from scalemon.tui.safe_text import clean
-from scalemon.tui.widgets.braille import data_range, rasterize, tick
+from scalemon.tui.widgets.braille import data_range, pixel_columns, rasterize, tick
 
 PALETTE = ("#4fc3f7", "#ffb74d", "#81c784", "#e57373", "#ba68c8", "#fff176", "#90a4ae",
            "#f06292")
@@ -84,8 +85,8 @@ class LinePlot(Widget):
                             .crop(0, width) if r == middle else blank)
             rows.append(blank)
             return [row.adjust_cell_length(width) for row in rows]
-        x0 = float(min(x.min() for x in xs))
-        x1 = float(max(x.max() for x in xs))
+        x0 = float(min(min(x) for x in xs))
+        x1 = float(max(max(x) for x in xs))
         raster = rasterize([(line.x, line.lo, line.hi, line.color, line.band)
                             for line in spec.lines], plot_rows, plot_cols, (x0, x1), y_range,
                            spec.log)
@@ -122,9 +123,8 @@ class LinePlot(Widget):
         marks = self.spec.marks
         if marks is not None and len(marks):
             span = x1 - x0
-            cols = np.zeros(len(marks), dtype=np.intp) if span <= 0 else np.clip(
-                ((marks - x0) / span * plot_cols).astype(np.intp), 0, plot_cols - 1)
-            for c in set(cols.tolist()):
+            cols = [0] * len(marks) if span <= 0 else pixel_columns(marks, x0, x1, plot_cols)
+            for c in set(cols):
                 chars[c] = MARK
         left, right = f" {x0:.0f}", f"step {x1:.0f}"
         for i, ch in enumerate(left[: plot_cols]):
@@ -141,12 +141,12 @@ class LinePlot(Widget):
         return Strip(segments, width)
 
 
-def _cells(codes: np.ndarray, colors: np.ndarray) -> list[Segment]:
+def _cells(codes: Sequence[int], colors: Sequence[int]) -> list[Segment]:
     """Runs of same-coloured braille cells as segments."""
     out: list[Segment] = []
     text: list[str] = []
     current = None
-    for code, color in zip(codes.tolist(), colors.tolist(), strict=True):
+    for code, color in zip(codes, colors, strict=True):
         if color != current and text:
             out.append(Segment("".join(text), _style(current)))
             text = []
