@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_import_hygiene import _ATTACH, NUMPY_GONE, feed, hub_has_steps
+from test_import_hygiene import _ATTACH, feed, hub_has_steps
 from test_packaging import build_wheel
 
 from conftest import HubProcess, wait_for
@@ -86,8 +86,6 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pip_install(venv / "bin" / "python", str(wheel))
     BASE_SIZES.clear()
     BASE_SIZES.update(installed(venv / "bin"))
-    if not NUMPY_GONE:  # the dashboard and the fold still import it (branch nonumpy removes it)
-        pip_install(venv / "bin" / "python", "numpy")
     return venv / "bin"
 
 

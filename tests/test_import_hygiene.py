@@ -21,16 +21,12 @@ import zmq
 from conftest import REPO, FakeRank, HubProcess, wait_for
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
-NUMPY_GONE = False
-"""Flip to True when the pure-Python dashboard (branch nonumpy) is merged: numpy then joins the
-modules no command may import (and `test_the_numpy_flag_is_up_to_date` tells when to flip)."""
-
-HEAVY = ("torch", "triton", "scalemon.agent", "scalemon.demo_train")
-"""What no command of the base install may import (numpy too, with NUMPY_GONE)."""
+HEAVY = ("torch", "triton", "numpy", "scalemon.agent", "scalemon.demo_train")
+"""What no command of the base install may import."""
 
 
 def forbidden() -> tuple[str, ...]:
-    return (*HEAVY, "numpy") if NUMPY_GONE else HEAVY
+    return HEAVY
 
 
 def imported(stderr: str) -> set[str]:
@@ -190,18 +186,6 @@ def test_attach_imports_no_training_stack(start_hub, zctx: zmq.Context, home: Pa
     assert "scalemon.tui.app" in modules  # the dashboard ran
     names = imported(err) | modules
     assert not heavy(names), f"`scalemon attach` imported {heavy(names)}"
-
-
-def test_the_numpy_flag_is_up_to_date():
-    """While NUMPY_GONE is False the dashboard still imports numpy; when it no longer does, this
-    fails to say: set NUMPY_GONE = True above (numpy then counts as heavy)."""
-    run = subprocess.run([sys.executable, "-X", "importtime", "-c",
-                          "import scalemon.tui.app, scalemon.tui.attach, scalemon.fold"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
-    uses_numpy = bool(heavy(imported(run.stderr), ("numpy",)))
-    assert uses_numpy != NUMPY_GONE, (
-        "the dashboard no longer imports numpy: set NUMPY_GONE = True in this file"
-        if not uses_numpy else "NUMPY_GONE is True but the dashboard imports numpy")
 
 
 def test_the_relay_imports_no_training_stack():
