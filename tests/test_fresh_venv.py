@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_import_hygiene import _ATTACH, feed, hub_has_steps
+from test_import_hygiene import _ATTACH, feed, hub_has_steps, run_fed_hub
 from test_packaging import build_wheel
 
 from conftest import HubProcess, wait_for
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
 pytestmark = pytest.mark.fresh_venv
 
@@ -162,27 +160,8 @@ def test_its_commands_work_against_a_job_on_this_machine(
 
 def test_its_hub_serves_a_job(fresh_venv: Path, zctx: zmq.Context, home: Path):
     env = {**os.environ, "SCALEMON_HOME": str(home)}
-    log = home / "fresh-hub.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(fresh_venv / "scalemon"), "hub", "--job", "fresh2",
-                                 "--home", str(home)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=home, env=env)
-    try:
-        job_file = jobs_dir(home) / "fresh2.json"
-
-        def ready() -> JobFile | None:
-            assert proc.poll() is None, f"hub exited early:\n{log.read_text()[-3000:]}"
-            return JobFile.read(job_file) if job_file.exists() else None
-
-        address = HubAddress.parse(wait_for(ready, timeout=60).address)
-        feed(zctx, address, "fresh2", steps=4)
-        wait_for(lambda: hub_has_steps("fresh2", 4), timeout=30, interval=0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+    run_fed_hub([str(fresh_venv / "scalemon"), "hub", "--job", "fresh2", "--home", str(home)],
+                "fresh2", home, zctx, home / "fresh-hub.log", steps=4, cwd=home, env=env)
 
 
 def test_the_heavy_commands_say_which_extra_they_need(fresh_venv: Path, home: Path):

@@ -109,26 +109,8 @@ def test_the_hub_imports_no_training_stack_while_it_folds_a_job(zctx: zmq.Contex
     """`scalemon hub` started by hand, fed by two ranks until it folded their steps, then
     stopped: what it imported on the way, the lazy imports of folding included."""
     log = home / "hub-importtime.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-X", "importtime", "-m", "scalemon", "hub", "--job", "hyg2",
-             "--home", str(home)], stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
-    try:
-        job_file = jobs_dir(home) / "hyg2.json"
-
-        def ready() -> JobFile | None:
-            assert proc.poll() is None, f"hub exited early:\n{log.read_text()[-3000:]}"
-            return JobFile.read(job_file) if job_file.exists() else None
-
-        address = HubAddress.parse(wait_for(ready, timeout=60).address)
-        feed(zctx, address, "hyg2", steps=8)
-        wait_for(lambda: hub_has_steps("hyg2", 8), timeout=30, interval=0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+    run_fed_hub([sys.executable, "-X", "importtime", "-m", "scalemon", "hub", "--job", "hyg2",
+                 "--home", str(home)], "hyg2", home, zctx, log, steps=8, cwd=REPO)
     names = imported(log.read_text())
     assert "scalemon.hub.server" in names
     assert not heavy(names), f"`scalemon hub` imported {heavy(names)}"
@@ -228,3 +210,27 @@ def test_the_agent_without_torch_says_what_to_install():
     assert "pip install 'scalemon[agent]'" in last
     run = without("torch", "import scalemon.agent.overrides")  # every way in stops there
     assert "pip install 'scalemon[agent]'" in run.stderr
+
+
+def run_fed_hub(cmd: list[str], job: str, home: Path, zctx: zmq.Context, log: Path,
+                steps: int, cwd: Path, env: dict[str, str] | None = None) -> None:
+    """Run the hub command `cmd` (its stderr into `log`), feed it `steps` steps of fake ranks,
+    wait until it folded them, then stop it with SIGTERM: it must exit 0."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=cwd, env=env)
+    try:
+        job_file = jobs_dir(home) / f"{job}.json"
+
+        def ready() -> JobFile | None:
+            assert proc.poll() is None, f"hub exited early:\n{log.read_text()[-3000:]}"
+            return JobFile.read(job_file) if job_file.exists() else None
+
+        address = HubAddress.parse(wait_for(ready, timeout=60).address)
+        feed(zctx, address, job, steps=steps)
+        wait_for(lambda: hub_has_steps(job, steps), timeout=30, interval=0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
