@@ -371,6 +371,11 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
     final = wait_for(lambda: (j := JobFile.read(job_file)).state != "running" and j,
                      timeout=30, interval=0.5)
     assert final.pid == second.pid and final.state == "finished"
+    from scalemon.jobs import pid_alive
+
+    # "finished" is written when the job ends; the hub then lingers (2 s here) and exits:
+    # snapshot tells a gone hub only after that (before, it asks the lingering hub)
+    wait_for(lambda: not pid_alive(final.pid), timeout=30, interval=0.2)
     text = snapshot_text(home, "jobH")
     assert "the job finished (its hub exited at" in text
     assert "state finished" in text and " 120 " in text  # every step, after the kill too
