@@ -137,7 +137,7 @@ def test_a_watch_key_reads_the_job_and_its_steering_is_refused_naming_the_role(
     assert [(a["user"], a["role"], a["via"]) for a in refused] == [
         ("bob", "watch", "key bob from 127.0.0.1")] * 2, refused
     client = HubClient(HubAddress.parse(jf.address))
-    toggles = client.state()["state"]["toggles"]
+    toggles = wait_for(lambda: client.state()["state"]["toggles"])  # the hub's next round
     assert [(t["name"], t["state"], t["user"], t["client_host"]) for t in toggles] == [
         ("NCCL_DEBUG", "refused", "bob", "127.0.0.1")]
     client.close()
@@ -195,9 +195,9 @@ def test_each_role_gets_only_its_sockets_and_requests(start_hub, home: Path,
     assert losses() == [1.0]
     hub = owner.state()["hub"]
     assert hub["auth_refused"] >= 1 and hub["keys_admitted"] == 4
-    audit = _audit(jf)
-    assert any(a.get("kind") == "handshake on ingest" and a["name"] == "the-watch"
-               and a["client_host"] == "127.0.0.1" for a in audit), audit
+    audit = wait_for(lambda: (a := _audit(jf)) and any(  # written on the hub's next round
+        e.get("kind") == "handshake on ingest" and e["name"] == "the-watch"
+        and e["client_host"] == "127.0.0.1" for e in a) and a)
     forged = next(a for a in audit if a.get("name") == "NCCL_FOO")
     assert (forged["user"], forged["role"]) == ("the-control", "control")  # not "root"
     owner.close()
