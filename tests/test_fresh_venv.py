@@ -13,12 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import zmq
-from test_import_hygiene import _ATTACH, feed, hub_has_steps, run_fed_hub
+from test_import_hygiene import _ATTACH, feed, hub_has_steps, run_fed_hub, run_headless_attach
 from test_packaging import build_wheel
 
 from conftest import HubProcess, wait_for
@@ -138,23 +137,9 @@ def test_its_commands_work_against_a_job_on_this_machine(
     assert len(state["ranks"]) == 2 and {r["step"] for r in state["ranks"]} == {5}
 
     # the dashboard, headless, until it shows both ranks (the ranks go on stepping)
-    proc = subprocess.Popen([str(fresh_venv / "python"), "-c", _ATTACH, "fresh1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=home, env={**os.environ, "SCALEMON_HOME": str(home)})
-    step, end = 5, time.monotonic() + 120
-    try:
-        while proc.poll() is None and time.monotonic() < end:
-            step += 1
-            for rank in ranks:
-                rank.step(step)
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
-    assert proc.returncode == 0, f"attach: exit {proc.returncode}\n{err[-3000:]}"
-    modules = json.loads(out.strip().splitlines()[-1])
+    modules, _ = run_headless_attach([str(fresh_venv / "python"), "-c", _ATTACH, "fresh1"],
+                                     ranks, cwd=home, env={**os.environ,
+                                                           "SCALEMON_HOME": str(home)})
     assert "scalemon.tui.app" in modules
 
 

@@ -147,24 +147,9 @@ sys.exit(code)
 def test_attach_imports_no_training_stack(start_hub, zctx: zmq.Context, home: Path):
     hub: HubProcess = start_hub("hyg3")
     ranks = feed(zctx, hub.address, "hyg3")
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-c", _ATTACH, "hyg3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env={**os.environ, "TERM": "xterm-256color"})
-    step = 5
-    end = time.monotonic() + 120
-    try:
-        while proc.poll() is None and time.monotonic() < end:  # the ranks go on stepping
-            step += 1
-            for rank in ranks:
-                rank.step(step)
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
-    assert proc.returncode == 0, f"exit {proc.returncode} (3: ranks never shown)\n{err[-3000:]}"
-    modules = set(json.loads(out.strip().splitlines()[-1]))
+    modules, err = run_headless_attach(
+        [sys.executable, "-X", "importtime", "-c", _ATTACH, "hyg3"], ranks, cwd=REPO,
+        env={**os.environ, "TERM": "xterm-256color"})
     assert "scalemon.tui.app" in modules  # the dashboard ran
     names = imported(err) | modules
     assert not heavy(names), f"`scalemon attach` imported {heavy(names)}"
@@ -234,3 +219,25 @@ def run_fed_hub(cmd: list[str], job: str, home: Path, zctx: zmq.Context, log: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def run_headless_attach(cmd: list[str], ranks: list[FakeRank], cwd: Path,
+                        env: dict[str, str]) -> tuple[set[str], str]:
+    """Run `cmd` (python -c _ATTACH JOB) while `ranks` go on stepping, until the dashboard
+    showed them; returns the modules it had imported and its stderr. It must exit 0."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd, env=env)
+    step, end = 5, time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < end:
+            step += 1
+            for rank in ranks:
+                rank.step(step)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, f"exit {proc.returncode} (3: ranks never shown)\n{err[-3000:]}"
+    return set(json.loads(out.strip().splitlines()[-1])), err
