@@ -9,6 +9,7 @@ owner (or root): role `control`. What each role may ask is `protocol.OP_ROLES`.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class Peer:
     via: str  # how the hub knows: "key NAME from ADDR" or "uid UID (USER) pid PID over ipc"
     key: bytes | None = None  # the Curve public key (z85), tcp only
     fd: int | None = None  # the connection's descriptor (tcp), to cut it
+    asker: str = ""  # `via` without what changes from one process to the next (the pid)
 
 
 def _property(frame: zmq.Frame, name: str | int) -> str | int | None:
@@ -47,12 +49,13 @@ def tcp_peer(frame: zmq.Frame, keys: dict[bytes, AuthorizedKey]) -> Peer:
     address = str(_property(frame, "Peer-Address") or "?")
     fd = _property(frame, zmq.SRCFD)
     known = keys.get(key) if key else None
+    fd = fd if isinstance(fd, int) else None
     if known is None:
         shown = key.decode()[:12] + "…" if key else "no key"
-        return Peer(None, f"key {shown}", address, f"key {shown} (not admitted now) from "
-                    f"{address}", key, fd if isinstance(fd, int) else None)
-    return Peer(known.role, known.name, address, f"key {known.name} from {address}", key,
-                fd if isinstance(fd, int) else None)
+        via = f"key {shown} (not admitted now) from {address}"
+        return Peer(None, f"key {shown}", address, via, key, fd, via)
+    via = f"key {known.name} from {address}"
+    return Peer(known.role, known.name, address, via, key, fd, via)
 
 
 def ipc_peer(frame: zmq.Frame, hub_host: str) -> Peer:
@@ -62,11 +65,12 @@ def ipc_peer(frame: zmq.Frame, hub_host: str) -> Peer:
     try:
         uid, pid = int(parts[1]), int(parts[3])
     except (IndexError, ValueError):  # no SO_PEERCRED here: the 0700 directory still holds
-        return Peer("control", _user_name(os.getuid()), hub_host,
-                    "ipc (peer uid not known on this platform)")
+        via = "ipc (peer uid not known on this platform)"
+        return Peer("control", _user_name(os.getuid()), hub_host, via, asker=via)
     name = _user_name(uid)
     role = "control" if uid in (os.getuid(), 0) else None
-    return Peer(role, name, hub_host, f"uid {uid} ({name}) pid {pid} over ipc")
+    asker = f"uid {uid} ({name})"
+    return Peer(role, name, hub_host, f"{asker} pid {pid} over ipc", asker=asker)
 
 
 def may(peer: Peer, op: str) -> bool:
@@ -87,7 +91,10 @@ def refusal(peer: Peer, op: str) -> str:
             f"{peer.user}`")
 
 
+@functools.lru_cache(maxsize=64)
 def _user_name(uid: int) -> str:
+    """The user name of `uid` (looked up once: every ipc request asks, and on a cluster the
+    password database may be LDAP)."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:

@@ -161,7 +161,7 @@ class Hub:
         self.audit = Audit(self.run_dir)
         self.toggles = Toggles(self.run_dir, self.state, self.audit)
         self.alerts_out = AlertsOut.from_env(os.environ, job, self.audit, self.state, self.run_dir)
-        self._tcp_ports: dict[zmq.Socket, tuple[str, int]] = {}  # tcp socket -> label, port
+        self._tcp_ports: dict[zmq.Socket, int] = {}  # tcp socket -> the port it is bound at
         self.peers: PeerBook | None = None  # which key each tcp connection is, while serving
         self._rank_keys: dict[int, bytes] = {}  # the key each rank's hello came with
         self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
@@ -283,7 +283,7 @@ class Hub:
                 port = int(endpoint.rpartition(":")[2])
             if self.guard is not None:
                 self.guard.watch(sock, port)
-            self._tcp_ports[sock] = (label, port)
+            self._tcp_ports[sock] = port
             bound[label] = f"tcp://{name}:{port}"
         return bound
 
@@ -422,15 +422,15 @@ class Hub:
         first_seq = len(self.history)
         now = time.monotonic()
         taken = 0
-        tcp = self._tcp_ports.get(ingest)
+        port = self._tcp_ports.get(ingest)
         while taken < INGEST_BATCH:
             sender = None
             try:
-                if tcp is None:  # ipc: the owner's ranks (0700 directory)
+                if port is None:  # ipc: the owner's ranks (0700 directory)
                     frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
                 else:
                     frames, sender = self._admitted_frames(
-                        ingest.recv_multipart(zmq.NOBLOCK, copy=False), tcp[1])
+                        ingest.recv_multipart(zmq.NOBLOCK, copy=False), port)
             except zmq.Again:
                 break
             taken += max(1, len(frames))
@@ -459,7 +459,7 @@ class Hub:
                          port: int) -> tuple[list[bytes], Peer | None]:
         """The frames of one message from a tcp rank or relay, and who sent it, if its key may
         still send (else none: it is refused, audited, and its connection cut)."""
-        peer = tcp_peer(frames[0], self._gate.keys if self._gate else {})
+        peer = self._tcp_peer(frames[0])
         if peer.role in SOCKET_ROLES["ingest"]:
             self.peers.learn(peer, port)
             return [f.bytes for f in frames], peer
@@ -497,8 +497,12 @@ class Hub:
 
     def _refused(self, peer: Peer, kind: str, text: str, **extra: Any) -> None:
         """Put a refusal of `peer` into the audit (limited per asker and kind)."""
-        self.audit.refusal(peer.via.split(" pid ")[0], kind, {
+        self.audit.refusal(peer.asker, kind, {
             **self._who(peer), "text": clip(text, 1000), **extra})
+
+    def _tcp_peer(self, frame: zmq.Frame) -> Peer:
+        """Who sent `frame` over a tcp socket, with the key's role as admitted now."""
+        return tcp_peer(frame, self._gate.keys if self._gate else {})
 
     @staticmethod
     def _who(peer: Peer) -> dict[str, Any]:
@@ -508,13 +512,13 @@ class Hub:
 
     def _note_subscribers(self, feed: zmq.Socket) -> None:
         """Read a tcp feed's (un)subscriptions: each tells which key the subscriber is."""
-        port = self._tcp_ports[feed][1]
+        port = self._tcp_ports[feed]
         for _ in range(1000):
             try:
                 frame = feed.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            peer = tcp_peer(frame, self._gate.keys if self._gate else {})
+            peer = self._tcp_peer(frame)
             if peer.role in SOCKET_ROLES["feed"]:
                 self.peers.learn(peer, port)
             else:
@@ -663,8 +667,9 @@ class Hub:
                               "connections": cut})
         while self._gate.events:
             event = self._gate.events.popleft()
-            user = event["name"] or f"key {event['key'][:12]}…"
-            source = f"{'key ' if event['name'] else ''}{user} from {event['client_host']}"
+            label = f"key {event['name'] or event['key'][:12] + '…'}"
+            user = event["name"] or label
+            source = f"{label} from {event['client_host']}"
             self.audit.refusal(source, f"handshake on {event['socket']}",
                                {"user": user, "via": source, **event})
 
@@ -741,7 +746,7 @@ class Hub:
 
     # --- requests from dashboards and the CLI -------------------------------------------
     def _serve_rpc(self, rpc: zmq.Socket) -> None:
-        tcp = self._tcp_ports.get(rpc)
+        port = self._tcp_ports.get(rpc)
         for _ in range(100):
             try:
                 frames = rpc.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -749,15 +754,14 @@ class Hub:
                 return
             envelope, last = [f.bytes for f in frames[:-1]], frames[-1]
             payload = last.bytes
-            peer = (tcp_peer(last, self._gate.keys if self._gate else {}) if tcp
-                    else ipc_peer(last, self._host))
+            peer = self._tcp_peer(last) if port else ipc_peer(last, self._host)
             op = "?"
             try:
-                if tcp and peer.role is not None:  # whatever it asks: cut if it loses access
-                    self.peers.learn(peer, tcp[1])
+                if port and peer.role is not None:  # whatever it asks: cut if it loses access
+                    self.peers.learn(peer, port)
                 op, args = protocol.decode_request(payload)
                 if not may(peer, op):
-                    self._refuse_request(peer, op, args, tcp[1] if tcp else None)
+                    self._refuse_request(peer, op, args, port)
                 reply = protocol.encode_reply(**self._answer(op, args, peer),
                                               history=self.history.identity)
             except ToggleRefused as exc:  # a reasoned refusal, not a bad frame

@@ -73,8 +73,7 @@ class Toggles:
                 who: dict[str, str]) -> dict[str, Any]:
         """Check and plan a toggle asked by `who` (`user`, `client_host`, `role`, `via`: as the
         hub knows the asker); returns the reply, raises ToggleRefused (in the audit too)."""
-        toggle_id = self._next_id
-        self._next_id += 1
+        toggle_id = self._new_id()
         base = {"id": toggle_id, "name": name[:100], "value": value[:200], **who}
         try:
             tier, running = self._plan(name, value, restart)
@@ -209,10 +208,13 @@ class Toggles:
     def refuse(self, name: str, value: str, who: dict[str, str], text: str) -> None:
         """A toggle refused before planning (by role, or a malformed request): a `refused`
         record in the history and the audit, with its own id."""
-        toggle_id = self._next_id
-        self._next_id += 1
-        self._emit({"id": toggle_id, "name": name[:100], "value": value[:200], **who,
+        self._emit({"id": self._new_id(), "name": name[:100], "value": value[:200], **who,
                     "state": "refused", "text": text[:1000]})
+
+    def _new_id(self) -> int:
+        """The next toggle's id (refused ones take one too: the audit names each)."""
+        self._next_id += 1
+        return self._next_id - 1
 
     def _emit(self, body: dict[str, Any]) -> None:
         self.records.append(body)

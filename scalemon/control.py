@@ -29,8 +29,9 @@ class Controller:
     """Requests that steer one hub's job."""
 
     def __init__(self, address: HubAddress, timeout_s: float = 5.0) -> None:
-        if address.control is not None and not (
-                address.rpc.startswith("tcp://") and not _local(address.control)):
+        here = address.control is not None and (
+            _local(address.control) or not address.rpc.startswith("tcp://"))
+        if here:  # the owner's control socket on the hub's host (check_reachable says why not)
             check_reachable(address.control)
             endpoint = address.control
             self.client = HubClient(HubAddress(endpoint, endpoint, endpoint), timeout_s)
