@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import NODES, make_cluster, node_env, relay_pid  # noqa: E402
-from machine import cpu_name  # noqa: E402
+from cluster import NODES, make_cluster, node_env, relay_pid
+from machine import cpu_name
 
-from scalemon import protocol  # noqa: E402
-from scalemon.client import HubClient  # noqa: E402
-from scalemon.jobs import JobFile  # noqa: E402
+from scalemon import protocol
+from scalemon.client import HubClient
+from scalemon.jobs import JobFile
 
 REPO = Path(__file__).resolve().parents[1]
 

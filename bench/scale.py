@@ -52,14 +52,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from dashboard_load import find_dashboard, tmux
+from machine import cpu_name
+from sim_nodes import Plan, run_worker
 
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules
-from dashboard_load import find_dashboard, tmux  # noqa: E402
-from machine import cpu_name  # noqa: E402
-from sim_nodes import Plan, run_worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scalemon.cli_args import int_at_least, number
 from scalemon.demo_train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -76,6 +75,7 @@ from scalemon.demo_train.parallel import (
     wrap_model,
 )
 from scalemon.demo_train.precision import AMP_MODES, autocast, make_scaler, set_tf32
+from scalemon.options import int_at_least, number
 
 CANNOT_RESUME = 1  # exit code: --resume found nothing usable, or an incompatible checkpoint
 

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from scalemon.cli_args import Parser, int_at_least, job_id, seconds
 from scalemon.collectives import hang_after_default
 from scalemon.jobs import check_job_id
+from scalemon.options import Parser, int_at_least, job_id, seconds
 from scalemon.safe_text import CleanStream, clean
 
 from .openmetrics import METRICS_ENV, METRICS_FILE_ENV, start_exporter

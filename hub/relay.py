@@ -423,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m scalemon.hub.relay --job ID`: run this node's relay in the foreground."""
     import sys
 
-    from scalemon.cli_args import Parser, job_id, seconds
     from scalemon.jobs import relay_dir
+    from scalemon.options import Parser, job_id, seconds
 
     parser = Parser(prog="scalemon relay", description=__doc__)
     parser.add_argument("--job", required=True, type=job_id, metavar="ID", help="job id")

@@ -190,7 +190,7 @@ def _info_lines(state: dict[str, Any], width: int) -> list[str]:
             values = " ".join(f"{r}:{v}" for r, v in row["values"].items())
             lines.append(f"flag MISMATCH {row['name']}: {values}")
     if state.get("toggles"):
-        from scalemon.cli_flags import toggle_line
+        from scalemon.flagstate import toggle_line
 
         lines.extend("toggle " + toggle_line(t) for t in state["toggles"][-5:])
     lines.extend(_collectives_lines(state.get("collectives") or []))
@@ -340,15 +340,15 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start the monitored demo job and open the dashboard on it."""
-    from scalemon.tui.demo import demo
+    from scalemon.cli_demo import demo
 
     return demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `scalemon`."""
-    from scalemon.cli_args import ENVIRONMENT, Parser, add_query_arguments, job_id, seconds
     from scalemon.hub.main import add_arguments as add_hub_arguments
+    from scalemon.options import ENVIRONMENT, Parser, add_query_arguments, job_id, seconds
 
     parser = Parser(
         prog="scalemon",
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "gloo unless there is a GPU per rank) and open the dashboard on it. q "
                     "stops the job and its hub. Exit status: 0, or the job's when it failed "
                     "by itself (1 when a signal killed it); 2 for bad options.")
-    from scalemon.tui.demo import add_arguments as add_demo_arguments
+    from scalemon.cli_demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import frtrace, protocol
-from scalemon.cli_args import seconds
 from scalemon.client import HubUnreachable
 from scalemon.control import ControlError, Controller
 from scalemon.jobs import JobLookupError, resolve_hub
+from scalemon.options import seconds
 
 EXIT_NO_HUB = 2
 EXIT_NO_DUMP = 1

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import export, protocol
-from scalemon.cli_args import seconds
 from scalemon.jobs import JobLookupError, resolve_hub
+from scalemon.options import seconds
 from scalemon.protocol import Message
 
 EXIT_NO_JOB = 2

@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
-from scalemon import display, protocol
-from scalemon.cli_args import add_hub_timeout, add_query_arguments, seconds
+from scalemon import protocol
 from scalemon.client import HubClient, HubUnreachable
 from scalemon.control import ControlError, Controller, log_count_wait
 from scalemon.flags import FlagError, check, parse_assignment, tier_text
-from scalemon.flagstate import UNKNOWN, log_count_text
+from scalemon.flagstate import log_count_text, toggle_line
 from scalemon.jobs import JobLookupError, resolve_hub
+from scalemon.options import add_hub_timeout, add_query_arguments, seconds
 
 EXIT_REFUSED = 3
 EXIT_NOT_APPLIED = 4
@@ -99,27 +98,6 @@ def format_flags(state: dict[str, Any]) -> str:
 
 def _value(value: str | None) -> str:
     return "unset" if value is None else value
-
-
-def toggle_line(t: dict[str, Any]) -> str:
-    """One audit entry in words."""
-    when = time.strftime("%H:%M:%S", time.localtime(t.get("t") or 0))
-    who = f"{t.get('user') or '?'}@{t.get('client_host') or '?'}"
-    step = f" step {t['step']}" if t.get("step") is not None else (
-        f" planned step {t['at_step']}" if t.get("at_step") is not None else "")
-    tier = f" ({t['tier']})" if t.get("tier") else ""
-    counted = log_count_text(t) if t.get("state") in ("applied", "partial") else None
-    return (f"#{t.get('id')} {when} {who} {t.get('name')}={t.get('value') or ''}{tier}{step}: "
-            f"{t.get('state') or '?'} {display.NA if not t.get('text') else '- ' + t['text']}"
-            + (f"; {counted}" if counted else "") + _answers(t))
-
-
-def _answers(t: dict[str, Any]) -> str:
-    """For a toggle known only from ranks' answers: what each rank said."""
-    if t.get("state") != UNKNOWN:
-        return ""
-    return "".join(f"; rank {r}: {res.get('outcome')} {res.get('text') or ''}".rstrip()
-                   for r, res in sorted((t.get("results") or {}).items()))
 
 
 def _split_words(words: list[str]) -> tuple[str | None, str]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon import __version__, protocol
-from scalemon.cli_args import add_hub_timeout
 from scalemon.jobs import JobLookupError, hub_gone_text, resolve_hub
+from scalemon.options import add_hub_timeout
 from scalemon.protocol import Message
 from scalemon.summary import (
     RunRecords,

@@ -4,6 +4,7 @@ the table of metrics. None means "cannot exist here" and always reads "n/a"."""
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -378,3 +379,13 @@ def _extra_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
         text = text if len(text) <= width else text[: width - 1] + "…"
         lines.append(f"extra {name} ({len(values)} ranks): {text}")
     return lines
+
+
+def exit_text(code: int) -> str:
+    """A process's exit status in words: `exit code N` or `killed by SIGNAME`."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

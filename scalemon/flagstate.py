@@ -4,10 +4,12 @@ streamed. Part of the reducer (`JobState.flags`), so hub, snapshot and dashboard
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon import display
 from scalemon.flags import FLAGS, LIVE, NEW_COMMUNICATOR, RESTART, TIERS
 from scalemon.protocol import Message
 
@@ -224,3 +226,24 @@ def log_count_text(toggle: dict[str, Any]) -> str | None:
 
 TIER_ORDER = {LIVE: 0, NEW_COMMUNICATOR: 1, RESTART: 2}
 """Tiers from the least to the most disruptive."""
+
+
+def toggle_line(t: dict[str, Any]) -> str:
+    """One audit entry in words."""
+    when = time.strftime("%H:%M:%S", time.localtime(t.get("t") or 0))
+    who = f"{t.get('user') or '?'}@{t.get('client_host') or '?'}"
+    step = f" step {t['step']}" if t.get("step") is not None else (
+        f" planned step {t['at_step']}" if t.get("at_step") is not None else "")
+    tier = f" ({t['tier']})" if t.get("tier") else ""
+    counted = log_count_text(t) if t.get("state") in ("applied", "partial") else None
+    return (f"#{t.get('id')} {when} {who} {t.get('name')}={t.get('value') or ''}{tier}{step}: "
+            f"{t.get('state') or '?'} {display.NA if not t.get('text') else '- ' + t['text']}"
+            + (f"; {counted}" if counted else "") + _answers(t))
+
+
+def _answers(t: dict[str, Any]) -> str:
+    """For a toggle known only from ranks' answers: what each rank said."""
+    if t.get("state") != UNKNOWN:
+        return ""
+    return "".join(f"; rank {r}: {res.get('outcome')} {res.get('text') or ''}".rstrip()
+                   for r, res in sorted((t.get("results") or {}).items()))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import display, stragglers
+from scalemon.flagstate import toggle_line
 from scalemon.fold import step_values
 from scalemon.protocol import Message
 
@@ -535,8 +536,6 @@ def summary_text(s: Mapping[str, Any]) -> str:
     lines.extend(_straggler_lines(s["stragglers"]))
     lines.extend(_hang_lines(s["hangs"], s["first_failure"]))
     if s["toggles"]:
-        from scalemon.cli_flags import toggle_line  # as `scalemon snapshot` writes them
-
         lines.extend("toggle " + toggle_line(t) for t in s["toggles"])
     if s["collectives"]:
         lines.append("collectives (count and bytes per rank; busbw GB/s):")

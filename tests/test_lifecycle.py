@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from conftest import REPO, FakeRank, free_port, job_processes, kill_tree, torchrun_cmd, wait_for
+from scalemon import cli_demo as demo
 from scalemon.jobs import JobFile, jobs_dir, resolve_hub
-from scalemon.tui import demo
 
 
 def demo_args(**changes: object) -> argparse.Namespace:

@@ -18,14 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cluster import NODES, make_cluster
+from cluster import node_env as cluster_env
+from cluster import relay_pid as node_relay_pid
 
 from conftest import REPO, free_port, kill_tree, wait_for
-
-sys.path.insert(0, str(REPO / "bench"))
-from cluster import NODES, make_cluster  # noqa: E402
-from cluster import node_env as cluster_env  # noqa: E402
-from cluster import relay_pid as node_relay_pid  # noqa: E402
-
 from scalemon.jobs import JobFile
 
 RDZV_ID = "twonode"

@@ -290,7 +290,7 @@ class DashboardApp(App[None]):
         if code == 0:
             self.notify(f"the job finished (exit code 0){where}", timeout=15, markup=False)
             return
-        from scalemon.tui.demo import exit_text
+        from scalemon.display import exit_text
         from scalemon.tui.screens.job_exit import JobExitScreen
 
         self.push_screen(JobExitScreen(code, self.job_log), callback=lambda _: self.notify(

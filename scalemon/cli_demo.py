@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from scalemon.cli_args import LazyChoices, int_at_least, job_id, seconds
+from scalemon.display import exit_text
 from scalemon.jobs import (
     HubAddress,
     JobFile,
@@ -34,6 +34,7 @@ from scalemon.jobs import (
     scalemon_home,
     serving_jobs,
 )
+from scalemon.options import LazyChoices, int_at_least, job_id, seconds
 from scalemon.safe_text import clean
 
 MAX_RANKS = 64
@@ -125,7 +126,7 @@ def demo_device(ranks: int, gpus: int) -> str:
     return "auto" if 0 < ranks <= gpus else "cpu"
 
 
-LAUNCHER = "from scalemon.tui.demo import run_torchrun; run_torchrun()"
+LAUNCHER = "from scalemon.cli_demo import run_torchrun; run_torchrun()"
 """`python -c LAUNCHER ARGS` is `python -m torch.distributed.run ARGS` stopped cleanly."""
 
 
@@ -171,16 +172,6 @@ def start_job(args: argparse.Namespace, job: str) -> tuple[subprocess.Popen, Pat
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return proc, log_path
-
-
-def exit_text(code: int) -> str:
-    """A process's exit status in words: `exit code N` or `killed by SIGNAME`."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def tell_hub_stopping(job: str, reason: str = QUIT_REASON, timeout_s: float = 3.0) -> bool:
