@@ -130,3 +130,14 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 def test_benches_use_the_installed_package(path):
     """A bench imports `scalemon` as installed; it does not put the checkout on sys.path."""
     assert "sys.path" not in path.read_text(), f"{path.name} edits sys.path"
+
+
+HEAVY = ("torch", "triton", "numpy", "textual", "rich")
+
+
+def test_the_core_is_pure_python():
+    """The core never imports torch, triton, numpy or textual, not even inside a function."""
+    bad = [f"{imp.source}: {imp.module}"
+           for path, module in _modules() if layer_of(module) == "core"
+           for imp in _imports(path, module) if imp.module.split(".")[0] in HEAVY]
+    assert bad == []
