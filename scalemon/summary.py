@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scalemon import display, stragglers
+from scalemon import display, metrics, stragglers
 from scalemon.flagstate import toggle_line
 from scalemon.fold import step_values
 from scalemon.protocol import Message
@@ -488,16 +488,24 @@ def _num(value: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> s
     return f"{v * scale:{spec}}{unit}"
 
 
+def _as(name: str, value: Any) -> str:
+    """`value` in the display unit, scale and digits of metric `name` (the table's `Show`)."""
+    show = metrics.BY_NAME[name].show
+    assert show is not None
+    space = " " if show.unit and show.unit != "%" else ""
+    return _num(value, f".{show.digits}f", show.scale, f"{space}{show.unit}")
+
+
 def _ms(value: Any) -> str:
-    return _num(value, ".1f", 1e3, " ms")
+    return _as("step_time_s", value)
 
 
 def _gib(value: Any) -> str:
-    return _num(value, ".2f", 1 / 2**30, " GiB")
+    return _as("mem_peak_bytes", value)
 
 
 def _pct(value: Any) -> str:
-    return _num(value, ".1f", 100.0, "%")
+    return _as("mfu", value)
 
 
 def _point(point: Mapping[str, Any] | None) -> str:
