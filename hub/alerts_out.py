@@ -240,7 +240,7 @@ class AlertsOut:
                episode: Any, state: JobState, wall: float, **extra: Any) -> dict[str, Any]:
         view = state.ranks.get(rank) if rank is not None else None
         if isinstance(value, float) and not math.isfinite(value):
-            value = alerting.value_text(value)  # strict JSON: "NaN", "inf"
+            value = None  # strict JSON: null; the text says what it was ("loss is NaN")
         return {"kind": kind, "job": self.job, "rank": rank, "step": step, "text": text,
                 "value": value, "host": view.host if view else None, "t": wall,
                 **extra, "_episode": episode}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import display, metrics, stragglers
+from scalemon.export import plain
 from scalemon.flagstate import toggle_line
 from scalemon.fold import step_values
 from scalemon.protocol import Message
@@ -104,15 +105,9 @@ def ratio(b: Any, a: Any) -> float | None:
     return b / a
 
 
-def json_ready(value: Any) -> Any:
-    """`value` for strict JSON: non-finite floats become None (null), keys strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
+json_ready = plain
+"""`value` for strict JSON: non-finite floats become None (null), keys strings (the one rule
+of every JSON output, `scalemon.export.plain`)."""
 
 
 def _series(records: RunRecords, name: str) -> dict[int, dict[int, float]]:
