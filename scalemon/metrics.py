@@ -292,17 +292,32 @@ METRICS: tuple[Metric, ...] = (
            "moment, including steps still waiting for the GPU"),
 )
 
-KEPT: tuple[Metric, ...] = tuple(m for m in METRICS if m.kept and m.source in
-                                 ("step", "heartbeat", "extra", "hub"))
+KEPT: tuple[Metric, ...] = ()
 """The values a rank view holds (what `scalemon snapshot --json` shows per rank)."""
-BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS if m.kept}
+BY_NAME: dict[str, Metric] = {}
 """Every kept metric by name (the names the reducer, the JSON and the dashboard use)."""
-COLUMNS: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.column)
+COLUMNS: tuple[Metric, ...] = ()
 """Metrics with a column in the rank tables, in table order."""
-PLOTTED: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.plot)
+PLOTTED: tuple[Metric, ...] = ()
 """Metrics the rank detail plots, in table order."""
-AGGREGATED: tuple[Metric, ...] = tuple(m for m in METRICS if m.aggregated)
+AGGREGATED: tuple[Metric, ...] = ()
 """Metrics whose min/mean/max over the ranks the reducer keeps per step (for the overview)."""
+
+
+def derive() -> None:
+    """Make the views above from `METRICS`. Runs once at import; every module that uses the
+    table reads these (or `METRICS`) when it is imported, so a test can add a row to `METRICS`
+    and call this before importing the rest (`tests/test_metrics.py` shows that a metric is
+    one row)."""
+    global KEPT, BY_NAME, COLUMNS, PLOTTED, AGGREGATED
+    KEPT = tuple(m for m in METRICS if m.kept and m.source in ("step", "heartbeat", "extra", "hub"))
+    BY_NAME = {m.name: m for m in METRICS if m.kept}
+    COLUMNS = tuple(m for m in METRICS if m.show and m.show.column)
+    PLOTTED = tuple(m for m in METRICS if m.show and m.show.plot)
+    AGGREGATED = tuple(m for m in METRICS if m.aggregated)
+
+
+derive()
 
 
 def fields_of(source: str) -> tuple[Metric, ...]:
