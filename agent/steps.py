@@ -42,6 +42,7 @@ MEMORY_COUNTERS = {
     "mem_allocated_bytes": ("allocated_bytes", "all", "current"),
     "mem_reserved_bytes": ("reserved_bytes", "all", "current"),
     "mem_peak_bytes": ("allocated_bytes", "all", "peak"),
+    "mem_alloc_retries": ("num_alloc_retries",),
 }
 """The step's allocator metrics: where each is in `torch.cuda.memory_stats_as_nested_dict`."""
 NO_DEVICE_MEMORY = dict.fromkeys(MEMORY_COUNTERS)

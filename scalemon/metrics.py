@@ -209,6 +209,14 @@ METRICS: tuple[Metric, ...] = (
            "`torch.cuda.max_memory_allocated()`); null on CPU ranks",
            show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="peak", width=6,
                      plot="peak", group="GPU memory, torch", na=_NO_GPU)),
+    Metric("mem_alloc_retries", "step", "int", "", "cumulative number of `cudaMalloc` calls that "
+           "failed and succeeded only after the caching allocator released its cached blocks "
+           "(`num_alloc_retries`, as `torch.cuda.memory_stats()` names it; read with the other "
+           "memory counters). Each retry synchronizes the device and flushes the cache, so a "
+           "count that keeps growing means memory pressure that slows the steps before an "
+           "out-of-memory error; null on CPU ranks",
+           show=Show(style="int", column="retry", width=5, plot="cudaMalloc retries, cumulative",
+                     na=_NO_GPU)),
     Metric("agent_time_s", "step", "float", "s", "seconds the agent spent on the training thread "
            "for this step, i.e. the monitor's own overhead. It is the time in the agent's hooks "
            "(forward pre-hook, optimizer step hooks, all-reduce comm hook) since the previous "
