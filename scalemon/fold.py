@@ -21,7 +21,9 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.display import AGGREGATE_AT
-from scalemon.jobstate import HANG_AFTER_S, JobState, RankView, check_step_comm
+from scalemon.jobcollectives import check_step_comm
+from scalemon.jobstate import JobState, RankView
+from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import Message
 from scalemon.series import Marks, Series
 
