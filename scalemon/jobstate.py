@@ -42,6 +42,12 @@ def _no_values() -> dict[str, Any]:
     return dict.fromkeys(STEP_FIELDS + HEARTBEAT_FIELDS)
 
 
+_INTERNAL = {"json": False}
+"""A `RankView` field the reducer keeps for itself: not in `to_json`."""
+_OWN_JSON = {"json": False}
+"""A `RankView` field `to_json` writes its own way (metrics flat, extra, alerts)."""
+
+
 @dataclass
 class RankView:
     """Everything known about one rank: identity, state, and in `metrics` the latest value of
@@ -73,22 +79,23 @@ class RankView:
     last_seq: int | None = None
     seq_seen: int = 0
     seq_gaps: int = 0
-    metrics: dict[str, Any] = field(default_factory=_no_values)
-    extra: dict[str, Any] = field(default_factory=dict)
-    alerts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=_no_values, metadata=_OWN_JSON)
+    extra: dict[str, Any] = field(default_factory=dict, metadata=_OWN_JSON)
+    alerts: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=_OWN_JSON)
     """Training-health alerts in force (`scalemon.alerts`), by kind."""
-    skip_streak: list[int] | None = field(default=None, repr=False)
+    skip_streak: list[int] | None = field(default=None, repr=False, metadata=_INTERNAL)
     """[first step, count] of the steps skipped in a row so far (None: the last was not)."""
     last_step_t: float | None = None
     compute_over_median_s: float | None = None
     """How much longer than the median rank's this rank's compute time is (seconds, smoothed
     over steps; a `JobFold` keeps it): the straggler measure before any collective is seen."""
-    lateness: deque[float] | None = field(default=None, repr=False)
-    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
-    comm_hook: bool = field(default=False, repr=False)
+    lateness: deque[float] | None = field(default=None, repr=False, metadata=_INTERNAL)
+    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False,
+                                         metadata=_INTERNAL)
+    comm_hook: bool = field(default=False, repr=False, metadata=_INTERNAL)
     """This process's `step` messages carry the gloo comm hook's all-reduce figures: they win
     over the recorder's (`collectives.steps`)."""
-    step_comm: list[Any] | None = field(default=None, repr=False)
+    step_comm: list[Any] | None = field(default=None, repr=False, metadata=_INTERNAL)
     """The latest step's all-reduce figures from the recorder (a `STEP_COMM_FIELDS` row)."""
 
     def value(self, name: str, now: float | None = None) -> Any:
@@ -109,9 +116,7 @@ class RankView:
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """A JSON-ready dict: identity and state, then every metric under its own name."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("metrics", "extra", "lateness", "collectives", "alerts",
-                                 "skip_streak", "comm_hook", "step_comm")}
+        out = {name: getattr(self, name) for name in _RANK_JSON_FIELDS}
         out.update(self.metrics)
         out["extra"] = dict(self.extra)
         out["alerts"] = alerting.rank_alerts(self.rank, self.alerts)
@@ -119,6 +124,10 @@ class RankView:
             if m.source == "hub":
                 out[m.name] = self.value(m.name, now)
         return out
+
+
+_RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("json", True))
+"""The `RankView` fields `to_json` writes as they are, in declaration order."""
 
 
 @dataclass

@@ -79,6 +79,11 @@ class Show:
     """The overview plot line the metric draws, if any (its cross-rank spread is then kept)."""
 
     @property
+    def needs_gpu(self) -> bool:
+        """True for a value that is missing only where the rank has no GPU (or no NVML)."""
+        return self.na in (_NO_GPU, _NO_NVML)
+
+    @property
     def heading(self) -> str:
         """The column heading with its unit."""
         return f"{self.column} {self.unit}" if self.unit else str(self.column)

@@ -433,7 +433,7 @@ def _why_empty(metric: Metric, view: RankView) -> str:
     show = metric.show
     if show is None or not show.na:
         return "no data yet"
-    if metric.name.startswith(("mem_", "gpu_")) and view.device not in (None, "cpu"):
+    if show.needs_gpu and view.device not in (None, "cpu"):
         return "no data yet"  # a GPU rank: the value comes with the next message
     return f"n/a: {show.na}"
 
