@@ -12,6 +12,7 @@ from typing import Any
 from scalemon import metrics
 from scalemon.metrics import Metric
 from scalemon.policy import NODE_STATES, rank_kind, rank_status, straggler_bar, stuck_after_s
+from scalemon.stragglers import median_step_s
 
 NA = "n/a"
 OFF = "off"
@@ -268,8 +269,8 @@ def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[st
     big job: the slowest ranks by arrival lateness, the lost and failed ranks, a row per node
     (trouble first: `node_order_key`) and each `log()` extra's spread over the ranks."""
     running = [r for r in ranks if r["state"] == "running"]
-    times = sorted(t for r in running if isinstance(t := r.get("step_time_s"), (int, float)))
-    median_step = times[len(times) // 2] if times else None
+    median_step = median_step_s(t if isinstance(t := r.get("step_time_s"), (int, float))
+                                else None for r in running)
     bar = straggler_bar(median_step)
     late = {r["rank"]: v for r in running
             if isinstance(v := r.get("arrival_lateness_s"), (int, float))}
