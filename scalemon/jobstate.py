@@ -2,6 +2,13 @@
 
 The hub and every dashboard run the same reducer over the same history, so they agree on what
 each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (no GPU) is None.
+
+One model, three ways to carry it: the records are its input (the history); a `JobState`
+(inside the hub's `fold.JobFold`) is the model itself, handed whole to a dashboard that
+attaches as the pickled seed (`scalemon.seed`); `JobState.to_json` is its JSON view (what
+`scalemon snapshot --json` prints, non-finite numbers as null). The collectives table lives
+in `scalemon.jobcollectives`, the hang report in `scalemon.hangs`, the thresholds in
+`scalemon.policy`.
 """
 
 from __future__ import annotations
