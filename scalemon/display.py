@@ -12,7 +12,7 @@ from typing import Any
 from scalemon import metrics
 from scalemon.metrics import Metric
 from scalemon.policy import NODE_STATES, rank_kind, rank_status, straggler_bar, stuck_after_s
-from scalemon.stragglers import median_step_s
+from scalemon.stragglers import ARRIVAL_BASIS, json_measure
 
 NA = "n/a"
 OFF = "off"
@@ -259,21 +259,19 @@ def node_order_key(worst: str, median_step_s: float | None, slow: bool, late_max
 # --- the `scalemon snapshot` text of a big job ------------------------------------------------
 
 TOP_STRAGGLERS = 8
-"""Slowest ranks listed above a node table (by arrival lateness)."""
+"""Slowest ranks listed above a node table (by the straggler measure: arrival lateness, or
+before any collective compute time over the median rank's)."""
 FAILED_LISTED = 12
 """Lost or failed ranks listed above a node table; the others are counted."""
 
 
 def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[str]:
     """The ranks of a `scalemon snapshot` (`JobState.to_json()["ranks"]`) as people read a
-    big job: the slowest ranks by arrival lateness, the lost and failed ranks, a row per node
+    big job: the slowest ranks by the straggler measure (`stragglers.json_measure`, the
+    dashboard's), the lost and failed ranks, a row per node
     (trouble first: `node_order_key`) and each `log()` extra's spread over the ranks."""
-    running = [r for r in ranks if r["state"] == "running"]
-    median_step = median_step_s(t if isinstance(t := r.get("step_time_s"), (int, float))
-                                else None for r in running)
+    late, basis, median_step = json_measure(ranks)  # the dashboard's measure and bar
     bar = straggler_bar(median_step)
-    late = {r["rank"]: v for r in running
-            if isinstance(v := r.get("arrival_lateness_s"), (int, float))}
     hosts = {r["rank"]: r.get("host") or NO_HOST for r in ranks}
     by_node: dict[str | None, list[dict[str, Any]]] = {}
     for r in ranks:
@@ -282,9 +280,10 @@ def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[st
              f"{AGGREGATE_AT} ranks on (--json has every rank)"]
     slowest = sorted(late.items(), key=lambda rv: (-rv[1], rv[0]))[:TOP_STRAGGLERS]
     ms = unit(LATE)
-    lines.append(f"slowest ranks by arrival at collectives ({ms} after the first rank; a "
-                 f"straggler from {shown(LATE, bar):.3g} {ms}):" if slowest else
-                 "slowest ranks: n/a (no collective seen by every rank yet)")
+    by = (f"arrival at collectives ({ms} after the first rank" if basis == ARRIVAL_BASIS else
+          f"compute time, no collective seen by every rank yet ({ms} over the median rank")
+    lines.append(f"slowest ranks by {by}; a straggler from {shown(LATE, bar):.3g} {ms}):"
+                 if slowest else "slowest ranks: n/a (no collective seen by every rank yet)")
     lines.extend(f"  rank {r:<6} {hosts[r]:<14} {shown(LATE, v):+8.1f} {ms}"
                  + ("  straggler" if v > bar else "") for r, v in slowest)
     failed = sorted((r for r in ranks if rank_kind(r["state"], r.get("exit_code"))

@@ -49,11 +49,10 @@ def stragglers(values: Mapping[int, float], median_step: float | None
     return sorted(((r, v) for r, v in values.items() if v > bar), key=lambda rv: (-rv[1], rv[0]))
 
 
-def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The `stragglers` of `snapshot --json`, from its `ranks` (`RankView.to_json`): one map
-    per straggler, largest first: `rank`, `measure` (the rank field measured:
-    `arrival_lateness_s` or `compute_over_median_s`), `value_s` and `bar_s` (the bar it is
-    over)."""
+def json_measure(ranks: list[dict[str, Any]]
+                 ) -> tuple[dict[int, float], str, float | None]:
+    """The straggler `measure` of the running ranks of `snapshot --json`'s `ranks`
+    (`RankView.to_json`), its basis and the running ranks' median step time."""
     running = [r for r in ranks if r["state"] == "running"]
     number = (int, float)
     field_of = {r["rank"]: r for r in running}
@@ -65,6 +64,15 @@ def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
          for n, r in field_of.items()})
     median = median_step_s(t if isinstance(t := r.get("step_time_s"), number) else None
                            for r in running)
+    return values, basis, median
+
+
+def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `stragglers` of `snapshot --json`, from its `ranks` (`RankView.to_json`): one map
+    per straggler, largest first: `rank`, `measure` (the rank field measured:
+    `arrival_lateness_s` or `compute_over_median_s`), `value_s` and `bar_s` (the bar it is
+    over)."""
+    values, basis, median = json_measure(ranks)
     bar = straggler_bar(median)
     return [{"rank": rank, "measure": MEASURE_FIELDS[basis], "value_s": value, "bar_s": bar}
             for rank, value in stragglers(values, median)]

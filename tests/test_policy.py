@@ -3,11 +3,14 @@ dashboard's node view classify the same ranks alike (both ask the policy)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from scalemon import display, policy
 from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, Message
+from scalemon.stragglers import stragglers_json
 from scalemon.tui import nodeview
 
 
@@ -63,3 +66,18 @@ def test_snapshot_and_dashboard_classify_ranks_alike():
     text = "\n".join(display.node_snapshot_lines(ranks))
     for host, status in (("h1", "stuck"), ("h2", "failed"), ("h3", "lost")):
         assert any(line.startswith(host) and f" {status} " in line for line in text.splitlines())
+
+
+def test_snapshot_text_names_stragglers_by_the_dashboards_measure_before_any_collective():
+    """No rank has an arrival lateness yet: the text, like the dashboard and the JSON, ranks
+    by compute time over the median rank's, with the same bar."""
+    ranks = [{"rank": r, "state": "running", "host": f"h{r // 2}", "step": 3,
+              "step_time_s": 0.1, "compute_over_median_s": 0.05 if r == 3 else 0.0,
+              "arrival_lateness_s": None, "phase": "forward", "phase_since_s": 0.1}
+             for r in range(4)]
+    lines = display.node_snapshot_lines(ranks)
+    text = "\n".join(lines)
+    assert "slowest ranks by compute time" in text and "a straggler from 10 ms" in text
+    assert re.search(r"rank 3 +h1 +\+50\.0 ms  straggler", text), text
+    assert [s["rank"] for s in stragglers_json(ranks)] == [3]
+    assert any(line.startswith("h1 ") and " straggler " in line for line in lines), text
