@@ -41,7 +41,7 @@ from .nvml import GpuReader, pci_bus_id_of
 from .recorder import Recorder, group_uses_nccl
 from .scaler import ScaleReader
 from .stepcomm import MARKS_KEPT
-from .steps import ScaleTracker, StepFinisher, cuda_memory
+from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
 from .transport import Sender, local_value, plain_value
 from .warn import Warnings
@@ -439,7 +439,7 @@ class Run:
         opt, comm = self._opt_timer, self._comm_timer
         opt_spans, opt.spans = opt.spans, []
         comm_spans, comm.spans = comm.spans, []
-        self.sender.submit_deferred("step", self._steps.finish, (
+        self.sender.submit_deferred("step", self._steps.finish, RawStep(
             step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
             extra, loss, scale, opt_spans, comm_spans, staged,
         ))

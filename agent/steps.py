@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -14,18 +14,38 @@ from .timing import EventPool, Span, summarize
 from .transport import PLAIN_TYPES, local_value, plain_value
 from .warn import Warnings
 
-# What the training thread leaves per step, one tuple (cheaper to build than a dict there):
-# step, tokens, step time, agent time, extra, loss and loss scale (host floats; None on CUDA),
-# optimizer spans, all-reduce spans, and on CUDA the staged device scalars (event, (pinned
-# buffer, its 0-d slots), has loss, has scale, names of staged `extra` values), else None.
-# On CUDA the memory counters are read by the sender thread (`finish`).
-RawStep = tuple[
-    int, "int | None", "float | None", float, "dict | None", "float | None", "float | None",
-    list[Span], list[Span], "tuple | None",
-]
+
+class RawStep(NamedTuple):
+    """What the training thread leaves per step (a tuple: cheaper to build than a dict there);
+    the sender thread turns it into the `step` body (`StepFinisher.finish`)."""
+
+    step: int
+    tokens: int | None
+    step_time_s: float | None
+    agent_time_s: float
+    extra: dict[str, Any] | None
+    loss: float | None
+    """A host float; None on CUDA, where it is in `staged`."""
+    loss_scale: float | None
+    """A host float; None on CUDA, where it is in `staged`."""
+    optimizer_spans: list[Span]
+    allreduce_spans: list[Span]
+    staged: tuple | None
+    """On CUDA the staged device scalars (`StepFinisher.stage`: event, (pinned buffer, its 0-d
+    slots), has loss, has scale, names of staged `extra` values); else None. On CUDA the
+    memory counters are read by the sender thread (`finish`)."""
+
+
 MEMORY_READ_EVERY_S = 0.2
 """CUDA memory counters are read at most this often (steps in between carry the last read)."""
-NO_DEVICE_MEMORY = {"mem_allocated_bytes": None, "mem_reserved_bytes": None, "mem_peak_bytes": None}
+MEMORY_COUNTERS = {
+    "mem_allocated_bytes": ("allocated_bytes", "all", "current"),
+    "mem_reserved_bytes": ("reserved_bytes", "all", "current"),
+    "mem_peak_bytes": ("allocated_bytes", "all", "peak"),
+    "mem_alloc_retries": ("num_alloc_retries",),
+}
+"""The step's allocator metrics: where each is in `torch.cuda.memory_stats_as_nested_dict`."""
+NO_DEVICE_MEMORY = dict.fromkeys(MEMORY_COUNTERS)
 
 
 class ScaleTracker:
@@ -125,8 +145,9 @@ class StepFinisher:
             return None
 
     def finish(self, raw: RawStep, deadline: float | None) -> dict[str, Any] | None:
-        """The finished body, or None while the device has not reached this step (waiting
-        until the monotonic `deadline` at most, when one is given)."""
+        """The finished body of `raw` (a `RawStep`, or a plain tuple in its order), or None
+        while the device has not reached this step (waiting until the monotonic `deadline` at
+        most, when one is given)."""
         (step, tokens, step_time, agent_time, extra, loss, scale, opt_spans, comm_spans,
          staged) = raw
         body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
@@ -195,12 +216,17 @@ def cuda_memory(device: torch.device) -> dict[str, int | None]:
     whole statistics (some hundred entries) in Python, three times the work for three
     numbers."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
-    allocated = stats.get("allocated_bytes", {}).get("all", {})
-    return {
-        "mem_allocated_bytes": allocated.get("current"),
-        "mem_reserved_bytes": stats.get("reserved_bytes", {}).get("all", {}).get("current"),
-        "mem_peak_bytes": allocated.get("peak"),
-    }
+    return {name: _nested(stats, path) for name, path in MEMORY_COUNTERS.items()}
+
+
+def _nested(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """`stats[path[0]][path[1]]...`, None where a level is missing."""
+    value: Any = stats
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
 
 
 def _direct_copyable(value: torch.Tensor, index: int) -> bool:

@@ -39,6 +39,7 @@ from typing import Any
 
 from scalemon import alerts as alerting
 from scalemon import stragglers as rule
+from scalemon.display import LATE, shown, unit
 from scalemon.jobstate import JobState
 
 log = logging.getLogger("scalemon.hub")
@@ -240,7 +241,7 @@ class AlertsOut:
                episode: Any, state: JobState, wall: float, **extra: Any) -> dict[str, Any]:
         view = state.ranks.get(rank) if rank is not None else None
         if isinstance(value, float) and not math.isfinite(value):
-            value = alerting.value_text(value)  # strict JSON: "NaN", "inf"
+            value = None  # strict JSON: null; the text says what it was ("loss is NaN")
         return {"kind": kind, "job": self.job, "rank": rank, "step": step, "text": text,
                 "value": value, "host": view.host if view else None, "t": wall,
                 **extra, "_episode": episode}
@@ -316,8 +317,9 @@ class AlertsOut:
             out[(STRAGGLER, rank)] = self._alert(
                 STRAGGLER, rank, step,
                 f"rank {rank} has been a straggler for {step - since} steps (since step "
-                f"{since}): {measure} {named[rank] * 1e3:.1f} ms over the bar of "
-                f"{rule.straggler_bar(median) * 1e3:.1f} ms", named[rank], since, state, wall,
+                f"{since}): {measure} {shown(LATE, named[rank]):.1f} {unit(LATE)} over the bar "
+                f"of {shown(LATE, rule.straggler_bar(median)):.1f} {unit(LATE)}", named[rank],
+                since, state, wall,
                 measure=measure, since_step=since)
         return out
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -21,21 +20,6 @@ from scalemon.jobs import (
     serving_jobs,
 )
 from scalemon.safe_text import clean, clean_output
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN and infinities become the strings "NaN", "Infinity" and "-Infinity" (how
-    JavaScript and most JSON readers spell them), bytes hex strings and keys strings, so the
-    output is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, (bytes, bytearray)):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _offline_state(job: str) -> dict[str, Any] | None:
@@ -92,8 +76,10 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"scalemon snapshot: {why}; replaying {reply['source']}{skipped}",
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
-    if args.json:  # strict JSON: NaN and infinities as strings (docs/protocol.md 9.3)
-        print(json.dumps(_json_safe(out), indent=1, allow_nan=False))
+    if args.json:  # strict JSON: NaN and infinities as null (docs/protocol.md 9.3)
+        from scalemon.export import plain
+
+        print(json.dumps(plain(out), indent=1, allow_nan=False))
     else:
         print(format_snapshot(out))
     return 0

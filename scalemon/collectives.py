@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon.policy import HANG_AFTER_S
+
 DTYPE_BYTES = {
     "Float": 4, "Half": 2, "BFloat16": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
     "Char": 1, "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16,
@@ -279,10 +281,6 @@ class ArrivalTracker:
 
 # --- hangs ----------------------------------------------------------------------------------
 
-HANG_AFTER_S = 10.0
-"""A job where no rank completed a step for this long is hung. The one threshold of the hub,
-the dashboards and the agents (which send their stack and collectives in flight once stuck
-this long); `SCALEMON_HANG_AFTER` overrides it, and the hub tells its agents its own."""
 HANG_AFTER_ENV = "SCALEMON_HANG_AFTER"
 
 CAUSES = ("gone", "python", "desync", "teardown", "deadlock", "stuck")
@@ -297,7 +295,7 @@ a rank: not counted as a culprit)."""
 
 def hang_after_default(env: dict[str, str] | None = None) -> float:
     """The hang threshold: `SCALEMON_HANG_AFTER` seconds when set to a positive number, else
-    `HANG_AFTER_S` (a bad value is ignored: the default stands)."""
+    `policy.HANG_AFTER_S` (a bad value is ignored: the default stands)."""
     raw = (os.environ if env is None else env).get(HANG_AFTER_ENV, "")
     try:
         value = float(raw)

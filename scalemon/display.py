@@ -11,7 +11,8 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.metrics import Metric
-from scalemon.stragglers import straggler_bar
+from scalemon.policy import NODE_STATES, rank_kind, rank_status, straggler_bar, stuck_after_s
+from scalemon.stragglers import ARRIVAL_BASIS, json_measure
 
 NA = "n/a"
 OFF = "off"
@@ -108,6 +109,23 @@ def metric_text(metric: Metric, values: Mapping[str, Any]) -> str:
     return f"{shown:.{show.digits}f}"
 
 
+def shown(name: str, value: float) -> float:
+    """`value` of metric `name` (wire unit: seconds, bytes) in its display unit (`Show`)."""
+    show = metrics.BY_NAME[name].show
+    return value * show.scale if show is not None else value
+
+
+def unit(name: str) -> str:
+    """The display unit of metric `name` ("ms"), "" for none."""
+    show = metrics.BY_NAME[name].show
+    return show.unit if show is not None else ""
+
+
+LATE = "arrival_lateness_s"
+"""The straggler measure's metric: both of its bases (arrival, compute over the median) are
+seconds shown in its unit."""
+
+
 @dataclass(frozen=True)
 class Column:
     """One column of a rank table: `key` is a metric name or one of the frame columns."""
@@ -146,24 +164,11 @@ AGGREGATE_AT = 512
 row per node (host) instead of a row per rank (`snapshot --json` always has every rank)."""
 NO_HOST = "?"
 """The node shown for ranks whose host is not known yet (no hello seen)."""
-KEY_METRICS = ("step_time_s", "arrival_lateness_s", "loss", "mem_allocated_bytes")
+KEY_METRICS = tuple(m.name for m in sorted(
+    (m for m in metrics.METRICS if m.show and m.show.key), key=lambda m: m.show.key or 0))
 """Metrics whose node rows show the min, the median and the max over the node's ranks; the
 other metric columns show the node's worst value (`LOW_IS_WORSE`: the min, else the max)."""
-LOW_IS_WORSE = frozenset({"tokens_per_s", "mfu", "loss_scale", "gpu_util_pct"})
-NODE_STATES = ("failed", "lost", "restarting", "stuck", "straggler", "running", "finished")
-"""A node's worst state is the first of these that one of its ranks is in."""
-
-
-def rank_kind(state: str, exit_code: int | None) -> str:
-    """What a node row counts a rank as: running (restarting included), lost, failed (exited
-    other than with 0) or finished (exited with 0, or stopped by its user, too)."""
-    if state == "lost":
-        return "lost"
-    if state == "stopped":
-        return "finished"
-    if state == "exited":
-        return "finished" if exit_code == 0 else "failed"
-    return "finished" if state == "finished" else "running"
+LOW_IS_WORSE = frozenset(m.name for m in metrics.METRICS if m.show and m.show.low_is_worse)
 
 
 def node_columns(dashboard: bool = True) -> tuple[Column, ...]:
@@ -254,21 +259,19 @@ def node_order_key(worst: str, median_step_s: float | None, slow: bool, late_max
 # --- the `scalemon snapshot` text of a big job ------------------------------------------------
 
 TOP_STRAGGLERS = 8
-"""Slowest ranks listed above a node table (by arrival lateness)."""
+"""Slowest ranks listed above a node table (by the straggler measure: arrival lateness, or
+before any collective compute time over the median rank's)."""
 FAILED_LISTED = 12
 """Lost or failed ranks listed above a node table; the others are counted."""
 
 
 def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[str]:
     """The ranks of a `scalemon snapshot` (`JobState.to_json()["ranks"]`) as people read a
-    big job: the slowest ranks by arrival lateness, the lost and failed ranks, a row per node
+    big job: the slowest ranks by the straggler measure (`stragglers.json_measure`, the
+    dashboard's), the lost and failed ranks, a row per node
     (trouble first: `node_order_key`) and each `log()` extra's spread over the ranks."""
-    running = [r for r in ranks if r["state"] == "running"]
-    times = sorted(t for r in running if isinstance(t := r.get("step_time_s"), (int, float)))
-    median_step = times[len(times) // 2] if times else None
+    late, basis, median_step = json_measure(ranks)  # the dashboard's measure and bar
     bar = straggler_bar(median_step)
-    late = {r["rank"]: v for r in running
-            if isinstance(v := r.get("arrival_lateness_s"), (int, float))}
     hosts = {r["rank"]: r.get("host") or NO_HOST for r in ranks}
     by_node: dict[str | None, list[dict[str, Any]]] = {}
     for r in ranks:
@@ -276,10 +279,12 @@ def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[st
     lines = [f"ranks: {len(ranks)} on {len(by_node)} nodes, a row per node from "
              f"{AGGREGATE_AT} ranks on (--json has every rank)"]
     slowest = sorted(late.items(), key=lambda rv: (-rv[1], rv[0]))[:TOP_STRAGGLERS]
-    lines.append(f"slowest ranks by arrival at collectives (ms after the first rank; a "
-                 f"straggler from {bar * 1e3:.3g} ms):" if slowest else
-                 "slowest ranks: n/a (no collective seen by every rank yet)")
-    lines.extend(f"  rank {r:<6} {hosts[r]:<14} {v * 1e3:+8.1f} ms"
+    ms = unit(LATE)
+    by = (f"arrival at collectives ({ms} after the first rank" if basis == ARRIVAL_BASIS else
+          f"compute time, no collective seen by every rank yet ({ms} over the median rank")
+    lines.append(f"slowest ranks by {by}; a straggler from {shown(LATE, bar):.3g} {ms}):"
+                 if slowest else "slowest ranks: n/a (no collective seen by every rank yet)")
+    lines.extend(f"  rank {r:<6} {hosts[r]:<14} {shown(LATE, v):+8.1f} {ms}"
                  + ("  straggler" if v > bar else "") for r, v in slowest)
     failed = sorted((r for r in ranks if rank_kind(r["state"], r.get("exit_code"))
                      in ("lost", "failed")),
@@ -302,23 +307,18 @@ def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[st
 
 def _snapshot_worst(rank: dict[str, Any], late: dict[int, float], bar: float,
                     stuck_after: float) -> str:
-    """The `NODE_STATES` entry of one rank of a snapshot."""
-    kind = rank_kind(rank["state"], rank.get("exit_code"))
-    if kind != "running":
-        return kind
-    if rank["state"] == "restarting":
-        return "restarting"
+    """The `NODE_STATES` entry of one rank of a snapshot (`policy.rank_status`)."""
     since = rank.get("phase_since_s")
-    if rank.get("phase") and isinstance(since, (int, float)) and since > stuck_after:
-        return "stuck"
-    return "straggler" if late.get(rank["rank"], 0.0) > bar else "running"
+    return rank_status(rank["state"], rank.get("exit_code"), rank.get("phase"),
+                       since if isinstance(since, (int, float)) else None,
+                       late.get(rank["rank"], 0.0) > bar, stuck_after)
 
 
 def _node_table_lines(by_node: dict[str | None, list[dict[str, Any]]], late: dict[int, float],
                       bar: float, median_step: float | None) -> list[str]:
     """A row per node, trouble first, under a two-line heading (metric, then min/med/max)."""
     columns = node_columns(dashboard=False)
-    stuck_after = max(10.0, 10.0 * (median_step or 0.0))
+    stuck_after = stuck_after_s(median_step)
     keyed = []
     for host, members in by_node.items():
         worsts = [_snapshot_worst(r, late, bar, stuck_after) for r in members]

@@ -21,7 +21,9 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.display import AGGREGATE_AT
-from scalemon.jobstate import HANG_AFTER_S, JobState, RankView, check_step_comm
+from scalemon.jobcollectives import check_step_comm
+from scalemon.jobstate import JobState, RankView
+from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import Message
 from scalemon.series import Marks, Series
 
@@ -31,12 +33,12 @@ EMA = 0.3
 SERIES_ALL_BELOW = AGGREGATE_AT
 """Below this world size every rank's series are kept; from it on only the watched ranks'."""
 
-AGGREGATED = ("loss", "loss_scale", "compute_s", "allreduce_time_s", "optimizer_time_s",
-              "mem_allocated_bytes")
-"""Metrics whose min/mean/max over ranks the overview plots draw."""
-STEP_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "step")
-EXTRA_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "extra")
-HEARTBEAT_PLOTTED = tuple(m.name for m in metrics.PLOTTED if m.source == "heartbeat")
+AGGREGATED = tuple(m.name for m in metrics.AGGREGATED)
+"""Metrics whose min/mean/max over ranks the overview plots draw (`Show.overview`)."""
+_FOLDED = tuple(m for m in metrics.METRICS if m in metrics.PLOTTED or m.aggregated)
+STEP_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "step")
+EXTRA_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "extra")
+HEARTBEAT_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "heartbeat")
 MAX_EXTRA_SERIES = 16
 """Numeric `log(**extra)` names plotted per rank (the first ones seen) besides the table's."""
 
@@ -122,12 +124,6 @@ class StepAcc:
 def record_key(msg: Message) -> tuple:
     """What identifies a record across hub restarts: sender, its seq, type and time."""
     return (msg.rank, msg.seq, msg.type, msg.t)
-
-
-def _number(value: Any) -> float | None:
-    """A finite-or-not float from a body field; None for absent, null or non-numbers."""
-    kind = type(value)
-    return float(value) if kind is float or kind is int else None
 
 
 def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:

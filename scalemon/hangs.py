@@ -307,3 +307,52 @@ class HangReport:
 def _status(view: RankView) -> dict[str, list[int]]:
     groups = view.metrics.get("groups") or {}
     return {g: s for g, s in groups.items() if isinstance(s, list) and len(s) == 2}
+
+
+def job_hang(st: JobState, now: float) -> dict[str, Any] | None:
+    """The hang of a running job `st` at `now`, or None: no rank completed a step for its
+    `hang_after_s` (`JobState.hang` checks first that the job runs). The wait-for graph: the
+    culprits at the ends of the chains (in Python, gone, desynchronised, stuck in teardown)
+    with their cause, phase and top user frame, what each waiting rank waits in and for whom,
+    each rank's stack."""
+    if st.last_step_t is None:
+        return None
+    since = now - st.last_step_t
+    if since < st.hang_after_s:
+        return None
+    running = [v for v in st.ranks.values() if v.state == "running"]
+    if running and all(v.monitor_off for v in running):
+        return None  # no rank reports steps any more: silence is no sign of a hang
+    report = HangReport(st, now)
+    finding = report.finding
+    group, seq = finding.get("group"), finding.get("seq")
+    first = [r for r, w in sorted(report.waits.items())
+             if (w["group"], w["seq"]) == (group, seq)]
+    op = next((report.waits[r]["op"] for r in first if report.waits[r]["op"]), None)
+    waited = [s for s in (report.waited_s(r) for r in first) if s is not None]
+    return {
+        "since_s": since,
+        "culprits": finding.get("culprits", []),
+        "waiting": finding.get("waiting", []),
+        "group": report.label(group) if group is not None else None,
+        "group_name": group,
+        "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
+        "gone": sorted(report.gone),
+        "text": report.text(since),
+        "causes": report.causes_json(),
+        "waits": report.waits_json(),
+        "chains": finding.get("chains", []),
+        "wait_for": {str(r): w["for"][:FOR_SHOWN] for r, w in sorted(report.waits.items())},
+        "desync": report.desync_json(),
+        "stacks": {str(r): stack_text(v) for r, v in sorted(st.ranks.items())},
+        "nccl_ras": {str(r): v for r, v in st.info.get("nccl_ras", {}).items()},
+        "ranks": {str(r): report.rank_json(v) for r, v in sorted(st.ranks.items())},
+    }
+
+
+def stack_text(view: RankView) -> str:
+    """A rank's Python stack as the hang shows it, or why there is none."""
+    if view.state in ("lost", "exited"):
+        return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
+    return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
+        "its training thread is stuck for a few seconds)"

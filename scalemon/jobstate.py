@@ -2,6 +2,13 @@
 
 The hub and every dashboard run the same reducer over the same history, so they agree on what
 each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (no GPU) is None.
+
+One model, three ways to carry it: the records are its input (the history); a `JobState`
+(inside the hub's `fold.JobFold`) is the model itself, handed whole to a dashboard that
+attaches as the pickled seed (`scalemon.seed`); `JobState.to_json` is its JSON view (what
+`scalemon snapshot --json` prints, non-finite numbers as null). The collectives table lives
+in `scalemon.jobcollectives`, the hang report in `scalemon.hangs`, the thresholds in
+`scalemon.policy`.
 """
 
 from __future__ import annotations
@@ -13,20 +20,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from scalemon import alerts as alerting
-from scalemon import metrics
-from scalemon.collectives import (
-    HANG_AFTER_S,
-    ArrivalTracker,
-    CollectiveStats,
-    StatRow,
-    bucket_text,
-    bus_factor,
-    hist_quantile,
-)
+from scalemon import jobcollectives, metrics
+from scalemon.collectives import ArrivalTracker, CollectiveStats
 from scalemon.failures import first_line, is_peer_loss
 from scalemon.flagstate import FlagState
-from scalemon.hangs import FOR_SHOWN, HangReport, span_text
-from scalemon.protocol import HUB_RANK, STEP_COMM_FIELDS, Message
+from scalemon.hangs import job_hang
+from scalemon.jobcollectives import check_step_comm, set_step_comm
+from scalemon.policy import HANG_AFTER_S
+from scalemon.protocol import HUB_RANK, Message
 from scalemon.stragglers import stragglers_json
 
 STEP_FIELDS = metrics.latest_of("step")
@@ -46,6 +47,12 @@ STOPPED_BY_USER = "stopped by user"
 
 def _no_values() -> dict[str, Any]:
     return dict.fromkeys(STEP_FIELDS + HEARTBEAT_FIELDS)
+
+
+_INTERNAL = {"json": False}
+"""A `RankView` field the reducer keeps for itself: not in `to_json`."""
+_OWN_JSON = {"json": False}
+"""A `RankView` field `to_json` writes its own way (metrics flat, extra, alerts)."""
 
 
 @dataclass
@@ -79,22 +86,23 @@ class RankView:
     last_seq: int | None = None
     seq_seen: int = 0
     seq_gaps: int = 0
-    metrics: dict[str, Any] = field(default_factory=_no_values)
-    extra: dict[str, Any] = field(default_factory=dict)
-    alerts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=_no_values, metadata=_OWN_JSON)
+    extra: dict[str, Any] = field(default_factory=dict, metadata=_OWN_JSON)
+    alerts: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=_OWN_JSON)
     """Training-health alerts in force (`scalemon.alerts`), by kind."""
-    skip_streak: list[int] | None = field(default=None, repr=False)
+    skip_streak: list[int] | None = field(default=None, repr=False, metadata=_INTERNAL)
     """[first step, count] of the steps skipped in a row so far (None: the last was not)."""
     last_step_t: float | None = None
     compute_over_median_s: float | None = None
     """How much longer than the median rank's this rank's compute time is (seconds, smoothed
     over steps; a `JobFold` keeps it): the straggler measure before any collective is seen."""
-    lateness: deque[float] | None = field(default=None, repr=False)
-    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False)
-    comm_hook: bool = field(default=False, repr=False)
+    lateness: deque[float] | None = field(default=None, repr=False, metadata=_INTERNAL)
+    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False,
+                                         metadata=_INTERNAL)
+    comm_hook: bool = field(default=False, repr=False, metadata=_INTERNAL)
     """This process's `step` messages carry the gloo comm hook's all-reduce figures: they win
     over the recorder's (`collectives.steps`)."""
-    step_comm: list[Any] | None = field(default=None, repr=False)
+    step_comm: list[Any] | None = field(default=None, repr=False, metadata=_INTERNAL)
     """The latest step's all-reduce figures from the recorder (a `STEP_COMM_FIELDS` row)."""
 
     def value(self, name: str, now: float | None = None) -> Any:
@@ -115,9 +123,7 @@ class RankView:
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """A JSON-ready dict: identity and state, then every metric under its own name."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("metrics", "extra", "lateness", "collectives", "alerts",
-                                 "skip_streak", "comm_hook", "step_comm")}
+        out = {name: getattr(self, name) for name in _RANK_JSON_FIELDS}
         out.update(self.metrics)
         out["extra"] = dict(self.extra)
         out["alerts"] = alerting.rank_alerts(self.rank, self.alerts)
@@ -125,6 +131,10 @@ class RankView:
             if m.source == "hub":
                 out[m.name] = self.value(m.name, now)
         return out
+
+
+_RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("json", True))
+"""The `RankView` fields `to_json` writes as they are, in declaration order."""
 
 
 @dataclass
@@ -420,130 +430,32 @@ class JobState:
             return "degraded"
         return "running"
 
-    # --- collectives ---------------------------------------------------------------------
+    # --- collectives (scalemon.jobcollectives) -----------------------------------------------
     def clock_offset(self, view: RankView) -> float:
-        """Seconds to add to a time of `view`'s host clock to get the hub's: 0 while every rank
-        seen runs on one host (one clock), else the median of that host's ranks' estimates."""
-        if len(self.hosts) <= 1:
-            return 0.0
-        offsets = self.host_offsets.get(view.host or "")
-        return statistics.median(offsets.values()) if offsets else 0.0
+        """Seconds to add to a time of `view`'s host clock to get the hub's
+        (`jobcollectives.clock_offset`)."""
+        return jobcollectives.clock_offset(self.hosts, self.host_offsets, view.host)
 
     def group_desc(self, name: str) -> str:
-        """A group's short name: its description ("default_pg"), "group <name>" when torch
-        gives none, with its name where two groups share one description."""
-        group = self.groups.get(name)
-        desc = group["desc"] if group else ""
-        if not desc or desc == "undefined":
-            return f"group {name}"
-        if sum(1 for g in self.groups.values() if g["desc"] == desc) > 1:
-            return f"{desc} ({name})"
-        return desc
+        """A group's short name (`jobcollectives.group_desc`)."""
+        return jobcollectives.group_desc(self.groups, name)
 
     def group_label(self, name: str) -> str:
-        """A group as people know it, by name and ranks: "user_pg [0,1]", "group 1 [0,1]"."""
-        group = self.groups.get(name)
-        ranks = f" {span_text(group['ranks'])}" if group and group.get("ranks") else ""
-        return self.group_desc(name) + ranks
+        """A group as people know it, by name and ranks (`jobcollectives.group_label`)."""
+        return jobcollectives.group_label(self.groups, name)
 
     def collectives_table(self) -> list[dict[str, Any]]:
-        """The job's collectives so far, a row per (group, op) with its size buckets in
-        `sizes`, largest total time first. Counts and bytes are one rank's (the largest: every
-        member issues each collective); durations pool every rank's."""
-        per_key: dict[tuple[str, str, int], list[StatRow]] = {}
-        for view in self.ranks.values():
-            for key, row in view.collectives.rows.items():
-                per_key.setdefault(key, []).append(row)
-        by_op: dict[tuple[str, str], list[tuple[dict[str, Any], StatRow]]] = {}
-        for (group, op, bucket), rows in per_key.items():
-            n = len(self.groups.get(group, {}).get("ranks", ())) or len(rows)
-            timing = StatRow()
-            for row in rows:
-                timing.merge(row)
-            size = self._row(group, op, n, max(r.count for r in rows),
-                             max(r.bytes for r in rows), timing)
-            size["size_bucket"], size["size_text"] = bucket, bucket_text(bucket)
-            by_op.setdefault((group, op), []).append((size, timing))
-        table = []
-        for (group, op), sizes in by_op.items():
-            timing = StatRow()
-            for _, size_timing in sizes:
-                timing.merge(size_timing)
-            row = self._row(group, op, sizes[0][0]["ranks"], sum(s["count"] for s, _ in sizes),
-                            sum(s["bytes"] for s, _ in sizes), timing)
-            row["sizes"] = sorted((s for s, _ in sizes), key=lambda s: s["size_bucket"])
-            table.append(row)
-        table.sort(key=lambda r: (-(r["time_total_s"] or 0.0), r["group"], r["op"]))
-        return table
+        """The job's collectives so far, a row per (group, op) (`jobcollectives`)."""
+        return jobcollectives.collectives_table(self.groups, self.ranks.values())
 
-    def _row(self, group: str, op: str, n: int, count: int, nbytes: int,
-             timing: StatRow) -> dict[str, Any]:
-        mean = timing.time_sum_s / timing.timed if timing.timed else None
-        per_op = nbytes / count if count else 0
-        algbw = per_op / mean / 1e9 if mean else None
-        factor = bus_factor(op, n)
-        return {
-            "group": self.group_desc(group), "group_name": group,
-            "group_label": self.group_label(group), "op": op, "ranks": n,
-            "count": count, "bytes": nbytes, "timed": timing.timed,
-            "time_p50_s": hist_quantile(timing.hist, 0.5),
-            "time_p99_s": hist_quantile(timing.hist, 0.99),
-            "time_max_s": timing.time_max_s if timing.timed else None,
-            "time_mean_s": mean,
-            "time_total_s": mean * count if mean is not None else None,
-            "algbw_gbps": algbw,
-            "busbw_gbps": algbw * factor if algbw is not None and factor is not None else None,
-            "bus_factor": factor,
-        }
-
-    # --- hangs -----------------------------------------------------------------------------
+    # --- hangs (scalemon.hangs) -----------------------------------------------------------
     def hang(self, now: float | None = None) -> dict[str, Any] | None:
         """The job's hang, or None: no rank completed a step for `hang_after_s` while the job
-        runs. The wait-for graph of `scalemon.hangs`: the culprits at the ends of the chains
-        (in Python, gone, desynchronised, stuck in teardown) with their cause, phase and top
-        user frame, what each waiting rank waits in and for whom, each rank's stack."""
-        now = time.time() if now is None else now
+        runs (`hangs.job_hang`: who holds up whom, and why)."""
         if self.last_step_t is None or self.state in (*JOB_ENDED_STATES, "waiting",
                                                       "restarting", "stopping"):
             return None
-        since = now - self.last_step_t
-        if since < self.hang_after_s:
-            return None
-        running = [v for v in self.ranks.values() if v.state == "running"]
-        if running and all(v.monitor_off for v in running):
-            return None  # no rank reports steps any more: silence is no sign of a hang
-        report = HangReport(self, now)
-        finding = report.finding
-        group, seq = finding.get("group"), finding.get("seq")
-        first = [r for r, w in sorted(report.waits.items())
-                 if (w["group"], w["seq"]) == (group, seq)]
-        op = next((report.waits[r]["op"] for r in first if report.waits[r]["op"]), None)
-        waited = [s for s in (report.waited_s(r) for r in first) if s is not None]
-        return {
-            "since_s": since,
-            "culprits": finding.get("culprits", []),
-            "waiting": finding.get("waiting", []),
-            "group": report.label(group) if group is not None else None,
-            "group_name": group,
-            "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
-            "gone": sorted(report.gone),
-            "text": report.text(since),
-            "causes": report.causes_json(),
-            "waits": report.waits_json(),
-            "chains": finding.get("chains", []),
-            "wait_for": {str(r): w["for"][:FOR_SHOWN] for r, w in sorted(report.waits.items())},
-            "desync": report.desync_json(),
-            "stacks": {str(r): self._stack_text(v) for r, v in sorted(self.ranks.items())},
-            "nccl_ras": {str(r): v for r, v in self.info.get("nccl_ras", {}).items()},
-            "ranks": {str(r): report.rank_json(v) for r, v in sorted(self.ranks.items())},
-        }
-
-    @staticmethod
-    def _stack_text(view: RankView) -> str:
-        if view.state in ("lost", "exited"):
-            return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
-        return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
-            "its training thread is stuck for a few seconds)"
+        return job_hang(self, time.time() if now is None else now)
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
@@ -577,27 +489,6 @@ class JobState:
             "hub_notes": list(self.hub_notes),
             "relays": {node: dict(r) for node, r in sorted(self.relays.items())},
         }
-
-
-def check_step_comm(row: Any) -> None:
-    """Raise ValueError unless `row` is a well-formed `collectives.steps` row."""
-    number = (int, float)
-    if not (type(row) is list and len(row) >= len(STEP_COMM_FIELDS) and type(row[0]) is int
-            and type(row[1]) is int and type(row[2]) is int and type(row[4]) is int
-            and (row[3] is None or type(row[3]) in number)
-            and (row[5] is None or type(row[5]) in number)):
-        raise ValueError(f"bad collectives.steps row {row!r}")
-
-
-def step_comm_values(row: list[Any]) -> dict[str, Any]:
-    """A `collectives.steps` row as the step's `allreduce_*` metrics."""
-    return {"allreduce_time_s": row[3], "allreduce_count": row[1], "allreduce_bytes": row[4],
-            "allreduce_issue_t": row[5]}
-
-
-def set_step_comm(values: dict[str, Any], row: list[Any]) -> None:
-    """Write a `collectives.steps` row into a rank's metrics."""
-    values.update(step_comm_values(row))
 
 
 def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:

@@ -38,6 +38,19 @@ k/M/G prefixes, `used/total`, a whole number, an age (one decimal below a minute
 
 
 @dataclass(frozen=True)
+class Overview:
+    """A line of one of the dashboard overview's plots, drawn from the metric's min, mean and
+    max over the ranks at each step (which the reducer keeps for it: `AGGREGATED`)."""
+
+    panel: str
+    """The overview plot: "loss", "scale", "time" or "memory" (`tui/views.py` lays them out)."""
+    label: str = "mean"
+    """The line's label in its plot."""
+    order: int = 0
+    """Position of the line in its plot (its colour)."""
+
+
+@dataclass(frozen=True)
 class Show:
     """How people see a metric. The shown number is the wire value times `scale`, in `unit`."""
 
@@ -57,6 +70,18 @@ class Show:
     """For style `used_of`: the metric holding the total."""
     na: str = ""
     """Why the value can be missing ("no GPU on this rank"): said instead of an empty plot."""
+    key: int | None = None
+    """Position among the key metrics, whose node rows (a big job's overview, the snapshot
+    text) show min, median and max over the node's ranks; None: the node's worst value."""
+    low_is_worse: bool = False
+    """A low value is the bad one (a node row's worst is its min; else its max)."""
+    overview: Overview | None = None
+    """The overview plot line the metric draws, if any (its cross-rank spread is then kept)."""
+
+    @property
+    def needs_gpu(self) -> bool:
+        """True for a value that is missing only where the rank has no GPU (or no NVML)."""
+        return self.na in (_NO_GPU, _NO_NVML)
 
     @property
     def heading(self) -> str:
@@ -81,6 +106,11 @@ class Metric:
     show: Show | None = None
 
     @property
+    def aggregated(self) -> bool:
+        """True when the reducer keeps the metric's min/mean/max over ranks per step."""
+        return self.show is not None and self.show.overview is not None
+
+    @property
     def on_wire(self) -> bool:
         """True for fields of the `step` and `heartbeat` messages."""
         return self.source in ("step", "heartbeat")
@@ -97,18 +127,19 @@ METRICS: tuple[Metric, ...] = (
            required=True, nullable=False, kept=False),
     Metric("loss", "step", "float", "", "loss of the step (may be NaN/Inf). null when not given, "
            "or when a CPU-side rank was given a device tensor (the agent never syncs the device).",
-           show=Show(style="num", digits=4, column="loss", width=7, plot="loss")),
+           show=Show(style="num", digits=4, column="loss", width=7, plot="loss", key=3,
+                     overview=Overview("loss"))),
     Metric("tokens", "step", "int", "", "tokens processed in this step **on this rank**, as "
            "given by the script"),
     Metric("step_time_s", "step", "float", "s", "host wall time between this `log()` call and the "
            "previous one, i.e. one full iteration; null for the first step of the process",
            show=Show(unit="ms", scale=1e3, column="step", width=7, plot="step",
-                     group="step time")),
+                     group="step time", key=1)),
     Metric("optimizer_time_s", "step", "float", "s", "total duration of the `optimizer.step()` "
            "calls of this step (CUDA events on GPU, host clock on CPU); null when no optimizer is "
            "watched or none completed",
            show=Show(unit="ms", scale=1e3, column="opt", width=6, plot="optimizer",
-                     na="no optimizer watched")),
+                     na="no optimizer watched", overview=Overview("time", "optim", 2))),
     Metric("allreduce_time_s", "step", "float", "s", "sum of the durations of the step's "
            "all-reduces (issue to completion), so a sum, not wall time: they overlap with "
            "backward and with each other. On DDP over gloo the agent's comm hook times the "
@@ -119,7 +150,8 @@ METRICS: tuple[Metric, ...] = (
            "message, `steps`; NCCL: `duration_ms`, gloo: the host timer); null when nothing "
            "was timed.",
            show=Show(unit="ms", scale=1e3, column="allred", width=6,
-                     plot="all-reduce, sum over the step", na=_NO_DDP)),
+                     plot="all-reduce, sum over the step", na=_NO_DDP,
+                     overview=Overview("time", "all-red", 1))),
     Metric("allreduce_count", "step", "int", "", "number of those all-reduces (DDP buckets from "
            "the gloo comm hook; else 0 in the step message, and the recorder's count once its "
            "`collectives.steps` row for the step arrived)"),
@@ -132,27 +164,29 @@ METRICS: tuple[Metric, ...] = (
            "corrected by each host's `clock_offset_s`). A rank that computes slowly arrives "
            "last and then waits least, so this, not collective time, names stragglers.",
            show=Show(unit="ms", scale=1e3, digits=1, column="late", width=6,
-                     plot="arrival lateness at collectives", na=_NO_SKEW)),
+                     plot="arrival lateness at collectives", na=_NO_SKEW, key=2)),
     Metric("compute_s", "dashboard", "float", "s", "step time minus all-reduce and optimizer "
            "time, at least 0: a lower bound of the compute time, since under DDP the all-reduce "
            "overlaps backward. The all-reduce subtracted is the step message's (gloo's comm "
            "hook); the recorder's, which come seconds later, are not subtracted",
-           show=Show(unit="ms", scale=1e3, plot="compute", group="step time")),
+           show=Show(unit="ms", scale=1e3, plot="compute", group="step time",
+                     overview=Overview("time", "compute", 0))),
     Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank, as the script "
            "measured it between two host syncs (`log(tokens_per_s=...)`; the demo trainer sends "
            "it on every logged step); for a script that never sends it, the step's `tokens` over "
            "its `step_time_s`",
-           show=Show(style="si", column="tok/s", width=6, plot="tokens/s",
+           show=Show(style="si", column="tok/s", width=6, plot="tokens/s", low_is_worse=True,
                      na="the script gives neither log(tokens=...) nor log(tokens_per_s=...)")),
     Metric("mfu", "extra", "float", "", "model FLOPs utilisation: achieved over peak FLOP/s of "
            "the device, a fraction (`log(mfu=...)`; the demo trainer sends it where it knows the "
            "GPU's peak)",
-           show=Show(unit="%", scale=100.0, column="MFU", width=5, plot="MFU",
+           show=Show(unit="%", scale=100.0, column="MFU", width=5, plot="MFU", low_is_worse=True,
                      na="the script does not log(mfu=...)")),
     Metric("loss_scale", "step", "float", "", "AMP `GradScaler` scale after the step; null "
            "without a scaler",
            show=Show(style="loss_scale", column="loss scale", width=10,
-                     plot="AMP loss scale, log", log=True, na="no AMP GradScaler")),
+                     plot="AMP loss scale, log", log=True, na="no AMP GradScaler",
+                     low_is_worse=True, overview=Overview("scale", "scale"))),
     Metric("skipped", "step", "bool", "", "true when the AMP loss scale dropped, i.e. the "
            "optimizer step was skipped because of inf/NaN gradients. The scale is compared with "
            "the previous step's, or with the scaler's initial scale for the first step. Absent "
@@ -168,7 +202,8 @@ METRICS: tuple[Metric, ...] = (
            "carry the last reading; the caching allocator's `allocated_bytes.all.current`, what "
            "`torch.cuda.memory_allocated()` returns); null on CPU ranks",
            show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="alloc", width=6,
-                     plot="alloc", group="GPU memory, torch", na=_NO_GPU)),
+                     plot="alloc", group="GPU memory, torch", na=_NO_GPU, key=4,
+                     overview=Overview("memory"))),
     Metric("mem_reserved_bytes", "step", "int", "bytes", "bytes the caching allocator holds from "
            "the driver (`reserved_bytes.all.current`, as `torch.cuda.memory_reserved()`); null "
            "on CPU ranks",
@@ -179,6 +214,14 @@ METRICS: tuple[Metric, ...] = (
            "`torch.cuda.max_memory_allocated()`); null on CPU ranks",
            show=Show(unit="GiB", scale=1 / 2**30, digits=2, column="peak", width=6,
                      plot="peak", group="GPU memory, torch", na=_NO_GPU)),
+    Metric("mem_alloc_retries", "step", "int", "", "cumulative number of `cudaMalloc` calls that "
+           "failed and succeeded only after the caching allocator released its cached blocks "
+           "(`num_alloc_retries`, as `torch.cuda.memory_stats()` names it; read with the other "
+           "memory counters). Each retry synchronizes the device and flushes the cache, so a "
+           "count that keeps growing means memory pressure that slows the steps before an "
+           "out-of-memory error; null on CPU ranks",
+           show=Show(style="int", column="retry", width=5, plot="cudaMalloc retries, cumulative",
+                     na=_NO_GPU)),
     Metric("agent_time_s", "step", "float", "s", "seconds the agent spent on the training thread "
            "for this step, i.e. the monitor's own overhead. It is the time in the agent's hooks "
            "(forward pre-hook, optimizer step hooks, all-reduce comm hook) since the previous "
@@ -246,7 +289,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpu_util_pct", "heartbeat", "float", "%", "NVML GPU utilisation (share of time a "
            "kernel was running); null without GPU/NVML",
            show=Show(unit="%", style="int", column="GPU", width=5, plot="GPU utilisation",
-                     na=_NO_NVML)),
+                     na=_NO_NVML, low_is_worse=True)),
     Metric("gpu_power_w", "heartbeat", "float", "W", "NVML board power draw; null without "
            "GPU/NVML", show=Show(unit="W", style="int", plot="GPU power", na=_NO_NVML)),
     Metric("gpu_temp_c", "heartbeat", "float", "°C", "NVML GPU temperature; null without "
@@ -262,15 +305,32 @@ METRICS: tuple[Metric, ...] = (
            "moment, including steps still waiting for the GPU"),
 )
 
-KEPT: tuple[Metric, ...] = tuple(m for m in METRICS if m.kept and m.source in
-                                 ("step", "heartbeat", "extra", "hub"))
+KEPT: tuple[Metric, ...] = ()
 """The values a rank view holds (what `scalemon snapshot --json` shows per rank)."""
-BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS if m.kept}
+BY_NAME: dict[str, Metric] = {}
 """Every kept metric by name (the names the reducer, the JSON and the dashboard use)."""
-COLUMNS: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.column)
+COLUMNS: tuple[Metric, ...] = ()
 """Metrics with a column in the rank tables, in table order."""
-PLOTTED: tuple[Metric, ...] = tuple(m for m in METRICS if m.show and m.show.plot)
+PLOTTED: tuple[Metric, ...] = ()
 """Metrics the rank detail plots, in table order."""
+AGGREGATED: tuple[Metric, ...] = ()
+"""Metrics whose min/mean/max over the ranks the reducer keeps per step (for the overview)."""
+
+
+def derive() -> None:
+    """Make the views above from `METRICS`. Runs once at import; every module that uses the
+    table reads these (or `METRICS`) when it is imported, so a test can add a row to `METRICS`
+    and call this before importing the rest (`tests/test_metrics.py` shows that a metric is
+    one row)."""
+    global KEPT, BY_NAME, COLUMNS, PLOTTED, AGGREGATED
+    KEPT = tuple(m for m in METRICS if m.kept and m.source in ("step", "heartbeat", "extra", "hub"))
+    BY_NAME = {m.name: m for m in METRICS if m.kept}
+    COLUMNS = tuple(m for m in METRICS if m.show and m.show.column)
+    PLOTTED = tuple(m for m in METRICS if m.show and m.show.plot)
+    AGGREGATED = tuple(m for m in METRICS if m.aggregated)
+
+
+derive()
 
 
 def fields_of(source: str) -> tuple[Metric, ...]:
@@ -309,6 +369,13 @@ def plot_panels() -> list[tuple[str, tuple[Metric, ...]]]:
             groups[m.show.group] = [m]
             panels.append((m.show.group, groups[m.show.group]))
     return [(title, tuple(ms)) for title, ms in panels]
+
+
+def overview_lines(panel: str) -> tuple[Metric, ...]:
+    """The metrics drawn in overview plot `panel`, in their `Overview.order`."""
+    return tuple(sorted((m for m in AGGREGATED if m.show and m.show.overview
+                         and m.show.overview.panel == panel),
+                        key=lambda m: m.show.overview.order if m.show and m.show.overview else 0))
 
 
 # --- docs/protocol.md -----------------------------------------------------------------------

@@ -3,8 +3,8 @@
 A running rank's straggler measure is how much later than the first rank it issues its
 collectives (`arrival_lateness_s`, the median over its last 100); before any running rank has
 that, how much longer than the median rank's its compute time is (`compute_over_median_s`,
-smoothed). A rank is a straggler when its measure is over `straggler_bar`: 10 ms, and 10% of
-the median step time of the running ranks.
+smoothed). A rank is a straggler when its measure is over `policy.straggler_bar`: 10 ms, and
+10% of the median step time of the running ranks.
 """
 
 from __future__ import annotations
@@ -13,21 +13,14 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-STRAGGLER_MIN_S = 0.010
-"""The least measure (seconds) that names a straggler, however short the steps."""
+from scalemon.policy import straggler_bar  # the bar: one rule with the others (policy.py)
+
 ARRIVAL_BASIS = "arrival at collectives, vs the first rank"
 COMPUTE_BASIS = "compute time, vs the median rank"
 MEASURE_NAMES = {ARRIVAL_BASIS: "late ms", COMPUTE_BASIS: "compute ms over the median"}
 """The straggler measure of each basis, as the node overview names it."""
 MEASURE_FIELDS = {ARRIVAL_BASIS: "arrival_lateness_s", COMPUTE_BASIS: "compute_over_median_s"}
 """The rank field (`snapshot --json`) each basis measures with."""
-
-
-def straggler_bar(median_step_s: float | None) -> float:
-    """How much later (seconds) than the first rank a rank must arrive, or how much longer
-    than the median rank it must compute, to be named a straggler: `STRAGGLER_MIN_S`, and 10%
-    of the median step time."""
-    return max(STRAGGLER_MIN_S, 0.1 * (median_step_s or 0.0))
 
 
 def median_step_s(step_times: Iterable[float | None]) -> float | None:
@@ -56,11 +49,10 @@ def stragglers(values: Mapping[int, float], median_step: float | None
     return sorted(((r, v) for r, v in values.items() if v > bar), key=lambda rv: (-rv[1], rv[0]))
 
 
-def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The `stragglers` of `snapshot --json`, from its `ranks` (`RankView.to_json`): one map
-    per straggler, largest first: `rank`, `measure` (the rank field measured:
-    `arrival_lateness_s` or `compute_over_median_s`), `value_s` and `bar_s` (the bar it is
-    over)."""
+def json_measure(ranks: list[dict[str, Any]]
+                 ) -> tuple[dict[int, float], str, float | None]:
+    """The straggler `measure` of the running ranks of `snapshot --json`'s `ranks`
+    (`RankView.to_json`), its basis and the running ranks' median step time."""
     running = [r for r in ranks if r["state"] == "running"]
     number = (int, float)
     field_of = {r["rank"]: r for r in running}
@@ -72,6 +64,15 @@ def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
          for n, r in field_of.items()})
     median = median_step_s(t if isinstance(t := r.get("step_time_s"), number) else None
                            for r in running)
+    return values, basis, median
+
+
+def stragglers_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `stragglers` of `snapshot --json`, from its `ranks` (`RankView.to_json`): one map
+    per straggler, largest first: `rank`, `measure` (the rank field measured:
+    `arrival_lateness_s` or `compute_over_median_s`), `value_s` and `bar_s` (the bar it is
+    over)."""
+    values, basis, median = json_measure(ranks)
     bar = straggler_bar(median)
     return [{"rank": rank, "measure": MEASURE_FIELDS[basis], "value_s": value, "bar_s": bar}
             for rank, value in stragglers(values, median)]

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scalemon import display, stragglers
+from scalemon import display, metrics, stragglers
+from scalemon.export import plain
 from scalemon.flagstate import toggle_line
 from scalemon.fold import step_values
 from scalemon.protocol import Message
@@ -104,15 +105,9 @@ def ratio(b: Any, a: Any) -> float | None:
     return b / a
 
 
-def json_ready(value: Any) -> Any:
-    """`value` for strict JSON: non-finite floats become None (null), keys strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
+json_ready = plain
+"""`value` for strict JSON: non-finite floats become None (null), keys strings (the one rule
+of every JSON output, `scalemon.export.plain`)."""
 
 
 def _series(records: RunRecords, name: str) -> dict[int, dict[int, float]]:
@@ -488,16 +483,24 @@ def _num(value: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> s
     return f"{v * scale:{spec}}{unit}"
 
 
+def _as(name: str, value: Any) -> str:
+    """`value` in the display unit, scale and digits of metric `name` (the table's `Show`)."""
+    show = metrics.BY_NAME[name].show
+    assert show is not None
+    space = " " if show.unit and show.unit != "%" else ""
+    return _num(value, f".{show.digits}f", show.scale, f"{space}{show.unit}")
+
+
 def _ms(value: Any) -> str:
-    return _num(value, ".1f", 1e3, " ms")
+    return _as("step_time_s", value)
 
 
 def _gib(value: Any) -> str:
-    return _num(value, ".2f", 1 / 2**30, " GiB")
+    return _as("mem_peak_bytes", value)
 
 
 def _pct(value: Any) -> str:
-    return _num(value, ".1f", 100.0, "%")
+    return _as("mfu", value)
 
 
 def _point(point: Mapping[str, Any] | None) -> str:

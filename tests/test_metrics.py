@@ -105,10 +105,12 @@ def test_extra_names_per_rank_are_bounded():
 def test_the_agent_sends_the_table_fields_and_nothing_else():
     from scalemon.agent.heartbeat import Heartbeat, Phase
     from scalemon.agent.nvml import GpuReader
-    from scalemon.agent.steps import ScaleTracker, StepFinisher
+    from scalemon.agent.steps import RawStep, ScaleTracker, StepFinisher
 
     finisher = StepFinisher(ScaleTracker(1024.0), Phase(), None)
-    raw = (3, 64, 0.1, 1e-5, {"lr": 0.1}, 2.5, 512.0, [], [], None)
+    raw = RawStep(step=3, tokens=64, step_time_s=0.1, agent_time_s=1e-5, extra={"lr": 0.1},
+                  loss=2.5, loss_scale=512.0, optimizer_spans=[], allreduce_spans=[],
+                  staged=None)
     body = finisher.finish(raw, None)
     assert body is not None and set(body) == {m.name for m in fields_of("step")}
     assert body["skipped"] is True and body["extra"] == {"lr": 0.1}
@@ -172,3 +174,82 @@ def test_docs_field_tables_are_generated_from_the_table():
         "docs/protocol.md is out of date: run `python -m scalemon.metrics --update-docs`")
     for m in METRICS:
         assert f"`{m.name}`" in text, m.name
+
+
+ONE_MORE_ROW = '''
+import json, sys
+from scalemon import metrics
+from scalemon.metrics import Metric, Overview, Show
+
+# the whole change: one row (the producer is the fake rank below)
+metrics.METRICS = (*metrics.METRICS, Metric(
+    "probe_time_s", "step", "float", "s", "seconds the probe took",
+    show=Show(unit="ms", scale=1e3, column="probe", width=6, plot="probe", key=5,
+              overview=Overview("time", "probe", 3))))
+metrics.derive()
+
+from scalemon import display, protocol
+from scalemon.cli import format_snapshot
+from scalemon.export import plain
+from scalemon.fold import AGGREGATED, JobFold
+from scalemon.protocol import Message, ProtocolError
+from scalemon.tui.model import DashboardData
+from scalemon.tui.screens.help import HELP
+from scalemon.tui.views import overview, rank_detail
+
+def step(rank, n, probe):
+    body = {"step": n, "loss": 1.0, "step_time_s": 0.1, "probe_time_s": probe}
+    return protocol.decode(protocol.encode("step", "j", rank, n + 1, body, t=100.0 + n))
+
+hello = [Message("hello", "j", r, 0, 99.0, {"host": "h", "pid": 1, "world_size": 2,
+                                            "local_rank": r}) for r in range(2)]
+messages = hello + [step(r, n, 0.001 * (r + 1)) for n in range(1, 4) for r in range(2)]
+try:  # the wire checks its kind
+    protocol.decode(protocol.encode("step", "j", 0, 9, {"step": 9, "probe_time_s": "x"}))
+    raise SystemExit("a string probe_time_s was accepted")
+except ProtocolError as exc:
+    assert "probe_time_s" in str(exc)
+
+fold = JobFold("j")
+for i, m in enumerate(messages):
+    fold.apply(i, m)
+state = plain(fold.state.to_json(now=110.0))
+assert state["ranks"][1]["probe_time_s"] == 0.002, state["ranks"][1]
+assert "probe_time_s" in AGGREGATED and len(fold.agg["probe_time_s"]) == 3
+x, _, _, mean = fold.tracks[0].series["probe_time_s"].arrays()
+assert list(x) == [1, 2, 3] and all(abs(v - 0.001) < 1e-6 for v in mean)
+
+text = format_snapshot(state)
+assert "probe ms" in text.splitlines()[1], text
+assert "2.0" in text.splitlines()[3], text
+assert [c.key for c in display.node_columns() if c.group == "probe ms"] == [
+    "probe_time_s.min", "probe_time_s.med", "probe_time_s.max"]
+assert "*probe ms*: seconds the probe took" in HELP and "*probe ms*" in HELP.split("**Nodes")[1]
+assert "`probe_time_s`" in metrics.markdown_fields("step")
+
+data = DashboardData()
+data.apply_messages(messages)
+view = overview(data, now=110.0)
+assert "probe" in [line.label for line in view.plots["time"].lines]
+assert "probe ms" in [c.heading for c in __import__("scalemon.tui.views").tui.views.COLUMNS]
+assert view.rows[1].cells[[c.key for c in display.rank_columns()].index("probe_time_s")] == "2.0"
+detail = rank_detail(data, 0, now=110.0)
+[plot] = [p for p in detail.plots if p.title == "probe"]
+assert plot.lines and plot.unit == "ms"
+print("derived")
+'''
+
+
+def test_one_more_row_reaches_wire_reducer_json_tables_help_plots_and_docs(tmp_path: Path):
+    """Adding a metric is one row: in a fresh process, a row added to the table (and a rank
+    that sends it) reaches protocol validation, the reducer and its JSON, the cross-rank
+    aggregate, the snapshot text and node columns, the help, the dashboard's table, overview
+    plot and rank detail, and the docs' field table, with no other file edited."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "one_more_row.py"
+    script.write_text(ONE_MORE_ROW)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "derived", out.stdout + out.stderr

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scalemon.display import NA
+from scalemon import display, metrics
+from scalemon.display import LATE, NA
 from scalemon.tui.model import DashboardData
 
 BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gather/"
@@ -216,9 +217,9 @@ def _health(data: DashboardData, rank: int) -> RankHealth:
     if read is not None and st.started_t is not None and v.last_seen_t is not None:
         elapsed = v.last_seen_t - st.started_t
         share = f"{100 * read / elapsed:.3f}" if elapsed > 0 else NA
-    cells = (NA if late is None else f"{late * 1e3:.1f}", "", _opt(m.get("collectives_issued")),
-             _opt(m.get("collectives_completed")), _opt(m.get("recorder_entries")),
-             _opt(lost), ms(read), share)
+    cells = (display.metric_text(metrics.BY_NAME[LATE], {LATE: late}), "",
+             _opt(m.get("collectives_issued")), _opt(m.get("collectives_completed")),
+             _opt(m.get("recorder_entries")), _opt(lost), ms(read), share)
     return RankHealth(rank, late, cells, lost if isinstance(lost, int) else 0)
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from scalemon import display
-from scalemon.display import NO_HOST, NODE_STATES, Column
+from scalemon import display, policy
+from scalemon.display import LATE, NO_HOST, Column
 from scalemon.jobstate import RankView
+from scalemon.policy import NODE_STATES
 from scalemon.tui.model import DashboardData
 
 NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
@@ -105,20 +106,13 @@ class _Node:
 
 
 _INDEX = {state: i for i, state in enumerate(NODE_STATES)}
-_STUCK, _STRAGGLER, _RUNNING = _INDEX["stuck"], _INDEX["straggler"], _INDEX["running"]
 
 
 def rank_status(v: RankView, straggler: bool, stuck_after_s: float) -> str:
     """The `NODE_STATES` entry of one rank (the rank table's row style, in words)."""
-    kind = display.rank_kind(v.state, v.exit_code)
-    if kind != "running":
-        return kind
-    if v.state == "restarting":
-        return "restarting"
-    since = v.metrics["phase_since_s"]
-    if v.metrics["phase"] and since is not None and since > stuck_after_s:
-        return "stuck"
-    return "straggler" if straggler else "running"
+    m = v.metrics
+    return policy.rank_status(v.state, v.exit_code, m["phase"], m["phase_since_s"], straggler,
+                              stuck_after_s)
 
 
 def node_view(data: DashboardData, measure: dict[int, float], what: str,
@@ -129,14 +123,14 @@ def node_view(data: DashboardData, measure: dict[int, float], what: str,
     straggler measure in seconds (`views.straggler_measure`; `what` names it, "late ms"),
     `values_of` a rank's metric values by name; rows only for the nodes at positions
     `visible` (all when None)."""
-    bar = display.straggler_bar(median_step)
-    nodes = _gather(data, measure, bar, max(10.0, 10.0 * (median_step or 0.0)))
+    bar = policy.straggler_bar(median_step)
+    nodes = _gather(data, measure, bar, policy.stuck_after_s(median_step))
     hosts = _order(nodes, median_step, bar)
     rows = []
     for host in hosts if visible is None else hosts[visible[0]:visible[1]]:
         members = sorted(nodes[host].members, key=lambda v: v.rank)
         worst = NODE_STATES[nodes[host].worst]
-        cells = display.node_cells(NODE_COLUMNS, host, [display.rank_kind(v.state, v.exit_code)
+        cells = display.node_cells(NODE_COLUMNS, host, [policy.rank_kind(v.state, v.exit_code)
                                                         for v in members], worst,
                                    [v.step for v in members], [values_of(v) for v in members])
         rows.append(NodeRow(host, cells, WORST_STYLES[worst]))
@@ -157,22 +151,14 @@ def _gather(data: DashboardData, measure: dict[int, float], bar: float, stuck_af
         elif rank < node.first:
             node.first = rank
         node.members.append(v)
-        if v.state == "running":  # rank_status's common case, inline
-            m = v.metrics
-            value = measure.get(rank)
-            since = m["phase_since_s"]
-            if since is not None and since > stuck_after and m["phase"]:
-                worst = _STUCK
-            elif value is not None and value > bar:
-                worst = _STRAGGLER
-            else:
-                worst = _RUNNING
-            if m["step_time_s"] is not None:
-                node.step_times.append(m["step_time_s"])
+        value = measure.get(rank)
+        worst = _INDEX[rank_status(v, value is not None and value > bar, stuck_after)]
+        if v.state == "running":
+            step_time = v.metrics["step_time_s"]
+            if step_time is not None:
+                node.step_times.append(step_time)
             if value is not None and (node.late_max is None or value > node.late_max):
                 node.late_max = value
-        else:
-            worst = _INDEX[rank_status(v, False, stuck_after)]
         if worst < node.worst:
             node.worst = worst
     return nodes
@@ -197,8 +183,9 @@ def _watch(data: DashboardData, measure: dict[int, float], what: str, bar: float
     ranks = data.state.ranks
     top = sorted(heapq.nlargest(TOP_K, measure.items(), key=itemgetter(1)),
                  key=lambda rv: (-rv[1], rv[0]))
-    slowest = [WatchedRank(r, ranks[r].host or NO_HOST, f"{value * 1e3:+.1f} ms", value > bar)
-               for r, value in top]
+    ms = display.unit(LATE)
+    slowest = [WatchedRank(r, ranks[r].host or NO_HOST, f"{display.shown(LATE, value):+.1f} {ms}",
+                           value > bar) for r, value in top]
     failed = data.state.failed()  # own failures first, each kind earliest first
     shown = []
     for v in failed[:FAILED_SHOWN]:
@@ -214,16 +201,18 @@ def _watch(data: DashboardData, measure: dict[int, float], what: str, bar: float
 
 def histogram(measure: dict[int, float], what: str, bar_s: float,
               bins: int = BINS) -> Histogram | None:
-    """The straggler measure (`what`) of the running ranks in `bins` equal bins (ms), from
-    the lowest (at most 0) to the highest value; None without values."""
-    values = [v for v in (float(m) * 1e3 for m in measure.values()) if math.isfinite(v)]
+    """The straggler measure (`what`) of the running ranks in `bins` equal bins (in the
+    lateness metric's display unit, ms), from the lowest (at most 0) to the highest value;
+    None without values."""
+    values = [v for v in (display.shown(LATE, float(m)) for m in measure.values())
+              if math.isfinite(v)]
     if not values:
         return None
     lo, hi = min(0.0, min(values)), max(values)
     if hi <= lo:
         hi = lo + 1.0
     return Histogram(f"{what}, {len(values)} ranks", lo, hi, bin_counts(values, bins, lo, hi),
-                     bar_s * 1e3)
+                     display.shown(LATE, bar_s))
 
 
 def bin_counts(values: list[float], bins: int, lo: float, hi: float) -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon import alerts as alerting
-from scalemon import display, metrics
+from scalemon import display, metrics, policy
 from scalemon import stragglers as straggler_rule
 from scalemon.display import AGGREGATE_AT, NA, Column
 from scalemon.jobstate import JOB_ENDED_STATES, RankView
@@ -189,7 +189,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         job_state, state_text = "hub down", hub_down
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
-        if quiet > max(10.0, 10.0 * (median_step or 0.0)):
+        if quiet > policy.stuck_after_s(median_step):
             job_state, state_text = "stalled", f"stalled: no step for {quiet:.0f} s"
     if lost:
         state_text += f", lost ranks: {_rank_list(lost)}"
@@ -288,7 +288,7 @@ def _row(data: DashboardData, v: RankView, now: float, straggler: bool,
         style = "stopped"
     elif (alert := alerting.worst(v.alerts)) is not None:
         state, style = alerting.short_text(alert), "alert"
-    elif since is not None and phase and since > max(10.0, 10.0 * (median_step or 0.0)):
+    elif policy.is_stuck(phase, since, policy.stuck_after_s(median_step)):
         state, style = f"{PHASES.get(phase, phase)} {since:.0f}s", "stuck"
     elif straggler:
         style = "straggler"
@@ -334,25 +334,44 @@ def _band(data: DashboardData, name: str, label: str = "mean") -> list[Line]:
             if line]
 
 
+OVERVIEW_PANELS = ("loss", "scale", "time", "memory")
+"""The overview's plots; which metrics each draws comes from the table (`Show.overview`)."""
+
+
 def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
     per_rank = lines_per_rank(data)
-    loss = PlotSpec("loss",
-                    lines=_per_rank(data, "loss") if per_rank else _band(data, "loss"))
-    scale = PlotSpec("AMP loss scale, log", lines=_band(data, "loss_scale", "scale")[1:],
-                     log=True, marks=data.skipped.array(), marks_label="skipped",
-                     empty="n/a: no AMP GradScaler")
-    timing = PlotSpec(
-        "time", unit="ms",
+    lines = {panel: metrics.overview_lines(panel) for panel in OVERVIEW_PANELS}
+    plots: dict[str, PlotSpec] = {}
+    loss = lines["loss"][0]
+    plots["loss"] = PlotSpec(loss.show.plot if loss.show else loss.name,
+                             lines=_per_rank(data, loss.name) if per_rank else
+                             _band(data, loss.name))
+    scale = lines["scale"][0]
+    plots["scale"] = PlotSpec(
+        scale.show.plot if scale.show else scale.name,
+        lines=_band(data, scale.name, _label(scale))[1:], log=True,
+        marks=data.skipped.array(), marks_label="skipped",
+        empty=f"n/a: {scale.show.na if scale.show else ''}")
+    plots["time"] = PlotSpec(
+        "time", unit=display.unit(lines["time"][0].name),
         lines=[line for line in (
-            Line.from_series(label, data.agg[name], color, mean=True, scale=_scale(name))
-            for color, (label, name) in enumerate((("compute", "compute_s"),
-                                                   ("all-red", "allreduce_time_s"),
-                                                   ("optim", "optimizer_time_s")))
-        ) if line])
-    has_gpu_mem = len(data.agg["mem_allocated_bytes"]) > 0 or any(
-        "mem_allocated_bytes" in t.series for t in data.tracks.values())
+            Line.from_series(_label(m), data.agg[m.name], color, mean=True, scale=_scale(m.name))
+            for color, m in enumerate(lines["time"])) if line])
+    plots["memory"] = _memory_plot(data, lines["memory"][0].name, per_rank)
+    return plots
+
+
+def _label(metric: Metric) -> str:
+    """A metric's line label in an overview plot (`Overview.label`)."""
+    overview = metric.show.overview if metric.show else None
+    return overview.label if overview else metric.name
+
+
+def _memory_plot(data: DashboardData, name: str, per_rank: bool) -> PlotSpec:
+    """The overview's memory plot: metric `name` (GPU memory), else each rank's RSS."""
+    has_gpu_mem = len(data.agg[name]) > 0 or any(name in t.series for t in data.tracks.values())
     if has_gpu_mem:
-        mem_title, mem_name = "GPU alloc", "mem_allocated_bytes"
+        mem_title, mem_name = "GPU alloc", name
     elif data.big():  # no per-rank series but those of the ranks opened
         mem_title, mem_name = "RSS of the ranks opened, no GPU", "rss_bytes"
     else:
@@ -363,8 +382,7 @@ def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
         mem_lines = _band(data, mem_name)
     else:
         mem_lines = _rss_band(data)
-    memory = PlotSpec(mem_title, unit="GiB", lines=mem_lines)
-    return {"loss": loss, "scale": scale, "time": timing, "memory": memory}
+    return PlotSpec(mem_title, unit=display.unit(name), lines=mem_lines)
 
 
 def _rss_band(data: DashboardData) -> list[Line]:
@@ -415,7 +433,7 @@ def _why_empty(metric: Metric, view: RankView) -> str:
     show = metric.show
     if show is None or not show.na:
         return "no data yet"
-    if metric.name.startswith(("mem_", "gpu_")) and view.device not in (None, "cpu"):
+    if show.needs_gpu and view.device not in (None, "cpu"):
         return "no data yet"  # a GPU rank: the value comes with the next message
     return f"n/a: {show.na}"
 

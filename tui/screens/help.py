@@ -8,7 +8,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
-from scalemon.display import AGGREGATE_AT
+from scalemon import display, policy
+from scalemon.display import AGGREGATE_AT, KEY_METRICS, LATE, LOW_IS_WORSE
 from scalemon.tui.views import COLUMNS
 
 HELP_TEMPLATE = """\
@@ -41,18 +42,19 @@ HELP_TEMPLATE = """\
 {columns}
 **n/a** means the value cannot exist there (no GPU, no AMP scaler, not timed): never zero.
 
-**Stragglers** are running ranks that issue their collectives at least 10 ms and 10% of a
-step later than the first rank of the group (*late*: the median over the rank's last 100
-collectives, from the Flight Recorder's issue times on the hub's clock). A slow rank arrives
-last and then waits least, so the time spent in collectives cannot name it. Before any
-collective was seen by every rank, ranks whose compute time is that much above the median
-rank's are named instead. They are named in the header, largest first, and drawn in yellow.
+**Stragglers** are running ranks that issue their collectives at least {straggler_min} and
+{straggler_share} of a step later than the first rank of the group (*late*: the median over
+the rank's last 100 collectives, from the Flight Recorder's issue times on the hub's clock).
+A slow rank arrives last and then waits least, so the time spent in collectives cannot name
+it. Before any collective was seen by every rank, ranks whose compute time is that much above
+the median rank's are named instead. They are named in the header, largest first, and drawn
+in yellow.
 
 **Nodes.** From {aggregate_at} ranks on the overview has a row per node: its ranks, its worst
-state (failed, lost, restarting, stuck, straggler, running, finished) and how many ranks run,
+state ({node_states}) and how many ranks run,
 are lost, failed or finished; the step range; *min*, *med* and *max* over the node's ranks of
-step time, arrival lateness, loss and GPU memory, and of every other column the node's worst
-value (the *min* of tokens/s, MFU, GPU % and the loss scale, else the *max*). Nodes with a
+{key_metrics}, and of every other column the node's worst value (the *min* of {low_is_worse},
+else the *max*). Nodes with a
 lost or failed rank come first, then nodes with a straggling, stuck or restarting rank or a
 slow median step, slowest first; the others keep their order. Above the table, always: the
 slowest ranks (stragglers in yellow), the lost or failed ranks, and a histogram of the
@@ -73,14 +75,15 @@ torchrun restarts its workers with the new value). The dashboard checks the valu
 hub checks it again, plans the step and records who asked. Flags can be changed only on the
 hub's host, by the job's owner (its control socket).
 
-**Hangs.** The job is *hung* when no rank completed a step for the hang threshold (10 s,
+**Hangs.** The job is *hung* when no rank completed a step for the hang threshold ({hang} s,
 `scalemon attach --hang-after S`). The culprit is the rank that never issued the collective the
 others wait in (or whose process is gone).
 
 **States.** *lost*: the hub heard nothing for a while, or the process is gone. *exited N*: it
 ended with exit code N. A rank shown as `<phase> Ns` has been in one phase (for example
-`allreduce`) that long: a hang candidate. The job is *stalled* when no rank finished a step for
-10 s and 10 steps, and *hung* (above) when the ranks' collectives tell who holds it up.
+`allreduce`) that long (at least {stuck_s} s and {stuck_steps} median steps): a hang candidate.
+The job is *stalled* when no rank finished a step for that long, and *hung* (above) when the
+ranks' collectives tell who holds it up.
 
 **Plots.** x is the step. *Step time* shows compute (step - all-reduce - optimizer, at least 0:
 a lower bound, since the all-reduce overlaps backward), all-reduce and optimizer, as means
@@ -101,7 +104,20 @@ def columns_help() -> str:
                    for c in COLUMNS if c.metric is not None)
 
 
-HELP = HELP_TEMPLATE.format(columns=columns_help(), aggregate_at=AGGREGATE_AT)
+def _headings(names: tuple[str, ...] | frozenset[str]) -> str:
+    """"*step ms*, *late ms* and *loss*": the column headings of metrics `names`, in table
+    order."""
+    heads = [f"*{c.heading}*" for c in COLUMNS if c.metric is not None and c.key in names]
+    return ", ".join(heads[:-1]) + (" and " if len(heads) > 1 else "") + heads[-1]
+
+
+HELP = HELP_TEMPLATE.format(
+    columns=columns_help(), aggregate_at=AGGREGATE_AT,
+    straggler_min=f"{display.shown(LATE, policy.STRAGGLER_MIN_S):g} {display.unit(LATE)}",
+    straggler_share=f"{policy.STRAGGLER_STEP_SHARE:.0%}",
+    key_metrics=_headings(KEY_METRICS), low_is_worse=_headings(LOW_IS_WORSE),
+    node_states=", ".join(policy.NODE_STATES), hang=f"{policy.HANG_AFTER_S:g}",
+    stuck_s=f"{policy.STUCK_MIN_S:g}", stuck_steps=f"{policy.STUCK_STEPS:g}")
 
 
 class HelpScreen(ModalScreen[None]):

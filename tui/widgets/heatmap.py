@@ -17,6 +17,7 @@ from textual.geometry import Size
 from textual.strip import Strip
 from textual.widget import Widget
 
+from scalemon.display import LATE, shown, unit
 from scalemon.tui.collview import Heat
 from scalemon.tui.messages import RedrawNeeded
 
@@ -54,12 +55,12 @@ def head_text(heat: Heat | None) -> list[Text]:
     span = heat.t1 - heat.t0
     title = Text.assemble(("arrival lateness by rank", "bold"),
                           (" (after the first rank to issue each collective)", "dim"))
-    scale = Text.assemble(("ms".rjust(LABEL - 1) + " ", "dim"))
+    scale = Text.assemble((unit(LATE).rjust(LABEL - 1) + " ", "dim"))
     step = heat.top / len(SHADES)
     for i, shade in enumerate(SHADES):
         scale.append(CELL * 2, style=shade)
-        scale.append(f" {i * step * 1e3:.3g}  ", style="dim")
-    scale.append(f"to {heat.top * 1e3:.3g};  {NONE} none;  column = {span / columns:.2g} s",
+        scale.append(f" {shown(LATE, i * step):.3g}  ", style="dim")
+    scale.append(f"to {shown(LATE, heat.top):.3g};  {NONE} none;  column = {span / columns:.2g} s",
                  style="dim")
     return [title, scale]
 
