@@ -29,21 +29,30 @@ import torch
 import scalemon
 from scalemon.collectives import hang_after_default
 from scalemon.failures import clean_error
-from scalemon.jobs import relay_dir, run_dir
 
-from . import flags as _flags
-from .autostart import hub_address, start_hub_if_needed, start_relay_if_needed
+from .autostart import hub_address
 from .env import RankEnv, read_rank_env
 from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
+from .hubwatch import hub_label, watch_hub
 from .nvml import GpuReader, pci_bus_id_of
+from .ranklogs import RankLogs, log_dir
 from .recorder import Recorder, group_uses_nccl
 from .scaler import ScaleReader
 from .stepcomm import MARKS_KEPT
 from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
 from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
-from .transport import Sender, local_value, plain_value
+from .torchdist import (
+    cuda_device,
+    direct_calls,
+    dist_backend,
+    dist_initialized,
+    ras_port,
+    uses_nccl,
+)
+from .transport import Sender
+from .values import host_float, host_int, json_like, why
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -110,9 +119,9 @@ class Run:
         self.address = hub_address(self.env, hub)
         self.phase = Phase()
         self.scaler = scaler
-        self.device = _cuda_device(model)  # the model's GPU, None on CPU
+        self.device = cuda_device(model)  # the model's GPU, None on CPU
         self._cuda = self.device is not None
-        events = EventPool(self.device, _direct_calls(), self.warnings) if self._cuda else None
+        events = EventPool(self.device, direct_calls(), self.warnings) if self._cuda else None
         self._opt_timer = SpanTimer(events)
         self._comm_timer = SpanTimer(events)
         self._hooks: list[Any] = []
@@ -131,12 +140,13 @@ class Run:
                          "SCALEMON_HUB" if os.environ.get("SCALEMON_HUB") else None)
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings,
-                             configured_by=configured_by, hub_label=self._hub_label(hub),
+                             configured_by=configured_by,
+                             hub_label=hub_label(self.env, self.address, hub),
                              server_key=self.address.server_key,
                              first_answer_warn_s=FIRST_ANSWER_WARN_S if configured_by else None,
                              start_grace_s=0.0 if configured_by else HUB_START_GRACE_S)
         self.sender.on_command = self._on_command
-        self._watch_hub(hub)
+        watch_hub(self.sender, self.env, hub)
         self._nccl = uses_nccl()
         # before the script made its process group, NCCL is a guess (CUDA is there): the first
         # log() after the group exists settles it (`_settle_backend`)
@@ -157,13 +167,12 @@ class Run:
             warnings=self.warnings, stuck_after_s=hang_after_default(),
             step_marks=self._step_marks)
         self._hello(model, config)
-        self._logs: Any = None  # a LogFollower, once a log is followed
-        self._stderr: Any = None
-        self.flag_control = FlagControl(
+        self.logs = RankLogs(self.sender.submit, self.warnings, self.env.host, self.pid,
+                             lambda: self.steps_logged)
+        self.flag_control = self.logs.control = FlagControl(
             self.env, self.sender.submit, self.warnings, nccl=self._nccl, checkpoint=checkpoint,
-            on_new_communicator=on_new_communicator, log_dir=_log_dir(self.env.job),
-            on_log_file=self._follow_log, on_nccl_probe=self._nccl_probe)
-        self._nccl_tee: int | None = None  # a dup of fd 1 NCCL's redirected lines go to
+            on_new_communicator=on_new_communicator, log_dir=log_dir(self.env.job),
+            on_log_file=self.logs.follow_log, on_nccl_probe=self.logs.nccl_probe)
         self._start_flags()
         if optimizer is not None:
             self.watch_optimizer(optimizer)
@@ -206,8 +215,8 @@ class Run:
         if config is None:
             return None
         changed: list[str] = []
-        plain = _json_like(config if isinstance(config, dict) else {"config": config}, "",
-                           changed)
+        plain = json_like(config if isinstance(config, dict) else {"config": config}, "",
+                          changed)
         if changed:
             self.warnings.once("config", "scalemon: init(config=...) holds values that are not "
                                "JSON-like (%s); they are sent as text", ", ".join(changed[:5]))
@@ -224,117 +233,10 @@ class Run:
             with contextlib.suppress(Exception):
                 set_pg_timeout(float(timeout))
         if os.environ.get("NCCL_DEBUG"):
-            self._follow_nccl("NCCL_DEBUG" in overrides.applied)
+            self.logs.follow_nccl("NCCL_DEBUG" in overrides.applied)
         if {"TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG"} & set(overrides.applied):
-            self._capture_stderr()
+            self.logs.capture_stderr()
         control.report()
-
-    def _follow_nccl(self, toggled: bool) -> None:
-        """NCCL_DEBUG is set at start: follow NCCL's lines from the first. Without a
-        NCCL_DEBUG_FILE of the user's, point it at a file in the run directory and copy its
-        lines to stdout (fd 1), where the user expects them; `toggled`: NCCL_DEBUG came from a
-        toggle before a restart (not copied: the launch did not ask for them on stdout).
-        NCCL reads NCCL_DEBUG_FILE at its first log line; where libnccl is loaded and may have
-        logged already, ncclResetDebugInit() makes it open the file for its next line."""
-        control = self.flag_control
-        ours = not os.environ.get("NCCL_DEBUG_FILE")
-        tee = None
-        try:
-            tee = os.dup(1) if ours and not toggled else None
-            path = control.nccl_file(tee)
-            if path is None or not ours:
-                return
-            if self._logs is None or not self._logs.following(path):
-                os.environ.pop("NCCL_DEBUG_FILE", None)  # nothing would read it: stdout stays
-                control.redirected = control.nccl_path = None
-                return
-            self._nccl_tee, tee = tee, None
-            _, reset = _flags.loaded_reset()
-            if reset is not None:
-                reset()
-        except Exception as exc:  # NCCL's lines stay where NCCL writes them
-            self.warnings.once("nccl-log", "scalemon: not following NCCL's log: %s", exc)
-        finally:
-            if tee is not None:
-                os.close(tee)
-
-    def _restore_nccl_stdout(self) -> None:
-        """At the end: where the agent pointed NCCL's lines at a file copied to stdout, point
-        them back at stdout (the thread that copies them ends)."""
-        control = self.flag_control
-        path, template = control.nccl_path, control.redirected
-        if self._nccl_tee is None or template is None:
-            return
-        if os.environ.get("NCCL_DEBUG_FILE") != template:
-            return
-        lib, reset = _flags.loaded_reset()
-        if reset is None and lib is not None:
-            self.warnings.once("nccl-restore", "scalemon: NCCL's lines after the monitor ended "
-                               "go to %s only (%s cannot be told to write to stdout again)",
-                               path, Path(lib).name)
-            return
-        os.environ.pop("NCCL_DEBUG_FILE", None)
-        control.redirected = None
-        if reset is not None:
-            reset()
-
-    def _nccl_probe(self, command: dict[str, Any], step: int, text: str) -> bool:
-        """After an applied NCCL_DEBUG toggle: in PROBE_S, report how many NCCL lines came
-        (a follow-up `toggle_result` with `log_lines`, from the follower thread)."""
-        from . import nccllog
-
-        level, subsys = os.environ.get("NCCL_DEBUG"), os.environ.get("NCCL_DEBUG_SUBSYS")
-        path, loaded = self.flag_control.nccl_path, _flags.nccl_library() is not None
-        steps_before = self.steps_logged + 1  # the step being logged is counted after this
-        body = {"id": command["id"], "name": str(command.get("flag")),
-                "value": str(command.get("value", "")), "outcome": "applied", "step": step}
-
-        def report(lines: int) -> None:
-            said = nccllog.probe_text(lines, nccllog.PROBE_S,
-                                      steps=self.steps_logged - steps_before, level=level,
-                                      subsys=subsys, nccl_loaded=loaded, path=path)
-            self.sender.submit("toggle_result", {**body, "text": said, "log_lines": lines,
-                                                 "log_window_s": nccllog.PROBE_S})
-
-        return self._log_follower().probe("nccl", nccllog.PROBE_S, report)
-
-    def _follow_log(self, path: Path, source: str, tee_fd: int | None = None) -> bool:
-        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE); copy them to `tee_fd`."""
-        try:
-            fresh = _written_since_start(path)  # an older file's lines are another run's
-            return self._log_follower().follow(path, source, from_start=fresh, tee_fd=tee_fd)
-        except Exception as exc:  # the log stays in its file; training goes on
-            self.warnings.once("follow-log", "scalemon: not streaming %s: %s", path, exc)
-            return False
-
-    def _close_nccl_tee(self) -> None:
-        """Close the copy of fd 1 once the follower surely no longer writes to it."""
-        path, tee = self.flag_control.nccl_path, self._nccl_tee
-        if tee is not None and path is not None and self._logs.unfollow(path, 1.0):
-            self._nccl_tee = None
-            os.close(tee)
-
-    def _log_follower(self) -> Any:
-        """The LogFollower streaming this rank's logs, made on first use."""
-        if self._logs is None:
-            from .logtail import LogFollower
-
-            self._logs = LogFollower(self.sender.submit, self.warnings)
-        return self._logs
-
-    def _capture_stderr(self) -> None:
-        """Stream this process's stderr (torch's C++ and debug output) to the hub as well."""
-        log_dir = self.flag_control.log_dir
-        if self._stderr is not None or log_dir is None:
-            return
-        try:
-            from .logtail import StderrCapture
-
-            self._stderr = StderrCapture()
-            self._stderr.start(log_dir / f"stderr.{self.env.host}.{self.pid}.log",
-                               self._log_follower())
-        except Exception as exc:
-            self.warnings.once("capture-stderr", "scalemon: not streaming stderr: %s", exc)
 
     @guarded
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -478,37 +380,37 @@ class Run:
         try:
             if step is None:
                 raise TypeError("it is None")
-            return _host_int(step, "step")
+            return host_int(step, "step")
         except (TypeError, ValueError, RuntimeError) as exc:
             self.warnings.once("log-step", "scalemon: log(step=...) %s; the monitor counts "
-                               "steps on from the previous one instead", _why(exc))
+                               "steps on from the previous one instead", why(exc))
         previous = self.phase.step
         return 0 if previous is None else previous + 1
 
     def _host_int(self, value: Any, name: str) -> int | None:
         """`value` as an int, or None (said once) where it cannot be read without a sync."""
         try:
-            return _host_int(value, name)
+            return host_int(value, name)
         except (TypeError, ValueError, RuntimeError) as exc:
             self.warnings.once(f"log-{name}", "scalemon: log(%s=...) %s; it is left out",
-                               name, _why(exc))
+                               name, why(exc))
             return None
 
     def _host_float(self, value: Any, name: str) -> float | None:
         """`value` as a float, or None (said once) for one that is not a number or a
         one-element tensor (a loss of several elements, a string)."""
         try:
-            return _host_float(value)
+            return host_float(value)
         except (TypeError, ValueError, RuntimeError) as exc:
             self.warnings.once(f"log-{name}", "scalemon: %s given to log() %s; it is left out",
-                               name, _why(exc))
+                               name, why(exc))
             return None
 
     def _apply_flags(self, step: int) -> None:
         """Apply the toggles due at this step boundary (on the training thread)."""
         self.flag_control.apply_due(step, self._stop_for_restart)
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper() != "OFF":
-            self._capture_stderr()  # torch's debug output goes to stderr: stream it too
+            self.logs.capture_stderr()  # torch's debug output goes to stderr: stream it too
 
     def _stop_for_restart(self, code: int) -> None:
         """End this worker for a restart-tier toggle: torchrun starts it again."""
@@ -539,12 +441,7 @@ class Run:
                 self.warnings.once("last-read", "scalemon: the last Flight Recorder read "
                                    "failed: %s: %s", type(exc).__name__, exc)
             try:
-                if self._stderr is not None:
-                    self._stderr.stop()
-                self._restore_nccl_stdout()
-                if self._logs is not None:
-                    self._logs.stop()  # a last read of the logs
-                    self._close_nccl_tee()
+                self.logs.stop()
             except Exception as exc:
                 self.warnings.once("last-logs", "scalemon: the last log read failed: %s", exc)
             try:
@@ -614,34 +511,6 @@ class Run:
                 out["phase_since_s"] = time.perf_counter() - self._last_log_t
         return out
 
-    def _hub_label(self, configured: str | None) -> str:
-        """The hub as warnings name it: on other nodes of a multi-node job, the node's relay."""
-        if not configured and self.env.multi_node and self.env.node_rank != 0:
-            return f"{self.address.base} (this node's relay; see relay.log there)"
-        return self.address.base
-
-    def _watch_hub(self, configured: str | None) -> None:
-        """With the job's own (auto-started) hub or relay: when it stops answering, start a new
-        one (on the same history, for a hub). Local rank k tries after 3 + k seconds, so the
-        lowest live one does; the lock makes a second start a no-op."""
-        if configured:
-            return
-        if self.env.multi_node and self.env.node_rank != 0:
-            directory, start, what = relay_dir(self.env.job), start_relay_if_needed, "relay"
-        elif os.environ.get("SCALEMON_HUB") or self.env.node_rank != 0:
-            return
-        else:
-            directory, start, what = run_dir(self.env.job), start_hub_if_needed, "hub"
-
-        def replace() -> None:
-            pid = start(self.env, directory)
-            if pid is not None:
-                log.warning("scalemon: the job's %s stopped answering; rank %d started a new "
-                            "one (pid %d)", what, self.env.rank, pid)
-
-        self.sender.on_hub_silent = replace
-        self.sender.replace_after_s = 3.0 + self.env.local_rank
-
     def _on_command(self, command: dict[str, Any]) -> None:
         """A command the hub relayed (on the sender thread)."""
         if command.get("name") == "dump_fr" and isinstance(command.get("directory"), str):
@@ -662,127 +531,3 @@ def _mark_forked() -> None:
 
 
 os.register_at_fork(after_in_child=_mark_forked)
-
-
-def _json_like(value: Any, where: str, changed: list[str], depth: int = 0) -> Any:
-    """`value` with string keys, lists for tuples and sets, and the text of anything else that
-    is not a str, int, float, bool or None (noting where in `changed`); cut at depth 16."""
-    if type(value) in (str, int, float, bool, type(None)):
-        return value
-    with contextlib.suppress(Exception):  # NumPy scalars, 0-d tensors, str/int subclasses
-        value = plain_value(value)
-        if type(value) in (str, int, float, bool):
-            return value
-    if isinstance(value, dict) and depth < 16:
-        return {str(k): _json_like(v, f"{where}.{k}" if where else str(k), changed, depth + 1)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)) and depth < 16:
-        return [_json_like(v, where, changed, depth + 1) for v in value]
-    changed.append(f"{where or 'config'}: {type(value).__name__}")
-    return str(value)
-
-
-def _cuda_device(model: Any) -> torch.device | None:
-    """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        param = next(model.parameters(), None) if model is not None else None
-    except Exception:  # not an nn.Module: the current device, as without a model
-        param = None
-    if param is not None:
-        return param.device if param.is_cuda else None
-    if torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def _direct_calls() -> Any:
-    """CUDA calls that keep the GIL (cudart.py), unless SCALEMON_CUDA_DIRECT=0 or unavailable."""
-    if os.environ.get("SCALEMON_CUDA_DIRECT", "1") == "0":
-        return None
-    from .cudart import CudaDirect
-
-    return CudaDirect.load()
-
-
-def _log_dir(job: str) -> Path | None:
-    """The job's run directory on this node, where NCCL's and torch's logs are written."""
-    try:
-        from scalemon.jobs import private_dir
-
-        return private_dir(run_dir(job))
-    except Exception:
-        return None
-
-
-def _written_since_start(path: Path) -> bool:
-    """True unless `path` exists and was last written before this process started."""
-    try:
-        import psutil
-
-        return os.stat(path).st_mtime >= psutil.Process().create_time() - 1.0
-    except Exception:  # absent, or no psutil: from its start
-        return True
-
-
-def ras_port() -> int:
-    """The port NCCL RAS listens on (NCCL_RAS_ADDR=host:port, default 28028)."""
-    from .ras import RAS_PORT
-
-    addr = os.environ.get("NCCL_RAS_ADDR", "")
-    try:
-        return int(addr.rsplit(":", 1)[1]) if ":" in addr else RAS_PORT
-    except ValueError:
-        return RAS_PORT
-
-
-def dist_initialized() -> bool:
-    """True once torch.distributed's default group exists."""
-    try:
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized()
-    except Exception:
-        return False
-
-
-def uses_nccl() -> bool:
-    """True when this process uses NCCL (or will: CUDA is there and no group exists yet)."""
-    if dist_initialized():
-        return group_uses_nccl()
-    return torch.cuda.is_available()
-
-
-def dist_backend() -> str | None:
-    """The default process group's backend, or None outside torch.distributed."""
-    try:
-        import torch.distributed as dist
-
-        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
-    except Exception:
-        return None
-
-
-def _host_int(value: Any, name: str) -> int | None:
-    """An int from a Python/NumPy integer or a CPU tensor; never reads a GPU tensor (a sync)."""
-    if value is None or type(value) is int:
-        return value
-    if isinstance(value, torch.Tensor) and value.is_cuda:
-        raise TypeError(f"{name} is a CUDA tensor: pass a Python int (reading it would sync)")
-    return int(value)
-
-
-def _host_float(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = local_value(value)
-        if value.is_cuda:
-            return None  # never sync a device tensor on the training thread
-        return float(value)
-    return float(value)
-
-
-def _why(exc: Exception) -> str:
-    return f"cannot be read ({type(exc).__name__}: {exc})"

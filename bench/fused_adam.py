@@ -308,9 +308,9 @@ def host_workloads(cuda: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
 
 def stub_launch() -> None:
     """CPU: our kernel launch becomes a no-op (the Triton interpreter would time numpy)."""
-    from scalemon.demo_train import fused_adam as fa
+    from scalemon.demo_train import adam_plan
 
-    fa._Plan.launch = lambda self, *args: None
+    adam_plan.Plan.launch = lambda self, *args: None
 
 
 def backward_like(params: list[torch.Tensor], gen: torch.Generator) -> None:

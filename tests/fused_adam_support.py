@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 from torch.profiler import ProfilerActivity, profile
 
-from scalemon.demo_train import fused_adam as fa
+from scalemon.demo_train import adam_plan
 
 
 class LaunchStub:
@@ -27,7 +27,7 @@ class LaunchStub:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        monkeypatch.setattr(fa._Plan, "launch", self._launch)
+        monkeypatch.setattr(adam_plan.Plan, "launch", self._launch)
 
     def _launch(self, *args: object) -> None:
         self.calls += 1

@@ -1,4 +1,4 @@
-"""Parity of FusedAdamW/FusedAdam with torch.optim.AdamW/Adam (CPU, Triton interpreter).
+"""Parity of FusedAdamW with torch.optim.AdamW/Adam (CPU, Triton interpreter).
 
 The CUDA checks (kernel count with torch.profiler, no host sync, parity on the GPU) run in a
 subprocess without the interpreter and are skipped when there is no GPU; building the kernel
@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import copy
+import functools
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 import torch
 from fused_adam_support import run_compiled
 
+from scalemon.demo_train import adam_kernel, adam_plan
 from scalemon.demo_train import fused_adam as fa
 
 SHAPES = [(1,), (3,), (4097,), (65537,), ()]
@@ -28,6 +30,8 @@ F32 = {"rtol": 1e-5, "atol": 1e-6}
 interp = pytest.mark.skipif(
     not fa.interpreted(), reason="triton was imported before TRITON_INTERPRET=1 was set"
 )
+_adam = functools.partial(fa.FusedAdamW, weight_decay=0.0, decoupled=False)
+"""torch.optim.Adam's counterpart: L2 weight decay added to the grad, default 0."""
 
 
 def _params(shapes, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
@@ -88,7 +92,7 @@ def _groups(ps: list[torch.Tensor]) -> list[dict]:
 @interp
 @pytest.mark.parametrize(
     ("ref_cls", "our_cls"),
-    [(torch.optim.AdamW, fa.FusedAdamW), (torch.optim.Adam, fa.FusedAdam)],
+    [(torch.optim.AdamW, fa.FusedAdamW), (torch.optim.Adam, _adam)],
 )
 def test_parity_all_sizes_and_groups(ref_cls, our_cls):
     ref_ps = _params(SHAPES + [(5, 7)])
@@ -188,7 +192,7 @@ def test_one_launch_per_step_and_tables_cached():
 
 @interp
 def test_mixed_dtypes_with_master_weights_match_fp32():
-    shapes = [(fa._INTERP_BLOCK + 5,), (3,), ()]  # a full block and a tail, per dtype
+    shapes = [(adam_kernel.INTERP_BLOCK + 5,), (3,), ()]  # a full block and a tail, per dtype
     ours_ps = (
         _params(shapes, torch.float32, 8)
         + _params(shapes, torch.bfloat16, 9)
@@ -373,7 +377,7 @@ def test_refuses_unsupported_inputs(monkeypatch):
         fa.FusedAdamW([q]).step()
     with pytest.raises(ValueError, match="learning rate"):
         fa.FusedAdamW([a], lr=-1.0)
-    monkeypatch.setattr(fa, "interpreted", lambda: False)
+    monkeypatch.setattr(adam_plan, "interpreted", lambda: False)  # what check_device reads
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fa.FusedAdamW([a]).step()
 
@@ -465,8 +469,8 @@ AOT_COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from scalemon.demo_train import fused_adam as fa
-    assert not fa.interpreted()
+    from scalemon.demo_train import adam_kernel as k
+    assert not k.interpreted()
     target = GPUTarget("cuda", 90, 32)
     sig = {"tensor_tab": "*i64", "grad_tab": "*i64", "block_tab": "*i64", "hyper_tab": "*fp64",
            "counters": "*i32", "scale_ptr": "*fp32", "inf_ptr": "*fp32"}
@@ -474,14 +478,14 @@ AOT_COMPILE = textwrap.dedent(
     mixed = dict(P_CODE=-1, G_CODE=-1, S_CODE=-1, MASTER=-1, AMS=-1, HAS_SCALE=True, HAS_INF=True)
     bf16 = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=2, AMS=0, HAS_SCALE=False, HAS_INF=False)
     for consts in (fixed, mixed, bf16):
-        consts = dict(consts, ALIGNED=True, NCOL=fa._NCOL, HCOL=fa._HCOL, BLOCK=fa._GPU_BLOCK)
-        src = ASTSource(fa._fused_adam_kernel, {**sig, **{k: "constexpr" for k in consts}},
+        consts = dict(consts, ALIGNED=True, NCOL=k.NCOL, HCOL=k.HCOL, BLOCK=k.GPU_BLOCK)
+        src = ASTSource(k.fused_adam_kernel, {**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts)
-        ptx = triton.compile(src, target=target, options={"num_warps": fa._GPU_WARPS}).asm["ptx"]
+        ptx = triton.compile(src, target=target, options={"num_warps": k.GPU_WARPS}).asm["ptx"]
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "full blocks not vectorised"
         assert "div.full" not in ptx and "sqrt.approx" not in ptx, "approximate fp32 math"
-    poke = {"dst": "*i64", **{name: "i64" for name in fa._POKE_ARGS}}
-    triton.compile(ASTSource(fa._poke_kernel, poke), target=target, options={"num_warps": 1})
+    poke = {"dst": "*i64", **{name: "i64" for name in k.POKE_ARGS}}
+    triton.compile(ASTSource(k.poke_kernel, poke), target=target, options={"num_warps": 1})
     print("compiled")
     """
 )

@@ -16,9 +16,10 @@ import copy
 import pytest
 import torch
 
+from scalemon.demo_train import adam_kernel
 from scalemon.demo_train import fused_adam as fa
 
-SHAPES = [(3,), (fa._INTERP_BLOCK + 7,), (), (5, 7)]  # a full block and tails
+SHAPES = [(3,), (adam_kernel.INTERP_BLOCK + 7,), (), (5, 7)]  # a full block and tails
 F32 = {"rtol": 1e-5, "atol": 1e-6}
 interp = pytest.mark.skipif(
     not fa.interpreted(), reason="triton was imported before TRITON_INTERPRET=1 was set"

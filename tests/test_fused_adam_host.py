@@ -21,6 +21,7 @@ from fused_adam_support import LaunchStub, run_compiled, torch_ops_in
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile
 
+from scalemon.demo_train import adam_plan
 from scalemon.demo_train import fused_adam as fa
 
 F32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -243,11 +244,11 @@ def test_capture_writes_its_own_grad_table_with_pokes(capturing):
         _assign(ref_ps, sets[i % 2])
         _assign(our_ps, [g.clone() for g in sets[i % 2]])
         capturing["on"] = i >= 2  # warm-up, then "capture" with grads the warm-up never saw
-        pokes, eager = fa.POKE_COUNT, ours._plan.grad_tab.clone() if ours._plan else None
+        pokes, eager = adam_plan.POKE_COUNT, ours._plan.grad_tab.clone() if ours._plan else None
         ref.step()
         ours.step()
         if capturing["on"]:
-            assert fa.POKE_COUNT - pokes == 2  # 11 addresses, 8 a launch
+            assert adam_plan.POKE_COUNT - pokes == 2  # 11 addresses, 8 a launch
             assert torch.equal(ours._plan.grad_tab, eager)  # the eager column is untouched
             assert ours._graph_plans == [ours._plan]
     for r, o in zip(ref_ps, our_ps, strict=True):
@@ -279,7 +280,7 @@ def test_capture_refuses_what_it_cannot_record(capturing):
 def test_poke_writes_pairs():
     dst = torch.zeros(20, dtype=torch.int64)
     pairs = [(i, (1 << 47) + 13 * i) for i in range(11)] + [(19, 0), (18, 1)]
-    fa._poke(dst, pairs)
+    adam_plan.poke(dst, pairs)
     want = torch.zeros(20, dtype=torch.int64)
     for i, v in pairs:
         want[i] = v
@@ -343,7 +344,8 @@ CUDA_GRAPH = textwrap.dedent(
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from scalemon.demo_train import fused_adam as fa
+    from scalemon.demo_train import adam_plan
+from scalemon.demo_train import fused_adam as fa
     assert not fa.interpreted()
     torch.manual_seed(0)
 

@@ -326,7 +326,7 @@ def test_a_debug_file_of_the_users_is_followed_but_not_copied_to_stdout(home: Pa
 def test_a_file_older_than_the_process_is_followed_from_its_end(tmp_path: Path) -> None:
     """A NCCL_DEBUG_FILE an earlier run left (NCCL truncates it at its first line) is not sent
     from its start; a fresh or absent one is."""
-    from scalemon.agent.run import _written_since_start
+    from scalemon.agent.ranklogs import written_since_start as _written_since_start
 
     old, fresh = tmp_path / "old.log", tmp_path / "fresh.log"
     old.write_text("an earlier run\n")

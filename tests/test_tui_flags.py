@@ -14,10 +14,11 @@ from test_tui_snapshots import screen_text
 
 from scalemon import protocol
 from scalemon.protocol import HUB_RANK, Message, ProtocolError
-from scalemon.tui.app import NO_HUB_FLAGS, DashboardApp
+from scalemon.tui.app import DashboardApp
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.logview import EMPTY_HELP, parse_filter
 from scalemon.tui.model import DashboardData
+from scalemon.tui.requests import NO_HUB_FLAGS
 from scalemon.tui.screens.flags import FlagsScreen, ToggleDialog
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.screens.log import LogScreen

@@ -9,6 +9,7 @@ to the app only through `post_message` (status changes).
 When the job hangs (`JobState.hang`) the app shows the hang screen by itself, once per hang;
 its `d` asks the hub for a Flight Recorder dump from a thread worker. The flags screen's changes
 go to the hub the same way, through `send_toggle` (the hub's control socket by default).
+The pacing of redraws is in tui/pacer.py, the requests the workers make in tui/requests.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import json
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import zmq
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -32,16 +31,23 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from scalemon.client import HubUnreachable
-from scalemon.control import ControlError, Controller
 from scalemon.jobs import HubAddress, JobFile
-from scalemon.protocol import ProtocolError
 from scalemon.tui import views
 from scalemon.tui.feed import Feed, HubFeed
 from scalemon.tui.gcpause import FreezeSurvivors
 from scalemon.tui.hangview import current_hang
 from scalemon.tui.messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
+from scalemon.tui.pacer import TICK_S, RedrawPacer
+from scalemon.tui.requests import (
+    NO_HUB,
+    DumpAnswer,
+    ToggleAnswer,
+    ToggleSender,
+    ask_dump,
+    ask_toggle,
+    toggle_on_hub,
+)
 from scalemon.tui.safe_text import clean
 from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.screens.collectives import CollectivesScreen
@@ -54,19 +60,8 @@ from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 
-TICK_S = 0.1
-AGES_EVERY_S = 1.0
-DRAW_SHARE = 0.25
-"""Redraws that follow the data take at most this share of the time (a redraw of thousands of
-ranks that takes 60 ms comes every 240 ms); keys and scrolling redraw at the next tick."""
-NO_HUB = "no hub: dumps need a live job"
-NO_HUB_FLAGS = ("no live hub behind this dashboard (simulated or replayed data): flags can be "
-                "changed only in a live job, from the hub's host")
 SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen, FlagsScreen, LogScreen)
 """Screens that `c`, `h`, `f` and `L` replace instead of stacking another one on."""
-ToggleSender = Callable[[str, str, bool], dict[str, Any]]
-"""(name, value, restart) -> the hub's reply; raises ProtocolError (refused), HubUnreachable,
-ControlError (the job cannot be steered from here)."""
 
 
 def run_app(app: DashboardApp) -> int:
@@ -90,24 +85,6 @@ class FeedStatus(Message):
         super().__init__()
         self.status = status
         self.detail = detail
-
-
-class DumpAnswer(Message):
-    """What became of a Flight Recorder dump request (posted from the worker's thread)."""
-
-    def __init__(self, text: str, ok: bool) -> None:
-        super().__init__()
-        self.text = text
-        self.ok = ok
-
-
-class ToggleAnswer(Message):
-    """What became of a flag change request (posted from the worker's thread)."""
-
-    def __init__(self, text: str, ok: bool) -> None:
-        super().__init__()
-        self.text = text
-        self.ok = ok
 
 
 class DashboardApp(App[None]):
@@ -140,23 +117,23 @@ class DashboardApp(App[None]):
         self.stats_path = stats_path
         self.job_process = job_process
         self.job_log = job_log
-        self._drawn_version = -1
-        self._drawn_at = 0.0
-        self._plots_version = -1
-        self._plots_at = 0.0
-        self._plot_interval = TICK_S
-        self._draw_interval = TICK_S
-        self._drawn_perf = 0.0  # perf_counter() of the last redraw's start
-        self._urgent = True  # a redraw asked for (keys, scrolling): not held back
-        self.redraw_ms: deque[float] = deque(maxlen=100_000)
-        self.plot_redraw_ms: deque[float] = deque(maxlen=100_000)  # those that drew the plots
-        self.redraws = 0
+        self.pacer = RedrawPacer()
         self._job_exit_reported = False
         self._hang_shown = False  # the hang screen was shown for the hang going on
         self.dump_status: str | None = None  # what became of the last dump request
         self.toggle_status: tuple[str, bool] | None = None  # of the last flag change request
         self.send_toggle: ToggleSender = self._send_toggle_to_hub
         self._gc: FreezeSurvivors | None = None  # while mounted
+
+    @property
+    def redraws(self) -> int:
+        """Redraws so far."""
+        return self.pacer.redraws
+
+    @property
+    def _plots_version(self) -> int:
+        """The data version the plots were last drawn at (tui/screenshot.py waits for it)."""
+        return self.pacer.plots_version
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -209,11 +186,7 @@ class DashboardApp(App[None]):
 
     def redraw_now(self, plots: bool = True) -> None:
         """Redraw at the next tick even if no data changed."""
-        self._drawn_version = -1
-        self._urgent = True
-        if plots:
-            self._plots_version = -1
-            self._plots_at = 0.0
+        self.pacer.force(plots)
 
     def _tick(self) -> None:
         if self._gc is not None:
@@ -226,13 +199,9 @@ class DashboardApp(App[None]):
         now = self.clock()
         start = time.perf_counter()
         version = self.data.version
-        changed = version != self._drawn_version
-        plots_due = (version != self._plots_version
-                     and start - self._plots_at >= self._plot_interval)
-        if not changed and not plots_due and now - self._drawn_at < AGES_EVERY_S:
+        draw, plots_due = self.pacer.plan(version, now, start)
+        if not draw:
             return
-        if not self._urgent and start - self._drawn_perf < self._draw_interval:
-            return  # redrawing takes long (thousands of ranks): not more than DRAW_SHARE
         if self._show_hang(now):
             return  # the hang screen draws at the next tick
         self.data.drawing(True)  # the receiver steps aside until the screen is drawn
@@ -244,11 +213,7 @@ class DashboardApp(App[None]):
         except BaseException:
             self.data.drawing(False)
             raise
-        self._drawn_version, self._drawn_at = version, now
-        self._drawn_perf, self._urgent = start, False
-        if plots_due:
-            self._plots_version, self._plots_at = version, start
-        self.redraws += 1
+        self.pacer.drew(version, now, start, plots_due)
         self.call_after_refresh(self._redrawn, start, plots_due)
 
     def _show_hang(self, now: float) -> bool:
@@ -268,14 +233,7 @@ class DashboardApp(App[None]):
 
     def _redrawn(self, start: float, plots: bool) -> None:
         self.data.drawing(False)
-        elapsed = time.perf_counter() - start
-        self.redraw_ms.append(elapsed * 1000.0)
-        if plots:
-            self.plot_redraw_ms.append(elapsed * 1000.0)
-        self._draw_interval = min(1.0, max(TICK_S, elapsed / DRAW_SHARE))
-        if plots:
-            # expensive plots (many ranks, big terminal) are redrawn less often: <= ~25% CPU
-            self._plot_interval = min(1.0, max(TICK_S, 4 * elapsed))
+        self.pacer.redrawn(time.perf_counter() - start, plots)
 
     def _watch_job(self) -> None:
         """The job this app started ended: a toast when it finished, else the end of its log
@@ -368,24 +326,7 @@ class DashboardApp(App[None]):
 
     @work(thread=True, exclusive=True, group="dump", name="dump request")
     def _request_dump(self, address: HubAddress) -> None:
-        try:
-            controller = Controller(address, timeout_s=5.0)
-        except ControlError as exc:
-            self.post_message(DumpAnswer(f"dump failed: {exc}", ok=False))
-            return
-        try:
-            reply = controller.command("dump_fr")
-        except (HubUnreachable, ProtocolError, zmq.ZMQError) as exc:
-            self.post_message(DumpAnswer(f"dump failed: {exc}", ok=False))
-            return
-        finally:
-            controller.close()
-        where = reply.get("directory", "?")
-        if "ranks" in reply:
-            text = f"dump requested: {len(reply['ranks'])} ranks -> {where}"
-        else:
-            text = f"dump requested: {reply.get('note') or 'the hub took it'} -> {where}"
-        self.post_message(DumpAnswer(text, ok=True))
+        self.post_message(ask_dump(address))
 
     def on_dump_answer(self, message: DumpAnswer) -> None:
         """Say what became of a dump request."""
@@ -407,30 +348,11 @@ class DashboardApp(App[None]):
 
     @work(thread=True, group="toggle", name="toggle request")
     def _request_toggle(self, name: str, value: str, restart: bool) -> None:
-        change = f"{name}={value}" if value else f"{name}= (unset)"
-        try:
-            reply = self.send_toggle(name, value, restart)
-        except ControlError as exc:
-            self.post_message(ToggleAnswer(f"cannot change flags from here: {exc}", ok=False))
-        except ProtocolError as exc:
-            self.post_message(ToggleAnswer(f"the hub refused {change}: {exc}", ok=False))
-        except (HubUnreachable, zmq.ZMQError, OSError) as exc:
-            self.post_message(ToggleAnswer(f"{change} not sent: {exc}", ok=False))
-        else:
-            text = reply.get("text") or (f"{change} ({reply.get('tier', '?')}) planned for "
-                                         f"step {reply.get('at_step', '?')}")
-            self.post_message(ToggleAnswer(f"toggle #{reply.get('id', '?')}: {text}", ok=True))
+        self.post_message(ask_toggle(self.send_toggle, name, value, restart))
 
     def _send_toggle_to_hub(self, name: str, value: str, restart: bool) -> dict[str, Any]:
         """The default `send_toggle`: the live hub's control socket."""
-        address = self.hub_address()
-        if address is None:
-            raise ControlError(NO_HUB_FLAGS)
-        controller = Controller(address, timeout_s=5.0)
-        try:
-            return controller.toggle(name, value, restart=restart)
-        finally:
-            controller.close()
+        return toggle_on_hub(self.hub_address(), name, value, restart)
 
     def on_toggle_answer(self, message: ToggleAnswer) -> None:
         """Say what became of a flag change request."""
@@ -488,7 +410,7 @@ class DashboardApp(App[None]):
     def stats(self) -> dict[str, Any]:
         """Redraw times and what was received."""
         with self.data.lock:
-            return {"redraws": self.redraws, "redraw_ms": list(self.redraw_ms),
-                    "plot_redraw_ms": list(self.plot_redraw_ms),
+            return {"redraws": self.redraws, "redraw_ms": list(self.pacer.redraw_ms),
+                    "plot_redraw_ms": list(self.pacer.plot_redraw_ms),
                     "records": self.data.records, "by_type": dict(self.data.by_type),
                     "next_seq": self.data.next_seq, "rejected": self.data.rejected}

@@ -82,10 +82,6 @@ class NodeTable(LineTable["str | None"]):
         """Show every node of `hosts` in that order, with new text for `rows`."""
         return self.show_keys(hosts, {row.host: row for row in rows})
 
-    def cells_by_node(self) -> dict[str | None, tuple[str, ...]]:
-        """The table as text (tests)."""
-        return {host: row.cells for host, row in self.rows.items()}
-
     def selected(self, key: str | None) -> None:
         """Show the node's ranks."""
         self.post_message(self.Selected(key))

@@ -1,0 +1,73 @@
+"""What torch tells of this process: the CUDA device it trains on, whether and how its
+process group exists (NCCL or gloo), and the NCCL RAS port; read by `Run` (agent/run.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .recorder import group_uses_nccl
+
+
+def cuda_device(model: Any) -> torch.device | None:
+    """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        param = next(model.parameters(), None) if model is not None else None
+    except Exception:  # not an nn.Module: the current device, as without a model
+        param = None
+    if param is not None:
+        return param.device if param.is_cuda else None
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def direct_calls() -> Any:
+    """CUDA calls that keep the GIL (cudart.py), unless SCALEMON_CUDA_DIRECT=0 or unavailable."""
+    if os.environ.get("SCALEMON_CUDA_DIRECT", "1") == "0":
+        return None
+    from .cudart import CudaDirect
+
+    return CudaDirect.load()
+
+
+def ras_port() -> int:
+    """The port NCCL RAS listens on (NCCL_RAS_ADDR=host:port, default 28028)."""
+    from .ras import RAS_PORT
+
+    addr = os.environ.get("NCCL_RAS_ADDR", "")
+    try:
+        return int(addr.rsplit(":", 1)[1]) if ":" in addr else RAS_PORT
+    except ValueError:
+        return RAS_PORT
+
+
+def dist_initialized() -> bool:
+    """True once torch.distributed's default group exists."""
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
+def uses_nccl() -> bool:
+    """True when this process uses NCCL (or will: CUDA is there and no group exists yet)."""
+    if dist_initialized():
+        return group_uses_nccl()
+    return torch.cuda.is_available()
+
+
+def dist_backend() -> str | None:
+    """The default process group's backend, or None outside torch.distributed."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None

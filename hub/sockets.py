@@ -1,0 +1,79 @@
+"""The hub's sockets: made with its options, bound over tcp as Curve servers, and the feed that
+publishes on each of them (hub/server.py binds and polls them)."""
+
+from __future__ import annotations
+
+import socket
+
+import zmq
+
+from scalemon.jobs import HubAddress
+from scalemon.keys import Keypair, secure_server
+
+from .auth import DOMAINS
+from .tcpguard import TcpGuard
+
+MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode rejects > 1 MiB
+
+
+def make_sockets(ctx: zmq.Context,
+                 tcp: bool = False) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    """An unbound ingest PULL, feed PUB and rpc ROUTER with the hub's options. A tcp feed
+    is an XPUB that hands up every subscription: it tells which key each subscriber is."""
+    ingest = ctx.socket(zmq.PULL)
+    ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    ingest.setsockopt(zmq.RCVHWM, 100_000)
+    feed = ctx.socket(zmq.XPUB if tcp else zmq.PUB)
+    if tcp:
+        feed.setsockopt(zmq.XPUB_VERBOSE, 1)
+        feed.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+    feed.setsockopt(zmq.SNDHWM, 100_000)
+    rpc = ctx.socket(zmq.ROUTER)
+    rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    for sock in (ingest, feed, rpc):
+        sock.setsockopt(zmq.LINGER, 0)
+    return ingest, feed, rpc
+
+
+def bind_tcp(sockets: tuple[zmq.Socket, ...], where: HubAddress, keys: Keypair,
+             guard: TcpGuard | None, ports: dict[zmq.Socket, int]) -> dict[str, str]:
+    """Bind ingest/feed/rpc as Curve servers at `where` (port 0: each a free port), noting
+    each socket's port in `ports`; returns the endpoints with a host name other nodes
+    resolve."""
+    host = where.ingest[len("tcp://"):].rpartition(":")[0]
+    public = host in ("*", "0.0.0.0", "[::]", "::") or not host
+    name = resolvable_host() if public else host.strip("[]")
+    bound = {}
+    for label, sock, endpoint in zip(("ingest", "feed", "rpc"), sockets,
+                                     (where.ingest, where.feed, where.rpc), strict=True):
+        secure_server(sock, keys, DOMAINS[label])
+        if guard is not None:
+            guard.prepare(sock)
+        if endpoint.endswith(":0"):
+            port = sock.bind_to_random_port(endpoint[:-2])
+        else:
+            sock.bind(endpoint)
+            port = int(endpoint.rpartition(":")[2])
+        if guard is not None:
+            guard.watch(sock, port)
+        ports[sock] = port
+        bound[label] = f"tcp://{name}:{port}"
+    return bound
+
+
+class FanOut:
+    """The feed: every record goes to each PUB socket (ipc and, with --listen, tcp)."""
+
+    def __init__(self, sockets: list[zmq.Socket]) -> None:
+        self.sockets = sockets
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """Publish `frames` on every feed socket."""
+        for sock in self.sockets:
+            sock.send_multipart(frames)
+
+
+def resolvable_host() -> str:
+    """This host's name as other nodes resolve it: the FQDN where it has one."""
+    fqdn = socket.getfqdn()
+    return fqdn if fqdn and fqdn != "localhost" else socket.gethostname()
