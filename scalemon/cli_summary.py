@@ -20,13 +20,12 @@ from scalemon.protocol import Message
 from scalemon.summary import (
     RunRecords,
     compare,
-    compare_text,
     json_ready,
     loss_series,
     run_records,
     summarize,
-    summary_text,
 )
+from scalemon.summary_text import compare_text, summary_text
 
 EXIT_NO_JOB = 2
 JSON_NOTE = ("--json prints strict JSON (schema in docs/summary.md); a number that is not "

@@ -273,7 +273,8 @@ def test_quantile_and_common_steps():
 
 
 def test_text_of_many_ranks_shows_the_slowest_and_says_so():
-    from scalemon.summary import RANK_LINES_MAX, RunRecords, summarize, summary_text
+    from scalemon.summary import RANK_LINES_MAX, RunRecords, summarize
+    from scalemon.summary_text import summary_text
 
     ranks = range(3 * RANK_LINES_MAX)
     records = RunRecords(steps={r: {s: {"step_time_s": 0.01 + r * 1e-4, "loss": 1.0}
