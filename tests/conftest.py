@@ -1,4 +1,14 @@
-"""Shared fixtures: a private SCALEMON_HOME per test and real hub processes."""
+"""Shared fixtures: a private SCALEMON_HOME per test and real hub processes.
+
+At import, before any test module imports scalemon or triton, it sets for this test process
+(each pytest-xdist worker is one):
+- `SCALEMON_HOME` and `SCALEMON_RUNTIME_DIR` to a private temporary directory, so a test that
+  does not ask for the `home` fixture still never touches the user's ~/.scalemon or the node's
+  /tmp/scalemon-<uid> relays, nor collides with a test running beside it;
+- `TRITON_INTERPRET=1`: the fused-AdamW tests run the Triton kernels in the interpreter on CPU
+  tensors in this process (compiled kernels run in subprocesses with `TRITON_INTERPRET=0`, see
+  fused_adam_support.run_compiled), so they never depend on the caller's environment.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +31,21 @@ from scalemon import protocol
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
 REPO = Path(__file__).resolve().parents[1]
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="smw", dir="/tmp"))
+os.environ["SCALEMON_HOME"] = str(_SESSION_DIR / "home")
+os.environ["SCALEMON_RUNTIME_DIR"] = str(_SESSION_DIR / "rt")
+for _name in ("SCALEMON_HUB", "SCALEMON_JOB_ID"):
+    os.environ.pop(_name, None)
+os.environ["TRITON_INTERPRET"] = "1"  # before any test module imports triton
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the hubs left in this process's default home and remove its directory."""
+    for job_file in (_SESSION_DIR / "home" / "jobs").glob("*.json"):
+        with contextlib.suppress(Exception):
+            os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):

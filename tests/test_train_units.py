@@ -3,10 +3,6 @@ the memory formula, gradients of the techniques, the loss scaler, faults, checkp
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (fused AdamW)
-
 import json
 from pathlib import Path
 
@@ -175,8 +171,7 @@ def test_checkpoint_round_trip_is_exact(corpus, tmp_path, optimizer) -> None:
     if optimizer.startswith("fused"):
         from scalemon.demo_train import fused_adam
 
-        if not fused_adam.interpreted():
-            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+        assert fused_adam.interpreted(), "tests/conftest.py sets TRITON_INTERPRET=1 first"
     flags = ("--optimizer", optimizer, "--amp", "fp16")
     a = trainer(corpus, *flags)
     steps(a, 3)
