@@ -48,6 +48,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Integration tests first (the order is otherwise kept): under pytest-xdist the long jobs
+    start at once, in parallel, instead of being handed out last to a single worker."""
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):
     """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
     end = time.monotonic() + timeout
@@ -235,9 +241,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def short_tmp() -> Iterator[Path]:
+    """A private directory with a short path, removed after the test: ipc socket paths under it
+    must stay under ~100 bytes (pytest's tmp_path is longer, more so under pytest-xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="sms", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_disk(short_tmp: Path):
     """A 2 MiB file system of its own (tmpfs; root only)."""
-    mount = tmp_path / "disk"
+    mount = short_tmp / "disk"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
                           capture_output=True)

@@ -111,7 +111,7 @@ def test_a_symlinked_job_file_is_not_trusted_by_jobs_snapshot_or_attach(start_hu
     assert f"{home / 'jobs' / 'jobT.json'} is a symbolic link" in listed.stderr
     snap = cli(home, "snapshot", "jobT")
     assert snap.returncode == 2 and "no live hub for job 'jobT'" in snap.stderr
-    attach = cli(home, "attach", "jobT")
+    attach = cli(home, "attach", "--wait", "1", "jobT")  # not the default 30 s
     assert attach.returncode == 2 and "no live hub and no history for job 'jobT'" in \
         attach.stderr
     assert (home / "jobs" / "jobT.json").is_symlink()  # said, never removed or written

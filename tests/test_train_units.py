@@ -421,6 +421,7 @@ def test_a_mistaken_flag_value_is_refused_saying_what_is_wrong(flags, says, caps
     assert f"train.py: error: {says}" in err, err
 
 
+@pytest.mark.integration
 def test_flag_mistakes_are_said_by_local_rank_0_only(capsys, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit) as exit_:
