@@ -48,10 +48,25 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
+LONGEST_FIRST = ("test_train.py", "test_multinode.py", "test_corpus.py", "test_toggle_jobs.py",
+                 "test_hang_jobs.py", "test_checkpoint_recovery.py")
+"""The files that take a minute or more, run first (a minute or more each, serially)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Integration tests first (the order is otherwise kept): under pytest-xdist the long jobs
-    start at once, in parallel, instead of being handed out last to a single worker."""
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    """Files in this order: LONGEST_FIRST, then those with integration tests, then the rest
+    (each file's tests stay together and in order). Under pytest-xdist (--dist loadfile hands
+    out whole files in this order) the long jobs start at once, in parallel, and the run does
+    not end waiting on one of them."""
+    with_integration = {item.path for item in items if item.get_closest_marker("integration")}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(name)
+        return (1 if item.path in with_integration else 2), 0
+
+    items.sort(key=rank)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):

@@ -29,9 +29,6 @@ from scalemon.demo_train.checkpoint import (
     list_checkpoints,
 )
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = pytest.mark.xdist_group("checkpoint_recovery")
-
 # -----------------------------------------------------------------------------
 # helpers
 

@@ -30,9 +30,6 @@ import torch
 from conftest import REPO, free_port, hub_messages, kill_tree, wait_for
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = pytest.mark.xdist_group("corpus")
-
 CORPUS = REPO / "tests" / "corpus"
 JOBS: dict[str, tuple[str, tuple[str, ...], int]] = {  # name: script, its arguments, ranks
     "nanogpt": ("nanogpt_style.py", (), 2),

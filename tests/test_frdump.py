@@ -21,9 +21,6 @@ from scalemon import frtrace
 from scalemon.frtrace import DumpError
 from scalemon.tui.hangview import _dump_lines
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = pytest.mark.xdist_group("frdump")
-
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -22,9 +22,7 @@ from test_packaging import build_wheel
 
 from conftest import HubProcess, wait_for
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = [pytest.mark.integration, pytest.mark.fresh_venv,
-              pytest.mark.xdist_group("fresh_venv")]
+pytestmark = [pytest.mark.integration, pytest.mark.fresh_venv]
 
 BASE_LIMIT_MB = 45
 """The issue's bound on the base install (textual, pyzmq, msgpack and psutil are ~38 MB)."""

@@ -22,9 +22,6 @@ import pytest
 
 from conftest import REPO
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = pytest.mark.xdist_group("packaging")
-
 # source folder -> the package it installs as (pyproject.toml [tool.setuptools.package-dir])
 PACKAGE_DIRS = {"scalemon": "scalemon", "agent": "scalemon/agent", "hub": "scalemon/hub",
                 "tui": "scalemon/tui", "demo_train": "scalemon/demo_train"}

@@ -22,8 +22,7 @@ from conftest import kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("train")]
+pytestmark = [pytest.mark.integration]
 
 STEPS = 12
 BASE = ("--preset", "tiny", "--batch-size", "4")

@@ -39,9 +39,6 @@ from scalemon.tui.widgets.node_table import NodeTable
 from scalemon.tui.widgets.rank_table import RankTable
 from scalemon.tui.widgets.watch import HistogramPanel, TextPanel
 
-# one worker runs this file under pytest-xdist (--dist loadgroup): its module fixture is costly
-pytestmark = pytest.mark.xdist_group("tui_scale")
-
 RANKS, STEPS = 1024, 10
 STRAGGLER, LOST = 517, (100, 1001)
 NODE = {c.key: i for i, c in enumerate(NODE_COLUMNS)}
