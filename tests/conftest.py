@@ -7,7 +7,9 @@ At import, before any test module imports scalemon or triton, it sets for this t
   /tmp/scalemon-<uid> relays, nor collides with a test running beside it;
 - `TRITON_INTERPRET=1`: the fused-AdamW tests run the Triton kernels in the interpreter on CPU
   tensors in this process (compiled kernels run in subprocesses with `TRITON_INTERPRET=0`, see
-  fused_adam_support.run_compiled), so they never depend on the caller's environment.
+  fused_adam_support.run_compiled), so they never depend on the caller's environment;
+- under pytest-xdist, `OMP_NUM_THREADS=1` unless set: four workers, each with a thread per
+  core, and the jobs they start would oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ os.environ["SCALEMON_RUNTIME_DIR"] = str(_SESSION_DIR / "rt")
 for _name in ("SCALEMON_HUB", "SCALEMON_JOB_ID"):
     os.environ.pop(_name, None)
 os.environ["TRITON_INTERPRET"] = "1"  # before any test module imports triton
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several test processes sharing the cores:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch here and in its jobs, one thread
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
