@@ -60,7 +60,7 @@ def hub_is_running(directory: Path, lock: str = "hub.lock") -> bool:
 
 def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
     """Start `scalemon hub` for this job in its own session; returns its pid or None."""
-    if hub_is_running(directory):
+    if hub_is_running(directory) or _still_starting(directory / "hub.log"):
         return None
     cmd = [
         sys.executable, "-m", "scalemon.hub",
@@ -78,13 +78,25 @@ def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
 
 def start_relay_if_needed(env: RankEnv, directory: Path) -> int | None:
     """Start this node's relay for the job in its own session; returns its pid or None."""
-    if hub_is_running(directory, "relay.lock"):
+    if hub_is_running(directory, "relay.lock") or _still_starting(directory / "relay.log"):
         return None
     cmd = [sys.executable, "-m", "scalemon.hub.relay", "--job", env.job,
            "--home", str(scalemon_home())]
     pid = _spawn(cmd, directory / "relay.log")
     log.info("scalemon: started relay pid %d for job %s on this node", pid, env.job)
     return pid
+
+
+_spawned: dict[Path, subprocess.Popen] = {}
+"""What this process started last, by log path: a hub or relay that has not taken its lock yet
+(still importing, on a loaded machine) is not started a second time."""
+
+
+def _still_starting(log_path: Path) -> bool:
+    """True while the hub or relay this process started for `log_path` runs (reaps it once it
+    exited: a killed relay does not linger as a zombie of the rank)."""
+    proc = _spawned.get(log_path)
+    return proc is not None and proc.poll() is None
 
 
 def _spawn(cmd: list[str], log_path: Path) -> int:
@@ -97,4 +109,5 @@ def _spawn(cmd: list[str], log_path: Path) -> int:
             # directory is not held by a process that outlives it
             cwd=log_path.parent,
         )
+    _spawned[log_path] = proc
     return proc.pid

@@ -230,27 +230,37 @@ class Sender:
     def _check_silence(self) -> None:
         """When the hub never answered or stopped answering: say so once in the training
         output (the job is then not monitored, and nothing else would tell), and after
-        `replace_after_s` of silence call `on_hub_silent` once per silence (a new hub)."""
+        `replace_after_s` of silence call `on_hub_silent` once per silence (a new hub); a hub
+        that never answered counts as silent from `first_answer_warn_s` on."""
         now = time.monotonic()
         answered = self._answered
         if answered is None:
-            if now - self._started >= self.first_answer_warn_s:
-                self._warn_never_answered(now - self._started)
+            waited = now - self._started
+            if waited >= self.first_answer_warn_s:
+                self._warn_never_answered(waited)
+            # one that died before it ever answered (killed while it looked for the hub) is
+            # replaced too, once, `replace_after_s` after the warning (not while it starts)
+            if waited >= self.first_answer_warn_s + self.replace_after_s:
+                self._replace(self._started)
             return
         silent = now - answered
-        if (self.on_hub_silent is not None and silent >= self.replace_after_s
-                and self._replaced_for != answered):
-            self._replaced_for = answered
-            try:
-                self.on_hub_silent()
-            except Exception as exc:
-                self.warnings.once("hub-replace", "scalemon: starting a new hub failed: %s",
-                                   exc)
+        if silent >= self.replace_after_s:
+            self._replace(answered)
         if silent >= self.silent_warn_s:
             self.warnings.once(
                 "hub-gone", "scalemon: the job's hub at %s stopped answering %.0f s ago: it "
                 "died or hangs (see hub.log in the job's run directory); this rank's "
                 "metrics are dropped until a hub answers again", self.hub_label, silent)
+
+    def _replace(self, silence: float) -> None:
+        """Call `on_hub_silent` once per silence (`silence`: when it began)."""
+        if self.on_hub_silent is not None and self._replaced_for != silence:
+            self._replaced_for = silence
+            try:
+                self.on_hub_silent()
+            except Exception as exc:
+                self.warnings.once("hub-replace", "scalemon: starting a new hub failed: %s",
+                                   exc)
 
     def _warn_never_answered(self, waited: float) -> None:
         """Say once that nothing this rank sends is received, and where to look."""

@@ -8,7 +8,8 @@ connection:
   every `FLUSH_S` (the hub takes each part as one message), so a node of eight ranks costs the
   hub one receive instead of eight;
 - rpc: the ranks' `sync` round trips pass through unchanged (ROUTER to DEALER), so the hub's
-  clock and the commands it queued for a rank reach the rank as before;
+  clock and the commands it queued for a rank reach the rank as before (until the hub is
+  known they wait, so a rank's first answer comes as soon as the relay reaches the hub);
 - report: every `REPORT_S` the relay sends the hub a `relay` request with its counts; the
   replies give the hub's clock, from which the relay estimates its node's clock offset (the
   fastest of the recent round trips, as the agents do).
@@ -209,8 +210,8 @@ class Relay:
         for input: the ranks' ingest and rpc, and the hub's replies once connected."""
         if self._dealer is None or self._hub_silent(now):
             self._push, self._dealer = self._reconnect(self._ctx, self._push, self._dealer, now)
-        if self._dealer is None:
-            return [self._ingest, self._rpc]
+        if self._dealer is None:  # the ranks' round trips wait in `rpc` until a hub is known
+            return [self._ingest]
         return [self._ingest, self._rpc, self._dealer]
 
     def handle(self, events: dict[zmq.Socket, int], now: float) -> bool:
@@ -221,8 +222,6 @@ class Relay:
             self._take(ingest)
         if rpc in events and dealer is not None:
             self._pass_requests(rpc, dealer)
-        elif rpc in events:
-            _drain(rpc)  # no hub known: the ranks' round trips go unanswered
         if dealer is not None and dealer in events:
             self._pass_replies(dealer, rpc)
         moment = time.monotonic()
@@ -379,12 +378,6 @@ class Relay:
         if last is None:  # ranks that never came: wait longer before giving up
             return now - started > max(self.linger_s, 300.0)
         return now - last > self.linger_s and not self._pending
-
-
-def _drain(sock: zmq.Socket) -> None:
-    with contextlib.suppress(zmq.Again):
-        for _ in range(1000):
-            sock.recv_multipart(zmq.NOBLOCK)
 
 
 def _master_addr_hub() -> HubAddress | None:

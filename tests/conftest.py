@@ -1,4 +1,16 @@
-"""Shared fixtures: a private SCALEMON_HOME per test and real hub processes."""
+"""Shared fixtures: a private SCALEMON_HOME per test and real hub processes.
+
+At import, before any test module imports scalemon or triton, it sets for this test process
+(each pytest-xdist worker is one):
+- `SCALEMON_HOME` and `SCALEMON_RUNTIME_DIR` to a private temporary directory, so a test that
+  does not ask for the `home` fixture still never touches the user's ~/.scalemon or the node's
+  /tmp/scalemon-<uid> relays, nor collides with a test running beside it;
+- `TRITON_INTERPRET=1`: the fused-AdamW tests run the Triton kernels in the interpreter on CPU
+  tensors in this process (compiled kernels run in subprocesses with `TRITON_INTERPRET=0`, see
+  fused_adam_support.run_compiled), so they never depend on the caller's environment;
+- under pytest-xdist, `OMP_NUM_THREADS=1` unless set: four workers, each with a thread per
+  core, and the jobs they start would oversubscribe the cores.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +33,44 @@ from scalemon import protocol
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
 REPO = Path(__file__).resolve().parents[1]
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="smw", dir="/tmp"))
+os.environ["SCALEMON_HOME"] = str(_SESSION_DIR / "home")
+os.environ["SCALEMON_RUNTIME_DIR"] = str(_SESSION_DIR / "rt")
+for _name in ("SCALEMON_HUB", "SCALEMON_JOB_ID"):
+    os.environ.pop(_name, None)
+os.environ["TRITON_INTERPRET"] = "1"  # before any test module imports triton
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several test processes sharing the cores:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch here and in its jobs, one thread
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the hubs left in this process's default home and remove its directory."""
+    for job_file in (_SESSION_DIR / "home" / "jobs").glob("*.json"):
+        with contextlib.suppress(Exception):
+            os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+LONGEST_FIRST = ("test_train.py", "test_multinode.py", "test_corpus.py", "test_toggle_jobs.py",
+                 "test_hang_jobs.py", "test_checkpoint_recovery.py")
+"""The files that take a minute or more, run first (a minute or more each, serially)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in this order: LONGEST_FIRST, then those with integration tests, then the rest
+    (each file's tests stay together and in order). Under pytest-xdist (--dist loadfile hands
+    out whole files in this order) the long jobs start at once, in parallel, and the run does
+    not end waiting on one of them."""
+    with_integration = {item.path for item in items if item.get_closest_marker("integration")}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(name)
+        return (1 if item.path in with_integration else 2), 0
+
+    items.sort(key=rank)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):
@@ -210,9 +260,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def short_tmp() -> Iterator[Path]:
+    """A private directory with a short path, removed after the test: ipc socket paths under it
+    must stay under ~100 bytes (pytest's tmp_path is longer, more so under pytest-xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="sms", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_disk(short_tmp: Path):
     """A 2 MiB file system of its own (tmpfs; root only)."""
-    mount = tmp_path / "disk"
+    mount = short_tmp / "disk"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
                           capture_output=True)

@@ -1,8 +1,8 @@
 """What the FusedAdamW tests share: a counting stand-in for the kernel launch, the torch ops a
 call records, and running a script with compiled (not interpreted) Triton kernels.
 
-It imports the optimizer, and so triton: the test files set TRITON_INTERPRET before importing
-it, and it sets the same default itself.
+It imports the optimizer, and so triton: tests/conftest.py sets TRITON_INTERPRET=1 before any
+test module imports it (this module sets the same default for a script run without pytest).
 """
 
 from __future__ import annotations

@@ -472,6 +472,7 @@ def test_a_failing_all_reduce_timer_is_said_once_and_the_all_reduce_still_runs(s
     assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.integration
 def test_the_hubs_hang_threshold_reaches_the_agent_and_a_stuck_rank_says_where(start_hub):
     """One threshold: the agent adopts the hub's `--hang-after` from its sync replies, and once
     its training thread has not logged for that long it sends its stack at once, with the

@@ -212,6 +212,7 @@ def test_resume_from_nothing_stops_with_one_line(corpus, tmp_path, capsys, monke
 # two ranks under torchrun
 
 
+@pytest.mark.integration
 def test_newest_fails_on_rank_1_so_every_rank_resumes_from_the_previous(straight, tmp_path):
     ref = straight().losses()
     ckpt = tmp_path / "ckpt"
@@ -227,6 +228,7 @@ def test_newest_fails_on_rank_1_so_every_rank_resumes_from_the_previous(straight
     assert job.losses() == {s: ref[s] for s in range(4, STEPS + 1)}  # bit for bit
 
 
+@pytest.mark.integration
 def test_only_checkpoint_fails_on_rank_1_and_resume_or_start_is_a_new_run(straight,
                                                                           tmp_path):
     """The issue's case: rank 0 read the whole checkpoint, rank 1 failed on its own file;
@@ -245,6 +247,7 @@ def test_only_checkpoint_fails_on_rank_1_and_resume_or_start_is_a_new_run(straig
     assert job.losses() == ref  # steps 1-12 exactly as a new run's, not step 7's loss at 1
 
 
+@pytest.mark.integration
 def test_when_every_checkpoint_is_corrupt_resume_says_so_once_now_and_next_time(straight,
                                                                                 tmp_path):
     ref = straight().losses()
@@ -273,6 +276,7 @@ def test_when_every_checkpoint_is_corrupt_resume_says_so_once_now_and_next_time(
     assert job.losses() == ref
 
 
+@pytest.mark.integration
 def test_max_steps_minus_5_is_refused_once_before_the_ranks_start(tmp_path):
     job = run(tmp_path, "neg", "--max-steps", "-5")
     assert job.code != 0 and job.stats is None
@@ -299,6 +303,7 @@ def exit_codes(out: str) -> dict[int, int]:
             re.findall(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", out)}
 
 
+@pytest.mark.integration
 def test_a_rank_file_of_another_step_is_set_aside_and_the_previous_resumed(straight, tmp_path):
     ref = straight().losses()
     ckpt = tmp_path / "ckpt"
@@ -313,6 +318,7 @@ def test_a_rank_file_of_another_step_is_set_aside_and_the_previous_resumed(strai
     assert job.losses() == {s: ref[s] for s in range(7, STEPS + 1)}  # bit for bit
 
 
+@pytest.mark.integration
 def test_a_mixed_only_checkpoint_stops_every_rank_at_once_with_one_reason(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = run(tmp_path, "a", "--max-steps", "6", *ckpt_args(ckpt, 3))

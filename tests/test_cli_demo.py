@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from test_tui_app import until
 from test_tui_snapshots import screen_text
 
@@ -30,6 +31,7 @@ def demo_args(**changes: object) -> argparse.Namespace:
     return args
 
 
+@pytest.mark.integration
 def test_quitting_stops_the_job_and_its_log_ends_with_a_line_not_a_traceback(home: Path):
     job = "stopjob"
     proc, log = demo.start_job(demo_args(step_delay=0.05), job)

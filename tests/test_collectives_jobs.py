@@ -19,6 +19,8 @@ from scalemon.client import HubClient
 from scalemon.collectives import bus_factor
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
+pytestmark = pytest.mark.integration
+
 
 def job_env(home: Path) -> dict[str, str]:
     env = os.environ.copy()

@@ -150,6 +150,7 @@ def column_text(table: str, rank: int, heading: str) -> str:
     return row[:end].rsplit(" ", 1)[-1]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(JOBS))
 def test_the_snapshot_has_every_step_and_the_last_loss_the_script_logged(corpus, name):
     home, outcomes = corpus
@@ -172,6 +173,7 @@ def test_the_snapshot_has_every_step_and_the_last_loss_the_script_logged(corpus,
         assert r["tokens"] == printed.get("tokens"), where
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(JOBS))
 def test_each_rank_ends_in_the_state_it_should_with_its_scaler_and_collectives(corpus, name):
     home, outcomes = corpus
@@ -402,6 +404,7 @@ sm.finish()
 """
 
 
+@pytest.mark.integration
 def test_a_rank_that_ends_before_its_hub_started_still_reaches_it(home, start_hub):
     """A short job on a loaded machine: the rank is done before the hub (that rank 0 starts)
     listens. Its process waits for the hub a little at exit, so its steps are not lost."""

@@ -31,7 +31,8 @@ WAIT_S = 60.0
 """Longest wait for the dashboard to show something (2 slow cores, other tests beside)."""
 EXITED = "dashboard exited with"
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
 
 class NotShown(AssertionError):

@@ -18,6 +18,8 @@ from conftest import kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient, HubStream
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
+pytestmark = pytest.mark.integration
+
 
 def job_env(home: Path, job: str, linger: float = 60) -> dict[str, str]:
     env = os.environ.copy()

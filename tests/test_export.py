@@ -70,6 +70,7 @@ def run_export(home: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.integration
 def test_demo_export_live_and_after_the_hub(home: Path, tmp_path: Path) -> None:
     job = "exp1"
     done = subprocess.run(torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps",

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_tui_app import until
 
 from conftest import FakeRank, torchrun_cmd, wait_for
@@ -160,6 +161,7 @@ def test_after_the_hubs_linger_the_dashboard_shows_the_history_file(start_hub, z
     asyncio.run(scenario())
 
 
+@pytest.mark.integration
 def test_crashed_job_snapshot_names_the_first_rank_and_no_scalemon_frames(home: Path) -> None:
     """A real 2-rank gloo job where rank 1 crashes at step 30: rank 0 dies in its all-reduce
     (gloo: connection closed by peer) through scalemon's comm hook."""
@@ -228,6 +230,7 @@ def _trainer_stderr_until(env: dict, text: str, steps: int = 400) -> tuple[str, 
     return seen, running
 
 
+@pytest.mark.integration
 def test_a_dead_scalemon_hub_is_reported_within_seconds_naming_the_variable(home: Path) -> None:
     from conftest import free_port
     from scalemon.keys import hub_keypair

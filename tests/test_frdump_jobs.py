@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_collectives_jobs import job_env, snapshot
 
 from conftest import REPO, free_port, kill_tree, wait_for
@@ -58,6 +59,7 @@ def status(report: dict[str, Any], label: str, rank: int) -> tuple[int, int]:
     return row["last_issued"], row["last_completed"]
 
 
+@pytest.mark.integration
 def test_dump_of_a_hung_2_rank_gloo_job_names_the_rank_that_never_issued(home, tmp_path):
     """Rank 1 sleeps in Python before step 4's all_reduce, rank 0 waits in it. Then the
     dashboard's `d` shows the same analysis; then rank 1 is stopped (SIGSTOP), gives no dump,
@@ -146,6 +148,7 @@ def check_dashboard_dump(home: Path, finding: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.integration
 def test_dump_of_a_3_rank_job_with_a_subgroup(home, tmp_path):
     """Rank 2 sleeps before the "pair" group's all_reduce (ranks 1 and 2): rank 1 waits in
     it, rank 0 in the default group's next all_reduce, which ranks 1 and 2 never reach."""

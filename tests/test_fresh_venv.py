@@ -22,7 +22,7 @@ from test_packaging import build_wheel
 
 from conftest import HubProcess, wait_for
 
-pytestmark = pytest.mark.fresh_venv
+pytestmark = [pytest.mark.integration, pytest.mark.fresh_venv]
 
 BASE_LIMIT_MB = 45
 """The issue's bound on the base install (textual, pyzmq, msgpack and psutil are ~38 MB)."""

@@ -21,6 +21,8 @@ from conftest import REPO, free_port, kill_tree, wait_for
 from scalemon.cli import format_snapshot
 from scalemon.jobs import jobs_dir
 
+pytestmark = pytest.mark.integration
+
 HANG_AFTER_S = 5.0
 JOB = REPO / "tests" / "jobs" / "hang_scenarios.py"
 NPROC = {"disjoint": 4}

@@ -17,8 +17,8 @@ from scalemon import protocol
 from scalemon.client import HubClient
 
 
-def test_home_and_run_directories_are_created_for_this_user_only(tmp_path, monkeypatch):
-    home = tmp_path / "fresh" / "home"
+def test_home_and_run_directories_are_created_for_this_user_only(short_tmp, monkeypatch):
+    home = short_tmp / "fresh" / "home"
     monkeypatch.setenv("SCALEMON_HOME", str(home))
     proc = subprocess.Popen([sys.executable, "-m", "scalemon.hub", "--job", "jobP", "--home",
                              str(home), "--linger", "0"], stdout=subprocess.PIPE,
@@ -333,6 +333,7 @@ def test_a_hub_started_on_a_full_disk_comes_up_and_says_so(small_disk, zctx):
         proc.wait()
 
 
+@pytest.mark.integration
 def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(home, tmp_path):
     """Scenario 6: the hub is killed mid-job; a local rank starts a new one within seconds on
     the same history, which then holds the whole run; once the job ended and the hub left,

@@ -20,6 +20,8 @@ from conftest import REPO, FakeRank, free_port, job_processes, kill_tree, torchr
 from scalemon import cli_demo as demo
 from scalemon.jobs import JobFile, jobs_dir, resolve_hub
 
+pytestmark = pytest.mark.integration
+
 
 def demo_args(**changes: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

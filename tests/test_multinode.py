@@ -25,6 +25,8 @@ from cluster import relay_pid as node_relay_pid
 from conftest import REPO, free_port, kill_tree, wait_for
 from scalemon.jobs import JobFile
 
+pytestmark = pytest.mark.integration
+
 RDZV_ID = "twonode"
 JOB = "tr-" + RDZV_ID  # what the agent derives from torchrun's run id
 

@@ -257,6 +257,7 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stay_on_stdout(home: P
     assert len(files) == 1 and files[0].read_text().count("AllReduce") == 8
 
 
+@pytest.mark.integration
 def test_toggle_reports_the_lines_of_its_first_seconds_or_why_none(home: Path,
                                                                   tmp_path: Path) -> None:
     out = tmp_path / "job.out"

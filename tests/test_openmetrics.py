@@ -293,6 +293,7 @@ def test_the_grafana_dashboard_queries_only_exported_metrics():
             "scalemon_hang"} <= queried
 
 
+@pytest.mark.integration
 def test_a_monitored_demo_is_scraped_with_every_rank(home):
     env = os.environ.copy()
     env.update(SCALEMON_HOME=str(home), SCALEMON_JOB_ID="omD", OMP_NUM_THREADS="1",

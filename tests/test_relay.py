@@ -154,3 +154,32 @@ def test_a_relay_finds_a_restarted_hub_on_its_new_ports(start_hub, home: Path,
         sender.close()
         relay.kill()
         relay.wait(timeout=10)
+
+
+def test_a_relay_killed_before_it_ever_answered_is_still_replaced(home: Path,
+                                                                  node1: Path) -> None:
+    """A relay that dies before its ranks heard from it (killed while it looked for the hub:
+    it drops their round trips until then) leaves ranks that never got an answer. They start
+    a new one, once, as after a silence, instead of staying unmonitored for the whole job."""
+    import time
+
+    from scalemon.agent.transport import Sender
+
+    job = "earlydeath"
+    relay = _start_relay(job, home)  # no hub: it never answers a round trip
+    lock = relay_dir(job) / "relay.lock"
+    wait_for(lambda: lock.exists() and lock.read_text() == str(relay.pid), timeout=30)
+    local = HubAddress.for_directory(relay_dir(job))
+    sender = Sender(local.ingest, job, 2, rpc_endpoint=local.rpc, close_timeout_s=0.5,
+                    sync_every_s=0.1, first_answer_warn_s=0.5)
+    started = []
+    sender.on_hub_silent, sender.replace_after_s = (lambda: started.append(1)), 0.3
+    try:
+        relay.kill()
+        relay.wait(timeout=10)
+        wait_for(lambda: started, timeout=10)
+        time.sleep(1.0)  # still silent: no second start
+        assert started == [1]
+    finally:
+        sender.close()
+        relay.kill()

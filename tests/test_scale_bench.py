@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(180)
 def test_quick_scale_bench_delivers_or_counts_every_message(tmp_path: Path) -> None:

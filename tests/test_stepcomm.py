@@ -236,6 +236,7 @@ def check_dashboard(home, state: dict) -> None:
     assert "all-red" in labels, labels
 
 
+@pytest.mark.integration
 def test_a_gloo_jobs_own_all_reduces_are_counted_and_host_timed_per_step(home):
     """No DDP, so no comm hook: the step messages carry no all-reduce, and the recorder's rows
     (host-timed on gloo) fill every step of both ranks."""
@@ -243,6 +244,7 @@ def test_a_gloo_jobs_own_all_reduces_are_counted_and_host_timed_per_step(home):
     check_steps(home, [0, 1], 6, 6)
 
 
+@pytest.mark.integration
 def test_a_gloo_job_on_a_gpu_machine_that_starts_the_agent_first_is_monitored_as_gloo(home):
     """`init()` before `init_process_group` on a machine with CUDA (as Accelerate does) guesses
     NCCL; a gloo job must still get host-timed collectives once its group exists (before,

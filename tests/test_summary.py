@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import FakeRank, kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient
@@ -62,6 +63,7 @@ def stop_hub(home: Path, job: str) -> None:
              psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=30)
 
 
+@pytest.mark.integration
 def test_summary_last_loss_is_the_trainers_last_printed_one_live_and_replayed(home):
     printed = re.findall(r"^step (\d+) loss (\S+)$", run_demo(home, "sumA"), re.M)
     assert [int(s) for s, _ in printed] == list(range(1, 21))
@@ -105,6 +107,7 @@ def test_summary_last_loss_is_the_trainers_last_printed_one_live_and_replayed(ho
         assert r[key] == s[key], key
 
 
+@pytest.mark.integration
 def test_compare_of_two_optimizers_shows_both_their_ratio_and_the_config_difference(home):
     run_demo(home, "optA", "--optimizer", "torch")
     run_demo(home, "optB", "--optimizer", "torch-fused")
@@ -135,6 +138,7 @@ def test_compare_of_two_optimizers_shows_both_their_ratio_and_the_config_differe
     assert line.split()[-1] == f"{tps['ratio']:.3f}"
 
 
+@pytest.mark.integration
 def test_summary_of_a_crashed_job_names_its_first_failure_and_its_straggler(home):
     proc = subprocess.run(
         torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps", "20", "--monitor",
@@ -175,6 +179,7 @@ def test_summary_reads_every_page_of_a_long_history(start_hub, home, zctx):
     assert s["step_time"]["per_rank"]["0"]["samples"] == steps
 
 
+@pytest.mark.integration
 def test_summary_of_a_running_job_then_its_toggle_and_flag_after_it_ended(home):
     proc = subprocess.Popen(
         torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps", "200",

@@ -55,6 +55,7 @@ DESYNC_STEP = 600
 at 150 a loaded machine got there before DETAIL was in effect)."""
 
 
+@pytest.mark.integration
 def test_detail_goes_live_on_both_ranks_at_one_step_and_back(home, tmp_path):
     out = tmp_path / "job.out"
     proc = start_job(home, out, "--max-steps", "100000", "--step-delay", "0.05",
@@ -164,6 +165,7 @@ def hub_losses(home: Path) -> dict[int, list[tuple[int, float]]]:
     return out
 
 
+@pytest.mark.integration
 def test_a_restart_tier_flag_restarts_from_a_checkpoint_without_losing_a_step(home, tmp_path):
     steps = 100  # a toggle is planned ~4 s (40 steps) ahead: room for a slow start under load
     reference = tmp_path / "reference.json"

@@ -22,6 +22,8 @@ from conftest import kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
+pytestmark = [pytest.mark.integration]
+
 STEPS = 12
 BASE = ("--preset", "tiny", "--batch-size", "4")
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)

@@ -3,10 +3,6 @@ the memory formula, gradients of the techniques, the loss scaler, faults, checkp
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (fused AdamW)
-
 import json
 from pathlib import Path
 
@@ -175,8 +171,7 @@ def test_checkpoint_round_trip_is_exact(corpus, tmp_path, optimizer) -> None:
     if optimizer.startswith("fused"):
         from scalemon.demo_train import fused_adam
 
-        if not fused_adam.interpreted():
-            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+        assert fused_adam.interpreted(), "tests/conftest.py sets TRITON_INTERPRET=1 first"
     flags = ("--optimizer", optimizer, "--amp", "fp16")
     a = trainer(corpus, *flags)
     steps(a, 3)
@@ -426,6 +421,7 @@ def test_a_mistaken_flag_value_is_refused_saying_what_is_wrong(flags, says, caps
     assert f"train.py: error: {says}" in err, err
 
 
+@pytest.mark.integration
 def test_flag_mistakes_are_said_by_local_rank_0_only(capsys, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit) as exit_:

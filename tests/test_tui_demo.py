@@ -15,7 +15,8 @@ import pytest
 
 from conftest import job_processes, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
 ROW = re.compile(r"^\s*(\d+)\s+running\s+(\d+)\s+(\d+\.\d{4})\s", re.M)
 
