@@ -43,7 +43,8 @@ class Overview:
     max over the ranks at each step (which the reducer keeps for it: `AGGREGATED`)."""
 
     panel: str
-    """The overview plot: "loss", "scale", "time" or "memory" (`tui/views.py` lays them out)."""
+    """The overview plot: "loss", "scale", "time" or "memory" (`tui/views/overview.py` lays
+    them out)."""
     label: str = "mean"
     """The line's label in its plot."""
     order: int = 0

@@ -19,7 +19,7 @@ from scalemon.client import HubClient
 from scalemon.protocol import Message
 from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import overview
+from scalemon.tui.views.overview import overview
 
 SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 STEPS = 60

@@ -210,8 +210,8 @@ def test_a_slowed_rank_arrives_last_and_is_named_the_straggler(home, tmp_path):
 def check_header_straggler(home: Path, state: dict) -> None:
     """The dashboard, folding the same history, names rank 1 first in its straggler line."""
     from scalemon.history import history_path, read_messages
-    from scalemon.tui import views
     from scalemon.tui.model import DashboardData
+    from scalemon.tui.views import overview as views
 
     data = DashboardData()
     data.apply_batch(read_messages(history_path(home.name, home))[0])

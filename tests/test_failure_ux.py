@@ -24,7 +24,7 @@ from scalemon.protocol import Message
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import DashboardData
-from scalemon.tui.views import overview, rank_detail
+from scalemon.tui.views.overview import overview, rank_detail
 from scalemon.tui.widgets.header import JobHeader
 
 GLOO_PEER_ERROR = (

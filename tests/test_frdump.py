@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, free_port
 from scalemon import frtrace
 from scalemon.frtrace import DumpError
-from scalemon.tui.hangview import _dump_lines
+from scalemon.tui.views.hang import _dump_lines
 
 
 @pytest.fixture(scope="module")

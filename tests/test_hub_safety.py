@@ -175,8 +175,8 @@ def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start
            "damage)" in text
     assert "damaged bytes in 1 stretch(es) moved to" in hub.log.read_text()  # its hub.log
     from scalemon.history import read_messages
-    from scalemon.tui import views
     from scalemon.tui.model import DashboardData
+    from scalemon.tui.views import overview as views
 
     data = DashboardData()  # the dashboard's header, folding what the hub serves
     data.apply_batch(read_messages(path, "jobC")[0])

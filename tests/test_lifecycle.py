@@ -250,7 +250,7 @@ def test_the_dashboard_says_stopped_by_user_and_colours_the_stopped_ranks():
     from scalemon.protocol import HUB_RANK, Message
     from scalemon.tui.model import DashboardData
     from scalemon.tui.sim import SimJob
-    from scalemon.tui.views import overview
+    from scalemon.tui.views.overview import overview
     from scalemon.tui.widgets.header import STATE_STYLES
 
     sim = SimJob(ranks=2, gpu=False, amp=False)

@@ -17,7 +17,7 @@ from scalemon.metrics import BY_NAME, METRICS, fields_of
 from scalemon.protocol import Message
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import COLUMNS, DETAIL_PANELS
+from scalemon.tui.views.overview import COLUMNS, DETAIL_PANELS
 
 UNIT_SUFFIX = {"s": "_s", "bytes": "_bytes", "%": "_pct", "W": "_w", "°C": "_c",
                "s (Unix)": "_t"}
@@ -195,7 +195,7 @@ from scalemon.fold import AGGREGATED, JobFold
 from scalemon.protocol import Message, ProtocolError
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.help import HELP
-from scalemon.tui.views import overview, rank_detail
+from scalemon.tui.views.overview import overview, rank_detail
 
 def step(rank, n, probe):
     body = {"step": n, "loss": 1.0, "step_time_s": 0.1, "probe_time_s": probe}
@@ -231,7 +231,8 @@ data = DashboardData()
 data.apply_messages(messages)
 view = overview(data, now=110.0)
 assert "probe" in [line.label for line in view.plots["time"].lines]
-assert "probe ms" in [c.heading for c in __import__("scalemon.tui.views").tui.views.COLUMNS]
+columns = __import__("importlib").import_module("scalemon.tui.views.overview").COLUMNS
+assert "probe ms" in [c.heading for c in columns]
 assert view.rows[1].cells[[c.key for c in display.rank_columns()].index("probe_time_s")] == "2.0"
 detail = rank_detail(data, 0, now=110.0)
 [plot] = [p for p in detail.plots if p.title == "probe"]

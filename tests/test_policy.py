@@ -11,7 +11,7 @@ from scalemon import display, policy
 from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, Message
 from scalemon.stragglers import stragglers_json
-from scalemon.tui import nodeview
+from scalemon.tui.views import nodes as nodeview
 
 
 @pytest.mark.parametrize(("median", "after"), [(None, 10.0), (0.5, 10.0), (2.0, 20.0)])

@@ -223,8 +223,8 @@ def check_steps(home, ranks: list[int], steps: int, complete: int, timed_from: i
 def check_dashboard(home, state: dict) -> None:
     """The dashboard, folding the same history, shows each rank's all-reduce time in its
     `allred` column and in the time plot."""
-    from scalemon.tui import views
     from scalemon.tui.model import DashboardData
+    from scalemon.tui.views import overview as views
 
     data = DashboardData()
     data.apply_batch(read_messages(history_path(home.name, home))[0])

@@ -15,7 +15,6 @@ from scalemon import protocol
 from scalemon.protocol import Message
 from scalemon.tui.app import NO_HUB, DashboardApp
 from scalemon.tui.attach import make_app
-from scalemon.tui.collview import BUSBW_HELP, collectives
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.collectives import CollectivesScreen
@@ -23,6 +22,7 @@ from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.sim import GROUP, SimJob
+from scalemon.tui.views.collectives import BUSBW_HELP, collectives
 from scalemon.tui.widgets.heatmap import SHADES, HeatMap, levels
 
 

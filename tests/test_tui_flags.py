@@ -16,7 +16,6 @@ from scalemon import protocol
 from scalemon.protocol import HUB_RANK, Message, ProtocolError
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.feed import HubFeed
-from scalemon.tui.logview import EMPTY_HELP, parse_filter
 from scalemon.tui.model import DashboardData
 from scalemon.tui.requests import NO_HUB_FLAGS
 from scalemon.tui.screens.flags import FlagsScreen, ToggleDialog
@@ -24,6 +23,7 @@ from scalemon.tui.screens.help import HELP
 from scalemon.tui.screens.log import LogScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.sim import SimJob
+from scalemon.tui.views.log import EMPTY_HELP, parse_filter
 
 RANKS = 3
 
@@ -303,7 +303,7 @@ def test_parse_filter():
 def test_the_audit_row_shows_the_nccl_line_counts_once_they_came():
     """An applied NCCL_DEBUG toggle: each rank promised a count (`log_window_s`), then sent it
     (a second `toggle_result`, merged); the audit row says how many came, never more."""
-    from scalemon.tui.flagview import flags_view
+    from scalemon.tui.views.flags import flags_view
 
     sim, data, t = job()
     result = {"id": 1, "name": "NCCL_DEBUG", "value": "INFO", "outcome": "applied", "step": 9,

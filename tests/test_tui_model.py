@@ -15,9 +15,9 @@ from scalemon import metrics
 from scalemon.protocol import Message
 from scalemon.series import Series
 from scalemon.tui.model import DashboardData, step_values
-from scalemon.tui.nodeview import bin_counts
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
+from scalemon.tui.views.nodes import bin_counts
+from scalemon.tui.views.overview import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
 from scalemon.tui.widgets.braille import (
     DOT_BITS,
     column_envelope,
@@ -242,8 +242,8 @@ def test_long_history_is_folded_in_chunks_and_only_visible_rows_are_formatted():
 
 
 def test_headless_modules_do_not_import_textual():
-    code = ("import sys; import scalemon.tui.model, scalemon.tui.views, scalemon.tui.feed, "
-            "scalemon.tui.sim, scalemon.tui.widgets.braille, scalemon.tui.collview, "
-            "scalemon.tui.hangview, scalemon.cli; "
+    code = ("import sys; import scalemon.tui.model, scalemon.tui.views.overview, "
+            "scalemon.tui.feed, scalemon.tui.sim, scalemon.tui.widgets.braille, "
+            "scalemon.tui.views.collectives, scalemon.tui.views.hang, scalemon.cli; "
             "assert 'textual' not in sys.modules, 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -28,13 +28,13 @@ from scalemon.protocol import HUB_RANK, Message
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.gcpause import SLOW_S, FreezeSurvivors
 from scalemon.tui.model import DashboardData, LatenessMedians
-from scalemon.tui.nodeview import NODE_COLUMNS
 from scalemon.tui.screens.node import NodeScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import settle, simulated_app
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views import COLUMNS, overview
+from scalemon.tui.views.nodes import NODE_COLUMNS
+from scalemon.tui.views.overview import COLUMNS, overview
 from scalemon.tui.widgets.node_table import NodeTable
 from scalemon.tui.widgets.rank_table import RankTable
 from scalemon.tui.widgets.watch import HistogramPanel, TextPanel
@@ -358,6 +358,6 @@ def test_node_overview_snapshot_120x40(big):
 
 
 def test_the_node_aggregation_does_not_import_textual():
-    code = ("import sys; import scalemon.tui.nodeview, scalemon.tui.gcpause, scalemon.display; "
+    code = ("import sys; import scalemon.tui.views.nodes, scalemon.tui.gcpause, scalemon.display; "
             "assert 'textual' not in sys.modules, 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -4,8 +4,9 @@ Layers, from the wire up (only `widgets/`, `screens/` and the entry points impor
 
 * `model` (`DashboardData`: `scalemon.fold.JobFold`, the job state folded from the hub's
   records plus per-rank series and rates, behind one lock; it starts from the hub's own fold
-  when it attaches), `views`, `nodeview` (a row per node for jobs of thousands of ranks),
-  `collview` and `hangview` (what the screens draw, copied under that lock), `feed` (the
+  when it attaches), `views/` (what each screen draws, as plain data copied under that
+  lock: `overview`, `nodes` (a row per node for jobs of thousands of ranks), `collectives`,
+  `hang`, `flags`, `log`), `feed` (the
   receiver thread's loop over a `HubStream`, reconnecting by itself, fetching a big job's
   rank's series when shown, stepping aside while the screen is drawn), `gcpause` (full
   garbage collections kept out of big jobs' redraws), `sim` (a scripted job for tests, the
@@ -13,6 +14,6 @@ Layers, from the wire up (only `widgets/`, `screens/` and the entry points impor
 * `widgets/` (braille plot, rank and node tables, job header, lateness heat map, the slowest
   and failed ranks and the lateness histogram) and `screens/` (overview, a node's ranks, rank
   detail, collectives, hang, help, job picker), put together by `app.DashboardApp`;
-* entry points: `attach` (`scalemon attach`), `demo` (`scalemon demo`), `screenshot`
-  (`python -m scalemon.tui.screenshot`, the README picture).
+* entry points: `attach` (`scalemon attach`; `scalemon demo` is `scalemon/cli_demo.py`),
+  `screenshot` (`python -m scalemon.tui.screenshot`, the README picture).
 """

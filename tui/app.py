@@ -32,10 +32,8 @@ from textual.screen import Screen
 from textual.worker import get_current_worker
 
 from scalemon.jobs import HubAddress, JobFile
-from scalemon.tui import views
 from scalemon.tui.feed import Feed, HubFeed
 from scalemon.tui.gcpause import FreezeSurvivors
-from scalemon.tui.hangview import current_hang
 from scalemon.tui.messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.pacer import TICK_S, RedrawPacer
@@ -59,6 +57,8 @@ from scalemon.tui.screens.node import NodeScreen
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
+from scalemon.tui.views import overview as views
+from scalemon.tui.views.hang import current_hang
 
 SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen, FlagsScreen, LogScreen)
 """Screens that `c`, `h`, `f` and `L` replace instead of stacking another one on."""

@@ -22,4 +22,4 @@ class DataScreen(Screen[None]):
     @abstractmethod
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from `data` at time `now` (plots only when `plots`); runs under no lock:
-        take what is needed through `scalemon.tui.views`."""
+        take what is needed through `scalemon.tui.views.overview`."""

@@ -11,16 +11,16 @@ from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
 from scalemon.display import NA
-from scalemon.tui.collview import (
+from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import plain
+from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.views.collectives import (
     BUSBW_HELP,
     HEALTH_HEADINGS,
     TABLE_HEADINGS,
     Collectives,
     collectives,
 )
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import plain
-from scalemon.tui.screens.base import DataScreen
 from scalemon.tui.widgets.heatmap import HeatMap
 
 RANKING_ROWS = 32

@@ -18,7 +18,10 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from scalemon.flags import FLAGS, FlagError, check, parse_assignment, tier_text
-from scalemon.tui.flagview import (
+from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean, plain
+from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.views.flags import (
     AUDIT_HEADINGS,
     STATE_STYLES,
     TIER_STYLES,
@@ -28,9 +31,6 @@ from scalemon.tui.flagview import (
     flags_view,
     values_text,
 )
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean, plain
-from scalemon.tui.screens.base import DataScreen
 
 TITLE = "flags  ·  Enter/t: change  ·  R: change with a restart  ·  Esc back"
 NAMES = tuple(FLAGS)

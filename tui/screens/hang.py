@@ -10,11 +10,11 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
-from scalemon.tui.hangview import HangView, hang_view
 from scalemon.tui.messages import DumpRequested
 from scalemon.tui.model import DashboardData
 from scalemon.tui.safe_text import clean, plain
 from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.views.hang import HangView, hang_view
 
 ROLE_STYLES = {"culprit": "bold red", "waiting": "yellow", "": ""}
 TABLE_ROWS = 64

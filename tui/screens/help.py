@@ -10,7 +10,7 @@ from textual.widgets import Markdown
 
 from scalemon import display, policy
 from scalemon.display import AGGREGATE_AT, KEY_METRICS, LATE, LOW_IS_WORSE
-from scalemon.tui.views import COLUMNS
+from scalemon.tui.views.overview import COLUMNS
 
 HELP_TEMPLATE = """\
 # scalemon dashboard

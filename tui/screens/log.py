@@ -9,7 +9,11 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Input, Static
 
-from scalemon.tui.logview import (
+from scalemon.tui.messages import RedrawNeeded
+from scalemon.tui.model import DashboardData
+from scalemon.tui.safe_text import clean
+from scalemon.tui.screens.base import DataScreen
+from scalemon.tui.views.log import (
     EMPTY_HELP,
     QUERY_HELP,
     LogFilter,
@@ -17,10 +21,6 @@ from scalemon.tui.logview import (
     log_view,
     parse_filter,
 )
-from scalemon.tui.messages import RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean
-from scalemon.tui.screens.base import DataScreen
 
 TITLE = "log  ·  /: filter  ·  Enter: back to the lines  ·  Esc back"
 SOURCE_STYLES = {"nccl": "cyan", "stderr": "magenta"}

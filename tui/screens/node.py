@@ -10,10 +10,10 @@ from textual.widgets import Footer, Static
 from scalemon.display import NO_HOST
 from scalemon.tui.messages import OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
-from scalemon.tui.nodeview import node_ranks
 from scalemon.tui.safe_text import plain
 from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views import overview
+from scalemon.tui.views.nodes import node_ranks
+from scalemon.tui.views.overview import overview
 from scalemon.tui.widgets.header import JobHeader
 from scalemon.tui.widgets.rank_table import RankTable
 

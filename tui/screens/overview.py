@@ -14,9 +14,9 @@ from textual.widgets import Footer
 
 from scalemon.tui.messages import OpenNode, OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
-from scalemon.tui.nodeview import NodeView
 from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views import overview
+from scalemon.tui.views.nodes import NodeView
+from scalemon.tui.views.overview import overview
 from scalemon.tui.widgets.header import JobHeader
 from scalemon.tui.widgets.node_table import NodeTable
 from scalemon.tui.widgets.plot import LinePlot

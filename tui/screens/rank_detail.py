@@ -15,7 +15,7 @@ from scalemon.tui.model import DashboardData
 from scalemon.tui.plotdata import PlotSpec
 from scalemon.tui.safe_text import plain
 from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views import DETAIL_PANELS, rank_detail
+from scalemon.tui.views.overview import DETAIL_PANELS, rank_detail
 from scalemon.tui.widgets.plot import LinePlot
 
 KEYS = "Esc back, ←/→ prev/next rank"

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from scalemon import display
-from scalemon.tui.views import Summary
+from scalemon.tui.views.overview import Summary
 
 STATE_STYLES = {
     "running": "bold green",

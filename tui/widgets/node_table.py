@@ -12,7 +12,7 @@ from textual.binding import Binding
 from textual.message import Message
 
 from scalemon.display import NO_HOST
-from scalemon.tui.nodeview import NODE_COLUMNS, NodeRow
+from scalemon.tui.views.nodes import NODE_COLUMNS, NodeRow
 from scalemon.tui.widgets.line_table import PAD, LineTable
 
 

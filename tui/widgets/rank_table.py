@@ -12,7 +12,7 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.message import Message
 
-from scalemon.tui.views import COLUMNS, Row
+from scalemon.tui.views.overview import COLUMNS, Row
 from scalemon.tui.widgets.line_table import LineTable
 
 

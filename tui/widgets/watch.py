@@ -9,8 +9,8 @@ import math
 from rich.text import Text
 from textual.widget import Widget
 
-from scalemon.tui.nodeview import FAILED_SHOWN, Histogram, Watch, WatchedRank
 from scalemon.tui.safe_text import clean
+from scalemon.tui.views.nodes import FAILED_SHOWN, Histogram, Watch, WatchedRank
 from scalemon.tui.widgets.heatmap import SHADES
 
 HOST_WIDTH = 14

@@ -1,6 +1,6 @@
 """What the screens draw, built from `DashboardData` under its lock: the header summary, the
 rank table's rows (formatted text, only for the rows on screen) or, for a big job, the node
-overview (`nodeview`), plot data and a rank's facts.
+overview (`views.nodes`), plot data and a rank's facts.
 
 Stragglers are named by how late each rank issues the collectives of its groups against the
 first rank (`arrival_lateness_s`: a collective makes every rank's step equally long, so step
@@ -26,13 +26,13 @@ from scalemon.display import AGGREGATE_AT, NA, Column
 from scalemon.jobstate import JOB_ENDED_STATES, RankView
 from scalemon.metrics import Metric
 from scalemon.stragglers import ARRIVAL_BASIS, COMPUTE_BASIS, MEASURE_NAMES  # noqa: F401
-from scalemon.tui import nodeview
-from scalemon.tui.flagview import header_note
-from scalemon.tui.hangview import current_hang
 from scalemon.tui.model import ConnState, DashboardData, RankTrack
-from scalemon.tui.nodeview import NodeView
 from scalemon.tui.plotdata import Line, PlotSpec, scaled
 from scalemon.tui.safe_text import clean
+from scalemon.tui.views import nodes as nodeview
+from scalemon.tui.views.flags import header_note
+from scalemon.tui.views.hang import current_hang
+from scalemon.tui.views.nodes import NodeView
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
