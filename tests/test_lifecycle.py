@@ -5,7 +5,6 @@ states. And NaN losses are alerts the moment they arrive."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_cli_demo import demo_args
 
 from conftest import REPO, FakeRank, free_port, job_processes, kill_tree, torchrun_cmd, wait_for
 from scalemon import cli_demo as demo
@@ -22,14 +22,6 @@ from scalemon.jobs import JobFile, jobs_dir, resolve_hub
 
 pytestmark = pytest.mark.integration
 
-
-def demo_args(**changes: object) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    args = parser.parse_args([])
-    for key, value in changes.items():
-        setattr(args, key, value)
-    return args
 
 
 def scalemon(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
