@@ -53,15 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 FORMAT = 1
 META = "meta.json"
@@ -69,6 +61,23 @@ ZERO1_OPTIM = "optimizer_zero1.pt"
 _COMPLETE = re.compile(r"^step_(\d{6,})$")
 _SET_ASIDE = re.compile(r"^step_(\d{6,})\.corrupt$")
 
+
+
+
+def _dcp() -> Any:
+    """`torch.distributed.checkpoint` with its `state_dict` and `api` modules, imported on first
+    use: the import costs about 0.6 s of CPU at every rank's start, which a run that never
+    saves or resumes should not pay."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.api
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    return dcp
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """DCP's `CheckpointException` (a BaseException: `except Exception` misses it)."""
+    return _dcp().api.CheckpointException
 
 class CheckpointError(RuntimeError):
     """No checkpoint could be used."""
@@ -228,9 +237,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _barrier(self.group)
-        sharded: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+        dcp = _dcp()
+        sharded: dict[str, Any] = {"model": dcp.state_dict.get_model_state_dict(state.model)}
         if not state.zero1:
-            sharded["optim"] = get_optimizer_state_dict(state.model, state.optimizer)
+            sharded["optim"] = dcp.state_dict.get_optimizer_state_dict(state.model,
+                                                                       state.optimizer)
         with _single_process_ok():
             dcp.save(sharded, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         if state.zero1:
@@ -387,7 +398,7 @@ class Checkpointer:
         differs in one line (never raises: every rank must reach the agreement after it)."""
         try:
             return self._mismatch(path, state)
-        except (Exception, CheckpointException) as exc:
+        except (Exception, _checkpoint_exception()) as exc:
             return _one_line(exc)
 
     def _mismatch(self, path: Path, state: TrainState) -> str | None:
@@ -411,17 +422,18 @@ class Checkpointer:
         """(what `_read` read, None), or (None, the error in one line)."""
         try:
             return self._read(path, state), None
-        except (Exception, CheckpointException) as exc:  # any failure: use an older one
+        except (Exception, _checkpoint_exception()) as exc:  # any failure: use an older one
             return None, _one_line(exc)
 
     def _read(self, path: Path, state: TrainState) -> Loaded:
         """Read checkpoint `path` into new objects shaped like `state`'s (this rank's part),
         checking that it would load; `state` is not changed. DCP's part is collective."""
-        sharded: dict[str, Any] = {"model": _detached_copy(get_model_state_dict(state.model))}
+        model = _dcp().state_dict.get_model_state_dict(state.model)
+        sharded: dict[str, Any] = {"model": _detached_copy(model)}
         if not state.zero1:  # DCP loads in place into the tensors of these copies
             sharded["optim"] = _optimizer_template(state)
         with _single_process_ok():
-            dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
+            _dcp().load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
         if state.zero1:
             optim = torch.load(path / ZERO1_OPTIM, weights_only=True)
             _check_param_groups(optim, state.optimizer)
@@ -488,8 +500,8 @@ def _settings_mismatch(saved: dict[str, Any], ours: dict[str, Any]) -> str | Non
 def _shape_mismatch(path: Path, state: TrainState) -> str | None:
     """The first model tensor whose shape in the checkpoint's DCP metadata differs from this
     run's model (global shapes, so the same on every rank), or None."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for fqn, tensor in get_model_state_dict(state.model).items():
+    saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for fqn, tensor in _dcp().state_dict.get_model_state_dict(state.model).items():
         entry = saved.get(f"model.{fqn}")
         size = getattr(entry, "size", None)
         if entry is None:
@@ -523,7 +535,7 @@ def _optimizer_template(state: TrainState) -> dict[str, Any]:
     again, so that a run that does not resume after all starts like a new one."""
     optimizer = state.optimizer
     had_state = bool(optimizer.state)
-    template = _detached_copy(get_optimizer_state_dict(state.model, optimizer))
+    template = _detached_copy(_dcp().state_dict.get_optimizer_state_dict(state.model, optimizer))
     if not had_state:
         optimizer.state.clear()
         if hasattr(optimizer, "invalidate_tables"):
@@ -558,14 +570,14 @@ def _check_rank_state(saved: dict[str, Any], state: TrainState) -> None:
 def _commit(loaded: Loaded, state: TrainState) -> None:
     """Copy what `_read` read into the live model, optimizer, data loader, loss scaler and
     random number generators."""
-    set_model_state_dict(state.model, loaded.model)
+    _dcp().state_dict.set_model_state_dict(state.model, loaded.model)
     if state.zero1:
         state.optimizer.load_state_dict(loaded.optim)
         inner = state.optimizer.optim  # it wrote the local state by hand
         if hasattr(inner, "invalidate_tables"):
             inner.invalidate_tables()
     else:
-        set_optimizer_state_dict(state.model, state.optimizer, loaded.optim)
+        _dcp().state_dict.set_optimizer_state_dict(state.model, state.optimizer, loaded.optim)
     mine = loaded.rank_state
     state.data.load_state_dict(mine["data"])
     if state.scaler is not None and mine["scaler"] is not None:

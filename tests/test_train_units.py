@@ -493,3 +493,16 @@ def test_tf32_on_cuda_follows_the_flag() -> None:
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_rank_that_never_checkpoints_never_imports_dcp():
+    """torch.distributed.checkpoint costs ~0.6 s of CPU at import: the trainer loads it at the
+    first save or resume, not at every rank's start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, scalemon.demo_train.train; "
+            "assert 'torch.distributed.checkpoint' not in sys.modules, 'dcp imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
