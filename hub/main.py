@@ -14,8 +14,7 @@ from scalemon.jobs import check_job_id
 from scalemon.options import Parser, int_at_least, job_id, seconds
 from scalemon.safe_text import CleanStream, clean
 
-from .openmetrics import METRICS_ENV, METRICS_FILE_ENV, start_exporter
-from .server import Hub, HubAlreadyRunning, install_signal_handlers
+from . import METRICS_ENV, METRICS_FILE_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the hub until the job ended and lingered, or SIGTERM/SIGINT."""
+    from .openmetrics import start_exporter
+    from .server import Hub, HubAlreadyRunning, install_signal_handlers
+
     logging.basicConfig(  # log lines can quote a rank's text: its control characters shown
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=CleanStream(sys.stderr),

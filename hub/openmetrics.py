@@ -42,13 +42,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from scalemon import alerts as alerting
 
+from . import METRICS_ENV, METRICS_FILE_ENV
+
 if TYPE_CHECKING:
     from scalemon.jobstate import JobState
 
 log = logging.getLogger("scalemon.hub")
 
-METRICS_ENV = "SCALEMON_METRICS"
-METRICS_FILE_ENV = "SCALEMON_METRICS_FILE"
 SNAPSHOT_S = 1.0
 """The families served are rebuilt from the state at most this often..."""
 BUILD_SHARE = 0.05

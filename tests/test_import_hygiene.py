@@ -103,6 +103,9 @@ def test_jobs_and_snapshot_import_no_training_stack(
     state = json.loads(snap.stdout)
     assert state["job"] == "hyg1" and len(state["ranks"]) == 2
     assert not heavy(names), f"`scalemon snapshot` imported {heavy(names)}"
+    # nor what other subcommands need: the hub's server, the dashboard, the metrics exporter
+    other = ("scalemon.hub.server", "scalemon.tui", "textual", "prometheus_client")
+    assert not heavy(names, other), f"`scalemon snapshot` imported {heavy(names, other)}"
 
 
 def test_the_hub_imports_no_training_stack_while_it_folds_a_job(zctx: zmq.Context, home: Path):
