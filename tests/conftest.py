@@ -52,9 +52,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
-LONGEST_FIRST = ("test_train.py", "test_multinode.py", "test_corpus.py", "test_toggle_jobs.py",
-                 "test_hang_jobs.py", "test_checkpoint_recovery.py")
-"""The files that take a minute or more, run first (a minute or more each, serially)."""
+LONGEST_FIRST = ("test_train.py", "test_checkpoint_recovery.py", "test_summary.py",
+                 "test_multinode.py", "test_toggle_jobs.py", "test_lifecycle.py",
+                 "test_hang_jobs.py", "test_collectives_jobs.py", "test_corpus.py")
+"""The files that take a minute or more under the README's command (longest first), run first.
+`--no-loadscope-reorder` keeps pytest-xdist from handing out the files with the most tests
+first instead."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
