@@ -59,12 +59,14 @@ def rank_status(state: str, exit_code: int | None, phase: str | None,
                 phase_since_s: float | None, straggler: bool, stuck_after: float) -> str:
     """The `NODE_STATES` entry of one rank: its `rank_kind` when it does not run; else
     restarting, stuck (`is_stuck`), straggler (`straggler`: its measure is over the bar) or
-    running."""
-    kind = rank_kind(state, exit_code)
-    if kind != "running":
-        return kind
-    if state == "restarting":
-        return "restarting"
+    running. Called for every rank on every redraw of a big job's node table: the common case,
+    a running rank, goes straight to the stuck and straggler checks."""
+    if state != "running":
+        kind = rank_kind(state, exit_code)
+        if kind != "running":
+            return kind
+        if state == "restarting":
+            return "restarting"
     if is_stuck(phase, phase_since_s, stuck_after):
         return "stuck"
     return "straggler" if straggler else "running"

@@ -152,9 +152,11 @@ def _gather(data: DashboardData, measure: dict[int, float], bar: float, stuck_af
             node.first = rank
         node.members.append(v)
         value = measure.get(rank)
-        worst = _INDEX[rank_status(v, value is not None and value > bar, stuck_after)]
+        m = v.metrics  # rank_status's work inline of one call: this runs per rank per redraw
+        worst = _INDEX[policy.rank_status(v.state, v.exit_code, m["phase"], m["phase_since_s"],
+                                          value is not None and value > bar, stuck_after)]
         if v.state == "running":
-            step_time = v.metrics["step_time_s"]
+            step_time = m["step_time_s"]
             if step_time is not None:
                 node.step_times.append(step_time)
             if value is not None and (node.late_max is None or value > node.late_max):
