@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon import __version__, protocol
+from scalemon.export import plain
 from scalemon.jobs import JobLookupError, hub_gone_text, resolve_hub
 from scalemon.options import add_hub_timeout
 from scalemon.protocol import Message
 from scalemon.summary import (
     RunRecords,
     compare,
-    json_ready,
     loss_series,
     run_records,
     summarize,
@@ -113,7 +113,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(json_ready(value), indent=1, allow_nan=False))
+    print(json.dumps(plain(value), indent=1, allow_nan=False))
 
 
 def _fail(command: str, text: str) -> int:

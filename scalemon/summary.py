@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import stragglers
-from scalemon.export import plain
 from scalemon.fold import step_values
 from scalemon.protocol import Message
 
@@ -104,9 +103,6 @@ def ratio(b: Any, a: Any) -> float | None:
     return b / a
 
 
-json_ready = plain
-"""`value` for strict JSON: non-finite floats become None (null), keys strings (the one rule
-of every JSON output, `scalemon.export.plain`)."""
 
 
 def _series(records: RunRecords, name: str) -> dict[int, dict[int, float]]:
