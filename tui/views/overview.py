@@ -336,11 +336,13 @@ def _band(data: DashboardData, name: str, label: str = "mean") -> list[Line]:
 
 OVERVIEW_PANELS = ("loss", "scale", "time", "memory")
 """The overview's plots; which metrics each draws comes from the table (`Show.overview`)."""
+OVERVIEW_LINES = {panel: metrics.overview_lines(panel) for panel in OVERVIEW_PANELS}
+"""Each overview plot's metrics, in their order (read from the table once, not per redraw)."""
 
 
 def _overview_plots(data: DashboardData) -> dict[str, PlotSpec]:
     per_rank = lines_per_rank(data)
-    lines = {panel: metrics.overview_lines(panel) for panel in OVERVIEW_PANELS}
+    lines = OVERVIEW_LINES
     plots: dict[str, PlotSpec] = {}
     loss = lines["loss"][0]
     plots["loss"] = PlotSpec(loss.show.plot if loss.show else loss.name,
