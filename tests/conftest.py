@@ -215,12 +215,25 @@ def zctx() -> Iterator[zmq.Context]:
     ctx.destroy(linger=0)
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
+    """A loopback tcp port that is free now, with the `count - 1` ports after it (a hub given
+    `--listen tcp://HOST:PORT` binds PORT, PORT+1 and PORT+2). Only the first was checked
+    before, and another test process could hold PORT+1 (seen under pytest-xdist)."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                for extra in range(1, count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + extra))
+            except OSError:
+                continue  # one after it is taken: try another
+            return port
+    raise RuntimeError(f"no {count} free consecutive loopback ports in 100 tries")
 
 
 def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = (),

@@ -98,7 +98,7 @@ def test_keys_show_add_list_remove(home: Path, other_homes) -> None:
 
 def _tcp_hub(start_hub, job: str) -> tuple[str, JobFile]:
     """A hub listening on loopback tcp at consecutive ports (a tcp:// base the CLI takes)."""
-    port = free_port()
+    port = free_port(3)
     hub = start_hub(job, "--listen", f"tcp://127.0.0.1:{port}")
     jf = JobFile.read(jobs_dir(hub.home) / f"{job}.json")
     assert jf.tcp == {"ingest": f"tcp://127.0.0.1:{port}", "feed": f"tcp://127.0.0.1:{port + 1}",
