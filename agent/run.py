@@ -1,11 +1,12 @@
 """`Run`: the agent inside one training rank.
 
 Per step the training thread calls `log()`, which costs a few microseconds: it notes host
-times, copies device scalars (loss, loss scale) into pinned host memory without blocking,
-records a CUDA event, and leaves the message for the sender thread once the event completed
-(checked on later calls, never waited for). Everything is wrapped so that a failure inside the
-monitor is logged once and switches the monitor off instead of reaching the training loop, and
-the hub hears why (`monitor_off`). A value it cannot read is left out instead, said once.
+times and which device scalars (loss, loss scale) to read, and leaves the rest to the sender
+thread, which queues their copies into pinned host memory and a CUDA event behind them, and
+builds the message once the event completed (polled, never waited for by training).
+Everything is wrapped so that a failure inside the monitor is logged once and switches the
+monitor off instead of reaching the training loop, and the hub hears why (`monitor_off`). A
+value it cannot read is left out instead, said once.
 """
 
 from __future__ import annotations
@@ -69,6 +70,31 @@ OWN_DIRS = (Path(__file__).resolve().parent, Path(scalemon.__file__).resolve().p
 """scalemon's code: its frames are left out of the error a rank reports as its cause."""
 
 
+OPTIMIZER_TIMING_ENV = "SCALEMON_OPTIMIZER_TIMING_S"
+OPTIMIZER_TIMING_CUDA_S = 0.5
+"""On CUDA the optimizer step is timed (two event records on the training thread) on one step
+every this many seconds at most; the steps between carry that figure (`optimizer_timed_step`).
+On CPU the host clock costs nothing to speak of: every step is timed."""
+
+
+def optimizer_timing_every_s(cuda: bool, warnings: Warnings) -> float:
+    """Seconds between timed optimizer steps: SCALEMON_OPTIMIZER_TIMING_S (0: every step), else
+    `OPTIMIZER_TIMING_CUDA_S` on CUDA and 0 on CPU."""
+    default = OPTIMIZER_TIMING_CUDA_S if cuda else 0.0
+    text = os.environ.get(OPTIMIZER_TIMING_ENV, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+        if not 0.0 <= value < float("inf"):
+            raise ValueError
+    except ValueError:
+        warnings.once("optimizer-timing-env", "scalemon: %s=%r is not a number of seconds >= 0; "
+                      "using %g", OPTIMIZER_TIMING_ENV, text, default)
+        return default
+    return value
+
+
 def guarded(method: F) -> F:
     """Run `method`; on any error log once, disable the run and return None."""
 
@@ -122,7 +148,7 @@ class Run:
         self.device = cuda_device(model)  # the model's GPU, None on CPU
         self._cuda = self.device is not None
         events = EventPool(self.device, direct_calls(), self.warnings) if self._cuda else None
-        self._opt_timer = SpanTimer(events)
+        self._opt_timer = SpanTimer(events, optimizer_timing_every_s(self._cuda, self.warnings))
         self._comm_timer = SpanTimer(events)
         self._hooks: list[Any] = []
         self._pending_comm: tuple[AllReduceTimer, Any] | None = None  # installed at 1st forward
@@ -340,10 +366,11 @@ class Run:
                 scale = self._host_float(scale, "the loss scale")
         opt, comm = self._opt_timer, self._comm_timer
         opt_spans, opt.spans = opt.spans, []
+        opt_untimed, opt.untimed, opt.timing = opt.untimed, 0, None
         comm_spans, comm.spans = comm.spans, []
         self.sender.submit_deferred("step", self._steps.finish, RawStep(
             step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
-            extra, loss, scale, opt_spans, comm_spans, staged,
+            extra, loss, scale, opt_spans, opt_untimed, comm_spans, staged,
         ))
         if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
             self._apply_flags(step)

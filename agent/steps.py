@@ -3,6 +3,7 @@ microseconds, and the sender thread turns them into the `step` body once they ar
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -14,6 +15,7 @@ from .timing import EventPool, Span, summarize
 from .transport import PLAIN_TYPES, local_value, plain_value
 from .warn import Warnings
 
+log = logging.getLogger("scalemon.agent")
 
 class RawStep(NamedTuple):
     """What the training thread leaves per step (a tuple: cheaper to build than a dict there);
@@ -29,11 +31,40 @@ class RawStep(NamedTuple):
     loss_scale: float | None
     """A host float; None on CUDA, where it is in `staged`."""
     optimizer_spans: list[Span]
+    optimizer_untimed: int
+    """`optimizer.step()` calls of this step that were not timed (sampled out)."""
     allreduce_spans: list[Span]
-    staged: tuple | None
-    """On CUDA the staged device scalars (`StepFinisher.stage`: event, (pinned buffer, its 0-d
-    slots), has loss, has scale, names of staged `extra` values); else None. On CUDA the
-    memory counters are read by the sender thread (`finish`)."""
+    staged: Staged | None
+    """On CUDA the step's device scalars on their way to the host (`StepFinisher.stage`);
+    else None. On CUDA the memory counters are read by the sender thread (`finish`)."""
+
+
+class Staged:
+    """One step's device scalars on their way to pinned host memory (CUDA).
+
+    The loss and the one-element CUDA tensors among the extra values are only noted on the
+    training thread, with their version counters (`Tensor._version`, which every in-place
+    operation bumps when it is queued); the sender thread queues their copies on the same
+    stream later, behind everything the training thread queued by then, and reads a value
+    only if no in-place operation on it was queued since `log()` (else the value is lost, said
+    once, and copies are made at `log()` from then on). The loss scale, which GradScaler
+    updates in place every step, is copied at `log()`. An event the sender records after its
+    copies says when all of them, and the step's optimizer events before them, completed."""
+
+    __slots__ = ("stream", "pinned", "later", "floats", "has_loss", "has_scale", "names",
+                 "event", "lost")
+
+    def __init__(self, stream: Any, pinned: tuple, later: list, floats: list,
+                 has_loss: bool, has_scale: bool, names: list[str]) -> None:
+        self.stream = stream  # the training thread's current stream at log()
+        self.pinned = pinned  # (pinned float32 buffer, its 0-d slots)
+        self.later = later  # (slot, tensor, version) for the sender to copy
+        self.floats = floats  # (slot, host float): values that were no device tensors
+        self.has_loss = has_loss
+        self.has_scale = has_scale
+        self.names = names  # the staged extra values' names (slots 2, 3, ...)
+        self.event: Any = None  # recorded by the sender after queueing `later`
+        self.lost: list[int] = []  # slots whose tensor changed before it could be read
 
 
 MEMORY_READ_EVERY_S = 0.2
@@ -85,33 +116,92 @@ class StepFinisher:
         self.events = events
         self.warnings = warnings or Warnings()
         self.pinned: dict[int, list[tuple]] = {}  # free (pinned buffer, slots) by length
+        self.defer = True
+        """Device values are copied by the sender thread (`Staged`); False once one of them
+        changed before it was read: from then on they are copied at `log()`."""
+        self._last_optimizer: tuple[float, int] | None = None  # (seconds, step) last timed
+        self._last_later: list = []  # the previous step's `Staged.later`
 
-    def stage(self, loss: Any, scale: torch.Tensor | None, extra: dict[str, Any] | None) -> tuple:
-        """Copy device scalars (loss, loss scale, and one-element CUDA tensors among the extra
-        values) to pinned host memory behind a CUDA event (no sync)."""
+    def stage(self, loss: Any, scale: Any, extra: dict[str, Any] | None) -> Staged:
+        """Note the step's device scalars (loss, loss scale, one-element CUDA tensors among
+        the extra values) for copying to pinned host memory without a sync (`Staged`): on the
+        training thread only the loss scale is copied, and only host work is done for the
+        rest."""
+        if self._last_later:
+            self._check_last_later()
         names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
         loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
         free = self.pinned.get(len(values))
         buf, slots = free.pop() if free else _pinned_slots(len(values))
         events = self.events
-        direct, stream = events.direct, events.stream_handle()
-        for slot, value in zip(slots, values):  # noqa: B905 - same length by construction
-            if isinstance(value, torch.Tensor):
-                if direct is not None and _direct_copyable(value, events.index):
-                    try:
-                        direct.copy_scalar(slot, value, stream)
-                        continue
-                    except Exception as exc:  # torch's copy from now on
-                        events.no_direct(exc)
-                        direct = None
-                if value.requires_grad:
-                    value = value.detach()
-                slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
-            elif value is not None:
-                slot.fill_(value)
-        return (events.record(stream), (buf, slots), loss is not None, scale is not None,
-                names)
+        later, floats = [], []
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if type(value) is float:
+                floats.append((i, value))
+                continue
+            if i != 1 and self.defer and _device_scalar(value) and (
+                    value.get_device() == events.index):
+                tensor = value.detach() if value.requires_grad else value
+                try:
+                    later.append((i, tensor, tensor._version))
+                    continue
+                except RuntimeError:  # an inference-mode tensor keeps no version: copy now
+                    pass
+            self._copy_now(slots[i], value)
+        self._last_later = later
+        return Staged(events.stream(), (buf, slots), later, floats, loss is not None,
+                      scale is not None, names)
+
+    def _check_last_later(self) -> None:
+        """The previous step's noted tensors: one the script changed in place since (an
+        accumulator it logs and then resets, say) means the script reuses its tensors, so
+        this step's are copied now rather than by the sender, which may come too late for
+        them too (whether the previous step's value was still read, the sender says)."""
+        for _, tensor, version in self._last_later:
+            if tensor._version != version:
+                self.defer = False
+                log.info("scalemon: a tensor given to log() was changed in place after it; "
+                         "device values are copied at log() from now on")
+                break
+        self._last_later = []
+
+    def _copy_now(self, slot: torch.Tensor, value: torch.Tensor) -> None:
+        """Queue the copy of `value` into `slot` on the current stream, from the training
+        thread (the GIL-keeping direct call where it applies)."""
+        events = self.events
+        direct = events.direct
+        if direct is not None and _direct_copyable(value, events.index):
+            try:
+                direct.copy_scalar(slot, value, events.stream_handle())
+                return
+            except Exception as exc:  # torch's copy from now on
+                events.no_direct(exc)
+        if value.requires_grad:
+            value = value.detach()
+        slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
+
+    def _queue_later(self, staged: Staged, step: int) -> None:
+        """On the sender thread: queue the copies `stage` left, on the step's stream, then an
+        event behind them. A tensor changed in place since `log()` (its version moved, before
+        or after its copy was queued) is not read: its value is lost, said once, and `stage`
+        copies at `log()` from then on."""
+        slots = staged.pinned[1]
+        with torch.cuda.stream(staged.stream):
+            for i, tensor, version in staged.later:
+                why = copy_if_unchanged(slots[i], tensor, version)
+                if why is not None:
+                    staged.lost.append(i)
+                    self._stop_deferring(step, _value_name(i, staged.names), why)
+            staged.event = self.events.record_on(staged.stream)
+
+    def _stop_deferring(self, step: int, name: str, why: str) -> None:
+        self.defer = False
+        self.warnings.once("deferred-copy", "scalemon: %s of step %d could not be read (%s), so "
+                           "it is left out of that step; from now on the monitor copies device "
+                           "values at log() instead, on the training thread", name, step, why)
 
     def _add_memory(self, body: dict[str, Any]) -> None:
         """The allocator's counters, read here on the sender thread rather than on the
@@ -148,25 +238,35 @@ class StepFinisher:
         """The finished body of `raw` (a `RawStep`, or a plain tuple in its order), or None
         while the device has not reached this step (waiting until the monotonic `deadline` at
         most, when one is given)."""
-        (step, tokens, step_time, agent_time, extra, loss, scale, opt_spans, comm_spans,
-         staged) = raw
+        (step, tokens, step_time, agent_time, extra, loss, scale, opt_spans, opt_untimed,
+         comm_spans, staged) = raw
         body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
                                 "agent_time_s": agent_time, "loss": loss, "loss_scale": scale,
                                 "scaler": self.scaler.state if self.scaler is not None else None}
         body.update(NO_DEVICE_MEMORY)  # CUDA: the counters come with the staged values
         if staged is not None:
-            event, pinned, has_loss, has_scale, names = staged
+            if staged.event is None:
+                self._queue_later(staged, step)
+            event = staged.event
             while not event.query():
                 if deadline is None or time.monotonic() >= deadline:
                     return None
                 time.sleep(0.001)
-            values = pinned[0].tolist()  # host memory, written by the completed copy
-            body["loss"] = values[0] if has_loss else None
-            body["loss_scale"] = values[1] if has_scale else None
-            for name, value in zip(names, values[2:], strict=True):
-                extra[name] = value
-            self.pinned.setdefault(len(values), []).append(pinned)
+            values = staged.pinned[0].tolist()  # host memory, written by the completed copies
+            for i, value in staged.floats:
+                values[i] = value
+            for i in staged.lost:
+                values[i] = None
+            body["loss"] = values[0] if staged.has_loss else None
+            body["loss_scale"] = values[1] if staged.has_scale else None
+            for name, value in zip(staged.names, values[2:], strict=True):
+                if value is None:
+                    del extra[name]
+                else:
+                    extra[name] = value
+            self.pinned.setdefault(len(values), []).append(staged.pinned)
             self.events.put(event)
+            staged.later = []  # the tensors may go
             if self.read_memory is not None:
                 self._add_memory(body)
         if extra:
@@ -174,13 +274,25 @@ class StepFinisher:
         wall_offset = time.time() - time.perf_counter()
         opt = summarize(opt_spans, self.events, wall_offset)
         comm = summarize(comm_spans, self.events, wall_offset)
-        body["optimizer_time_s"] = opt["seconds"]
+        self._add_optimizer(body, step, opt["seconds"], opt_untimed)
         body["allreduce_time_s"] = comm["seconds"]
         body["allreduce_count"] = comm["count"]
         body["allreduce_bytes"] = comm["bytes"]
         body["allreduce_issue_t"] = comm["issue_t"]
         self.scales.account(body)
         return body
+
+    def _add_optimizer(self, body: dict[str, Any], step: int, seconds: float | None,
+                       untimed: int) -> None:
+        """`optimizer_time_s` and the step it was measured at: this one, or, for a step whose
+        optimizer calls were sampled out, the last timed step's figure."""
+        if seconds is not None:
+            self._last_optimizer = (seconds, step)
+            body["optimizer_time_s"], body["optimizer_timed_step"] = seconds, step
+        elif untimed and self._last_optimizer is not None:
+            body["optimizer_time_s"], body["optimizer_timed_step"] = self._last_optimizer
+        else:
+            body["optimizer_time_s"] = body["optimizer_timed_step"] = None
 
     def _sendable(self, extra: dict[str, Any]) -> dict[str, Any]:
         """`extra` with NumPy/tensor scalars made plain; a value that cannot be sent (a tensor
@@ -234,6 +346,26 @@ def _direct_copyable(value: torch.Tensor, index: int) -> bool:
     raw copy can take."""
     return (value.dtype is torch.float32 and value.is_cuda and value.numel() == 1
             and value.get_device() == index)
+
+
+def copy_if_unchanged(slot: torch.Tensor, tensor: torch.Tensor, version: int) -> str | None:
+    """Queue the copy of the one-element `tensor` into `slot` (on the current stream, not
+    waiting) unless an in-place operation on it was queued since its version was `version`,
+    checked before and after queueing; None when the copy holds the value of then, else why
+    it does not (the slot's content is then not to be read)."""
+    try:
+        if tensor._version == version:
+            slot.copy_(tensor if tensor.dim() == 0 else tensor.reshape(()), non_blocking=True)
+            if tensor._version == version:
+                return None
+        return "the script changed it in place after log()"
+    except Exception as exc:  # a CUDA-graph output already overwritten, say
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _value_name(slot: int, names: list[str]) -> str:
+    """What a staged slot holds, in words."""
+    return "the loss" if slot == 0 else f"log({names[slot - 2]}=...)"
 
 
 def _device_scalar(value: Any) -> bool:

@@ -94,18 +94,36 @@ class EventPool:
         not be the current device); `handle`: that stream's, when the caller just read it."""
         if handle is None:
             handle = self.stream_handle()
-        if self._free:
-            ev = self._free.pop()
-            if self.direct is not None:
-                try:
-                    self.direct.record(ev, handle)
-                    return ev
-                except Exception as exc:  # torch's calls from now on
-                    self.no_direct(exc)
-        else:
+        ev = self._take()
+        if ev is None:
             ev = torch.cuda.Event(enable_timing=True)
+        elif self.direct is not None:
+            try:
+                self.direct.record(ev, handle)
+                return ev
+            except Exception as exc:  # torch's calls from now on
+                self.no_direct(exc)
         _record(ev, self._stream)
         return ev
+
+    def record_on(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """A free event recorded on `stream` through torch's call: for the sender thread,
+        behind the copies it queued there."""
+        ev = self._take() or torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def stream(self) -> torch.cuda.Stream:
+        """The current stream of the model's device, as a `Stream` (cached by stream)."""
+        self.stream_handle()
+        return self._stream
+
+    def _take(self) -> torch.cuda.Event | None:
+        """A free event, or None (the training and sender threads both take from the pool)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return None
 
     def no_direct(self, exc: Exception) -> None:
         """Stop using the direct calls after one failed (said once)."""
@@ -120,11 +138,31 @@ class EventPool:
 
 class SpanTimer:
     """Collects the spans of one kind (optimizer steps, all-reduces) until the step's `log()`
-    swaps the list for a new one."""
+    swaps the list for a new one.
 
-    def __init__(self, events: EventPool | None) -> None:
+    `every_s` > 0 samples: only the calls of a step that begins at least `every_s` after the
+    last timed one are timed (on CUDA each timed call costs two event records on the training
+    thread); the others are counted in `untimed`, so that the step says its figure is an
+    earlier step's. `timing` is the decision for the step in progress (None: not made yet;
+    `log()` resets it)."""
+
+    def __init__(self, events: EventPool | None, every_s: float = 0.0) -> None:
         self.events = events  # None: host timing
+        self.every_s = every_s
         self.spans: list[Span] = []
+        self.untimed = 0
+        self.timing: bool | None = None
+        self._next_at = 0.0
+
+    def timed_now(self, t: float) -> bool:
+        """Whether the call starting at `t` (perf_counter) is timed: the step's first call
+        decides for all of the step's calls."""
+        timing = self.timing
+        if timing is None:
+            timing = self.timing = t >= self._next_at
+            if timing:
+                self._next_at = t + self.every_s
+        return timing
 
 
 def span_seconds(span: Span) -> float | None:
@@ -158,7 +196,8 @@ def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -
 
 
 class OptimizerTimer:
-    """Times every `optimizer.step()` through the optimizer's own step hooks."""
+    """Times `optimizer.step()` through the optimizer's own step hooks: every call, or the
+    calls of sampled steps (`SpanTimer.every_s`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, timer: SpanTimer, phase: Phase,
                  on_error: Any = None) -> None:
@@ -177,11 +216,15 @@ class OptimizerTimer:
         t = time.perf_counter()
         phase = self.phase
         phase.name, phase.since = "optimizer", t
-        try:  # the optimizer step must go on whatever happens here
-            events = self.timer.events
-            self._open = [t, t if events is None else events.record(), None, None]
-        except Exception as exc:
-            self._failed("before", exc)
+        timer = self.timer
+        if timer.every_s and not timer.timed_now(t):  # sampled out: nothing on the device
+            timer.untimed += 1
+        else:
+            try:  # the optimizer step must go on whatever happens here
+                events = timer.events
+                self._open = [t, t if events is None else events.record(), None, None]
+            except Exception as exc:
+                self._failed("before", exc)
         phase.cost_s += time.perf_counter() - t
 
     def _post(self, *_: Any) -> None:

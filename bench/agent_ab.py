@@ -61,7 +61,7 @@ TIMED = {  # what --breakdown wraps: (module, qualified name)
     "optimizer pre-hook": ("scalemon.agent.timing", "OptimizerTimer._pre"),
     "optimizer post-hook": ("scalemon.agent.timing", "OptimizerTimer._post"),
     "event record": ("scalemon.agent.timing", "EventPool.record"),
-    "stage (pinned copy)": ("scalemon.agent.steps", "StepFinisher.stage"),
+    "stage (loss noted, scale copied)": ("scalemon.agent.steps", "StepFinisher.stage"),
     "submit_deferred": ("scalemon.agent.transport", "Sender.submit_deferred"),
     "scale read": ("scalemon.agent.scaler", "ScaleReader.read"),
     "cuda memory": ("scalemon.agent.run", "cuda_memory"),

@@ -8,7 +8,8 @@ events and `M` metadata, `ts`/`dur` in microseconds) with a process per rank, na
 * `steps`: one slice per `step` message with a `step_time_s`, from `t - step_time_s` to `t`
   (the rank's `log()` times; the first step of a process has no step time and no slice);
 * `optimizer`: the step's `optimizer_time_s`, placed at the end of its step (the message gives
-  the duration, not the start);
+  the duration, not the start), for the steps that were timed (`optimizer_timed_step`), not
+  those that carry an earlier step's figure;
 * `all-reduce (sum per step)`: the step's all-reduce time (the step message's, else the
   recorder's `collectives.steps` row) from its first all-reduce's issue time; a sum of
   durations that may overlap, so an upper bound of the wall time;
@@ -136,7 +137,8 @@ def _steps(msg: Message, off: float, slices: _Slices, comm_hook: set[int]) -> No
     if step_time is not None and step_time >= 0:
         slices.add(msg.rank, LANE_STEPS, end - step_time, end, f"step {b['step']}", args)
     opt = _number(b.get("optimizer_time_s"))
-    if opt is not None and opt >= 0:
+    timed_at = b.get("optimizer_timed_step", b["step"])  # absent: a 1.9 agent times every step
+    if opt is not None and opt >= 0 and timed_at == b["step"]:
         slices.add(msg.rank, LANE_OPTIMIZER, end - opt, end, "optimizer",
                    {"step": b["step"], "optimizer_time_s": opt})
     comm, issue = _number(b.get("allreduce_time_s")), _number(b.get("allreduce_issue_t"))

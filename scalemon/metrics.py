@@ -137,10 +137,16 @@ METRICS: tuple[Metric, ...] = (
            show=Show(unit="ms", scale=1e3, column="step", width=7, plot="step",
                      group="step time", key=1)),
     Metric("optimizer_time_s", "step", "float", "s", "total duration of the `optimizer.step()` "
-           "calls of this step (CUDA events on GPU, host clock on CPU); null when no optimizer is "
-           "watched or none completed",
+           "calls of the step `optimizer_timed_step` (CUDA events on GPU, host clock on CPU). "
+           "On CUDA the agent times one step every 0.5 s at most (SCALEMON_OPTIMIZER_TIMING_S; "
+           "each timed step costs two event records on the training thread), and a step in "
+           "between carries the last timed step's figure; on CPU every step is timed. Null "
+           "when no optimizer is watched or none was timed yet",
            show=Show(unit="ms", scale=1e3, column="opt", width=6, plot="optimizer",
                      na="no optimizer watched", overview=Overview("time", "optim", 2))),
+    Metric("optimizer_timed_step", "step", "int", "", "the step whose `optimizer.step()` calls "
+           "`optimizer_time_s` measured: this step's own number where it was timed, an earlier "
+           "one where the figure is carried; null with `optimizer_time_s`"),
     Metric("allreduce_time_s", "step", "float", "s", "sum of the durations of the step's "
            "all-reduces (issue to completion), so a sum, not wall time: they overlap with "
            "backward and with each other. On DDP over gloo the agent's comm hook times the "

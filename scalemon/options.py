@@ -35,6 +35,10 @@ environment variables:
                         memory, rank lost) as JSON on stdin; rate-limited, audited
   SCALEMON_CUDA_DIRECT  0: the agent reads CUDA through torch instead of calling the CUDA
                         runtime itself
+  SCALEMON_OPTIMIZER_TIMING_S
+                        seconds between the steps whose optimizer time the agent measures
+                        (default 0.5 on CUDA, 0 on CPU: every step); the steps between carry
+                        the last measured figure
 """
 """The epilog of `scalemon --help`: each variable scalemon reads, one entry each."""
 

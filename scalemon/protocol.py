@@ -23,7 +23,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
+PROTOCOL_VERSION: tuple[int, int] = (1, 10)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20

@@ -270,6 +270,86 @@ def test_a_comm_hook_registered_after_init_is_kept_and_timing_steps_aside(start_
     assert all(b["optimizer_time_s"] > 0 and b["loss"] > 0 for b in steps)
 
 
+def test_sampled_optimizer_timing_carries_the_last_timed_figure_and_says_from_which_step(
+        start_hub, monkeypatch):
+    """SCALEMON_OPTIMIZER_TIMING_S (on CUDA 0.5 s by default): only the first step falls in
+    the window here, so every later step carries its figure and names it; a step whose
+    optimizer did not run (GradScaler skipped it) carries nothing. The hub's rank shows the
+    carried figure; the trace export draws the one timed step only."""
+    from scalemon import export
+    from scalemon.jobstate import JobState
+
+    monkeypatch.setenv("SCALEMON_OPTIMIZER_TIMING_S", "1000")
+    hub = start_hub("agentSample")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run = Run(model, opt, scaler, job="agentSample", hub=hub.address.base, heartbeat_s=0.2)
+    train_steps(run, model, opt, scaler, steps=5, inf_at=3)
+    run.finish()
+    msgs = hub_messages(hub)
+    steps = [m.body for m in msgs if m.type == "step"]
+    first = steps[0]["optimizer_time_s"]
+    assert first > 0 and steps[0]["optimizer_timed_step"] == 1
+    assert steps[2]["optimizer_time_s"] is steps[2]["optimizer_timed_step"] is None  # skipped
+    for b in (steps[1], steps[3], steps[4]):
+        assert (b["optimizer_time_s"], b["optimizer_timed_step"]) == (first, 1)
+    state = JobState()
+    for m in msgs:
+        state.apply(m)
+    assert state.ranks[0].value("optimizer_time_s") == first
+    doc = export.trace(list(enumerate(msgs)), "agentSample")
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "optimizer"]
+    assert [e["args"]["step"] for e in slices] == [1]
+
+
+def test_a_bad_optimizer_timing_setting_is_said_and_the_default_kept(monkeypatch, caplog):
+    from scalemon.agent.run import optimizer_timing_every_s
+    from scalemon.agent.warn import Warnings
+
+    monkeypatch.setenv("SCALEMON_OPTIMIZER_TIMING_S", "often")
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        assert optimizer_timing_every_s(True, Warnings()) == 0.5
+        assert optimizer_timing_every_s(False, Warnings()) == 0.0
+    assert "SCALEMON_OPTIMIZER_TIMING_S='often' is not a number of seconds >= 0" in caplog.text
+    monkeypatch.setenv("SCALEMON_OPTIMIZER_TIMING_S", "0")
+    assert optimizer_timing_every_s(True, Warnings()) == 0.0
+
+
+def test_a_value_changed_in_place_after_log_is_not_read_by_the_deferred_copy():
+    """The sender's copy of a device value noted at log() (steps.copy_if_unchanged, the same
+    code on any device): copied while the tensor is as it was; refused, with the reason, once
+    an in-place operation moved its version, before the copy or while it was queued."""
+    from scalemon.agent.steps import copy_if_unchanged
+
+    slot = torch.zeros(())
+    loss = torch.tensor([2.5])
+    assert copy_if_unchanged(slot, loss, loss._version) is None
+    assert slot.item() == 2.5
+    version = loss._version
+    loss.zero_()  # an accumulator the script resets after logging it
+    slot.fill_(-1.0)
+    assert copy_if_unchanged(slot, loss, version) == "the script changed it in place after log()"
+    assert slot.item() == -1.0  # not copied
+
+    moving = torch.tensor(1.0)  # its version moves while its copy is queued (as when the
+    version = moving._version  # training thread queues an in-place operation at that moment)
+    original_copy = torch.Tensor.copy_
+
+    def copy_then_change(dst, src, non_blocking=False):
+        out = original_copy(dst, src, non_blocking=non_blocking)
+        src.add_(1)
+        return out
+
+    slot.copy_ = copy_then_change.__get__(slot)
+    assert copy_if_unchanged(slot, moving, version) == ("the script changed it in place after "
+                                                        "log()")
+    with torch.inference_mode():
+        frozen = torch.tensor(3.0)
+    why = copy_if_unchanged(torch.zeros(()), frozen, 0)
+    assert why is not None and why.startswith("RuntimeError")
+
+
 def test_agent_package_does_not_import_textual():
     code = ("import sys, scalemon.agent, scalemon.agent.run; "
             "assert 'textual' not in sys.modules, 'agent imported textual'")
@@ -321,9 +401,46 @@ def test_cuda_run_logs_device_values_without_syncing(start_hub):
     assert all(b["extra"]["lr"] == 1e-3 for b in steps)
     assert all(b["loss_scale"] == 1024.0 for b in steps)
     assert all(b["optimizer_time_s"] > 0 for b in steps)
+    # sampled (0.5 s): the first step timed, the quick ones after it carry its figure
+    assert steps[0]["optimizer_timed_step"] == 1
+    assert all(b["optimizer_timed_step"] <= b["step"] for b in steps)
     assert all(b["mem_allocated_bytes"] > 0 and b["mem_peak_bytes"] > 0 for b in steps)
+    assert run._steps.defer  # the loss and loss_x2 were copied by the sender thread
     beats = [m.body for m in msgs if m.type == "heartbeat"]
     assert beats[-1]["gpu_mem_total_bytes"] > 0  # NVML reading through the wrapper
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loss_changed_in_place_after_log_is_left_out_not_misread(start_hub, caplog):
+    """A script that logs a device accumulator and then resets it in place: the deferred copy
+    sees the version move and leaves that step's loss out (said once) instead of sending the
+    reset value; from then on the values are copied at log() and are right."""
+    hub = start_hub("agentInplace")
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    run = Run(model, opt, job="agentInplace", hub=hub.address.base, heartbeat_s=0.2)
+    x = torch.randn(64, 256, device="cuda")
+    total = torch.zeros((), device="cuda")
+    sums = []
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        for step in range(1, 6):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            sums.append(total.item())
+            run.log(step, loss=total)
+            total.zero_()  # queued before the sender copies the first step's value
+        run.finish()
+    steps = [m.body for m in hub_messages(hub) if m.type == "step"]
+    # step 1's copy is queued by the sender after the reset (it wakes every few ms): lost,
+    # never the zero; from step 2 on log() saw the reuse and copied at once
+    assert steps[0]["loss"] is None
+    assert [b["loss"] for b in steps[1:]] == pytest.approx(sums[1:], rel=1e-6)
+    assert caplog.text.count("the loss of step 1 could not be read (the script changed it in "
+                             "place after log())") == 1
+    assert not run._steps.defer
 
 
 class ReadyEvent:
@@ -353,7 +470,7 @@ def test_a_step_whose_gpu_values_never_become_ready_is_dropped_and_said_once(zct
 
     from scalemon import protocol
     from scalemon.agent.heartbeat import Phase
-    from scalemon.agent.steps import ScaleTracker, StepFinisher
+    from scalemon.agent.steps import ScaleTracker, Staged, StepFinisher
     from scalemon.agent.warn import Warnings
 
     pull = zctx.socket(zmq.PULL)
@@ -365,8 +482,9 @@ def test_a_step_whose_gpu_values_never_become_ready_is_dropped_and_said_once(zct
 
     def raw(step: int, event: object) -> tuple:
         buf = torch.tensor([float(step), 0.0])  # loss on "device"
-        staged = (event, (buf, list(buf.unbind())), True, False, [])
-        return (step, 8, 0.1, 1e-5, None, None, None, [], [], staged)
+        staged = Staged(None, (buf, list(buf.unbind())), [], [], True, False, [])
+        staged.event = event  # as if the sender had queued the copies already
+        return (step, 8, 0.1, 1e-5, None, None, None, [], 0, [], staged)
 
     def received(timeout_ms: int = 5000) -> protocol.Message:
         assert pull.poll(timeout_ms), "nothing arrived"

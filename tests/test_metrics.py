@@ -109,8 +109,8 @@ def test_the_agent_sends_the_table_fields_and_nothing_else():
 
     finisher = StepFinisher(ScaleTracker(1024.0), Phase(), None)
     raw = RawStep(step=3, tokens=64, step_time_s=0.1, agent_time_s=1e-5, extra={"lr": 0.1},
-                  loss=2.5, loss_scale=512.0, optimizer_spans=[], allreduce_spans=[],
-                  staged=None)
+                  loss=2.5, loss_scale=512.0, optimizer_spans=[], optimizer_untimed=0,
+                  allreduce_spans=[], staged=None)
     body = finisher.finish(raw, None)
     assert body is not None and set(body) == {m.name for m in fields_of("step")}
     assert body["skipped"] is True and body["extra"] == {"lr": 0.1}
