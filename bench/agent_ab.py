@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import math
 import os
 import statistics
 import sys
@@ -202,6 +203,7 @@ def summarize(args, device, per_step, run, agent_before, steps_before, spent) ->
         "b_over_a": statistics.median(b) / statistics.median(a),
         "paired_ratio_median": statistics.median(ratios),
         "paired_ratio_p10_p90": [ratios[len(ratios) // 10], ratios[(9 * len(ratios)) // 10]],
+        **paired_interval(ratios),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if run is not None:
@@ -213,6 +215,22 @@ def summarize(args, device, per_step, run, agent_before, steps_before, spent) ->
         out["breakdown_us_median_call"] = {k: 1e6 * statistics.median(v)
                                            for k, v in spent.items()}
     return out
+
+
+RESOLVE = 0.01
+"""The bench resolves a 1% cost when its 95% interval is at most this wide on either side."""
+
+
+def paired_interval(ratios: list[float]) -> dict:
+    """The geometric mean of the paired block ratios B/A with a 95% interval (normal
+    approximation on the logs: adjacent blocks share the machine's drift, so their ratios are
+    close to independent), and whether the interval resolves `RESOLVE`."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    return {"paired_ratio_geomean": math.exp(mean), "paired_ratio_ci95": [lo, hi],
+            "resolves_1pct": hi - lo <= 2 * RESOLVE}
 
 
 def device_name(device: torch.device) -> str:
@@ -227,6 +245,10 @@ def print_result(r: dict) -> None:
     print(f"{r['device']} {r['mode']}: A {r['a_step_ms']:.3f} ms  B {r['b_step_ms']:.3f} ms  "
           f"B/A {r['b_over_a']:.4f}  paired {r['paired_ratio_median']:.4f} "
           f"[p10 {lo:.4f} p90 {hi:.4f}]{agent}")
+    c_lo, c_hi = r["paired_ratio_ci95"]
+    print(f"  paired geometric mean {r['paired_ratio_geomean']:.4f}, 95% interval "
+          f"[{c_lo:.4f}, {c_hi:.4f}]: " + ("resolves 1%" if r["resolves_1pct"] else
+                                          "does NOT resolve 1% (more or shorter blocks)"))
     for key in ("breakdown_us_per_step", "breakdown_us_median_call"):
         if key in r:
             print(f"  {key}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(
