@@ -36,11 +36,25 @@ def loaded_cudart() -> str | None:
     return found[0] if found else None
 
 
+def runtime_library() -> Any | None:
+    """torch's CUDA runtime library through ctypes (releasing the GIL in its calls), or None
+    where it is not loaded."""
+    path = loaded_cudart()
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError as exc:
+        log.info("scalemon: the CUDA runtime %s could not be opened (%s)", path, exc)
+        return None
+
+
 class CudaDirect:
     """`record(event, stream)` and `copy_scalar(dst, src, stream)` through the runtime's C
     API, holding the GIL. Build with `CudaDirect.load()`; None where unavailable."""
 
     def __init__(self, lib: Any) -> None:
+        self.lib = lib
         self._event_record = lib.cudaEventRecord
         self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._event_record.restype = ctypes.c_int

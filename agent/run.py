@@ -32,6 +32,7 @@ from scalemon.collectives import hang_after_default
 from scalemon.failures import clean_error
 
 from .autostart import hub_address
+from .cudagraphs import watch_captures
 from .env import RankEnv, read_rank_env
 from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
@@ -158,6 +159,8 @@ class Run:
         self._steps = StepFinisher(
             ScaleTracker(self._scale.init_scale), self.phase, events, self.warnings,
             self._scale, functools.partial(cuda_memory, self.device) if self._cuda else None)
+        if self._cuda:
+            watch_captures(self._steps.on_graph_capture)
         self.agent_time_total_s = 0.0
         self._previous_log_s = 0.0
         self.steps_logged = 0

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .cudagraphs import CAPTURE, capture_mode_thread_local
+from .cudart import runtime_library
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
 from .transport import PLAIN_TYPES, local_value, plain_value
@@ -121,14 +123,18 @@ class StepFinisher:
         changed before it was read: from then on they are copied at `log()`."""
         self._last_optimizer: tuple[float, int] | None = None  # (seconds, step) last timed
         self._last_later: list = []  # the previous step's `Staged.later`
+        self._sender_ready = False  # the sender thread's CUDA capture mode was set
 
     def stage(self, loss: Any, scale: Any, extra: dict[str, Any] | None) -> Staged:
         """Note the step's device scalars (loss, loss scale, one-element CUDA tensors among
         the extra values) for copying to pinned host memory without a sync (`Staged`): on the
         training thread only the loss scale is copied, and only host work is done for the
         rest."""
-        if self._last_later:
-            self._check_last_later()
+        if CAPTURE.active:  # inside a CUDA graph capture: any copy would be captured
+            self.warnings.once("log-in-capture", "scalemon: log() was called while a CUDA graph "
+                               "was being captured; device values of such calls are left out")
+            loss, scale = _host_only(loss), _host_only(scale)
+            extra = {k: v for k, v in extra.items() if not _device_scalar(v)} if extra else extra
         names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
         loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
@@ -151,22 +157,41 @@ class StepFinisher:
                 except RuntimeError:  # an inference-mode tensor keeps no version: copy now
                     pass
             self._copy_now(slots[i], value)
+        if self._last_later and self._reused(later):
+            self.defer = False
+            log.info("scalemon: a tensor given to log() is reused by the script (changed in "
+                     "place, or the same storage again); device values are copied at log() "
+                     "from now on")
+            for i, tensor, _ in later:
+                self._copy_now(slots[i], tensor)
+            later = []
         self._last_later = later
         return Staged(events.stream(), (buf, slots), later, floats, loss is not None,
                       scale is not None, names)
 
-    def _check_last_later(self) -> None:
-        """The previous step's noted tensors: one the script changed in place since (an
-        accumulator it logs and then resets, say) means the script reuses its tensors, so
-        this step's are copied now rather than by the sender, which may come too late for
-        them too (whether the previous step's value was still read, the sender says)."""
-        for _, tensor, version in self._last_later:
-            if tensor._version != version:
-                self.defer = False
-                log.info("scalemon: a tensor given to log() was changed in place after it; "
-                         "device values are copied at log() from now on")
-                break
-        self._last_later = []
+    def _reused(self, later: list) -> bool:
+        """Whether the script reuses the tensors it logs, by the previous step's: one changed
+        in place since (an accumulator logged, then reset), or one whose storage is logged
+        again (a static output buffer that the next CUDA-graph replay overwrites without a
+        version change). The sender may then come too late for this step's values too, so they
+        are copied now (whether the previous step's could still be read, the sender says)."""
+        previous = self._last_later
+        try:
+            if any(tensor._version != version for _, tensor, version in previous):
+                return True
+            storages = {tensor.data_ptr() for _, tensor, _ in previous}
+            return any(tensor.data_ptr() in storages for _, tensor, _ in later)
+        except RuntimeError:  # a CUDA-graph output already given back: its storage says so
+            return True
+
+    def on_graph_capture(self) -> None:
+        """A CUDA graph capture began in this process (cudagraphs.py): its outputs are
+        overwritten by each replay without a version change, so values are copied at `log()`
+        from now on."""
+        if self.defer:
+            self.defer = False
+            log.info("scalemon: a CUDA graph was captured; device values given to log() are "
+                     "copied at log() from now on")
 
     def _copy_now(self, slot: torch.Tensor, value: torch.Tensor) -> None:
         """Queue the copy of `value` into `slot` on the current stream, from the training
@@ -245,6 +270,11 @@ class StepFinisher:
                                 "scaler": self.scaler.state if self.scaler is not None else None}
         body.update(NO_DEVICE_MEMORY)  # CUDA: the counters come with the staged values
         if staged is not None:
+            if not self._sender_ready:  # the first CUDA work of the sender thread
+                self._sender_ready = True
+                lib = runtime_library()
+                if lib is not None:
+                    capture_mode_thread_local(lib)
             if staged.event is None:
                 self._queue_later(staged, step)
             event = staged.event
@@ -361,6 +391,11 @@ def copy_if_unchanged(slot: torch.Tensor, tensor: torch.Tensor, version: int) ->
         return "the script changed it in place after log()"
     except Exception as exc:  # a CUDA-graph output already overwritten, say
         return f"{type(exc).__name__}: {exc}"
+
+
+def _host_only(value: Any) -> Any:
+    """`value`, or None where it is a tensor on a GPU."""
+    return None if isinstance(value, torch.Tensor) and value.is_cuda else value
 
 
 def _value_name(slot: int, names: list[str]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .cudagraphs import CAPTURE
 from .cudart import CudaDirect
 from .heartbeat import Phase
 from .hosttiming import group_seq, original
@@ -219,6 +220,8 @@ class OptimizerTimer:
         timer = self.timer
         if timer.every_s and not timer.timed_now(t):  # sampled out: nothing on the device
             timer.untimed += 1
+        elif CAPTURE.active and timer.events is not None:  # a step captured into a CUDA graph
+            pass  # (its replays run no hooks: they go untimed)
         else:
             try:  # the optimizer step must go on whatever happens here
                 events = timer.events

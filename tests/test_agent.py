@@ -350,6 +350,50 @@ def test_a_value_changed_in_place_after_log_is_not_read_by_the_deferred_copy():
     assert why is not None and why.startswith("RuntimeError")
 
 
+def test_a_cuda_graph_capture_is_seen_by_the_agent_before_it_starts():
+    """Every capture goes through torch.cuda.CUDAGraph.capture_begin: the wrapper tells the
+    step finisher first (values are then copied at log()) and counts the capture while it
+    lasts, also when the capture fails (here: no CUDA to capture with)."""
+    from scalemon.agent.cudagraphs import CAPTURE, watch_captures
+    from scalemon.agent.heartbeat import Phase
+    from scalemon.agent.steps import ScaleTracker, StepFinisher
+
+    finisher = StepFinisher(ScaleTracker(None), Phase(), None)
+    watch_captures(finisher.on_graph_capture)
+    seen = []
+    watch_captures(lambda: seen.append(CAPTURE.active))
+    assert finisher.defer
+    with pytest.raises((TypeError, RuntimeError, AttributeError)):
+        torch.cuda.CUDAGraph.capture_begin(object())  # not a graph: torch's own call refuses
+    assert seen == [0] and not finisher.defer and CAPTURE.active == 0
+    with pytest.raises((TypeError, RuntimeError, AttributeError)):
+        torch.cuda.CUDAGraph.capture_end(object())
+    assert CAPTURE.active == 0
+
+
+def test_log_sees_a_script_that_reuses_the_tensors_it_logs():
+    """StepFinisher._reused on the previous step's noted tensors: fresh tensors each step are
+    not reuse; a tensor changed in place since, or the same storage logged again (a CUDA
+    graph's static output), is."""
+    from scalemon.agent.heartbeat import Phase
+    from scalemon.agent.steps import ScaleTracker, StepFinisher
+
+    finisher = StepFinisher(ScaleTracker(None), Phase(), None)
+
+    def noted(*tensors):
+        return [(0, t, t._version) for t in tensors]
+
+    first, second = torch.tensor(1.0), torch.tensor(2.0)
+    finisher._last_later = noted(first)
+    assert not finisher._reused(noted(second))
+    finisher._last_later = noted(first)
+    first.add_(1)
+    assert finisher._reused(noted(second))
+    static = torch.tensor(3.0)
+    finisher._last_later = noted(static)
+    assert finisher._reused(noted(static))
+
+
 def test_agent_package_does_not_import_textual():
     code = ("import sys, scalemon.agent, scalemon.agent.run; "
             "assert 'textual' not in sys.modules, 'agent imported textual'")
@@ -408,6 +452,47 @@ def test_cuda_run_logs_device_values_without_syncing(start_hub):
     assert run._steps.defer  # the loss and loss_x2 were copied by the sender thread
     beats = [m.body for m in msgs if m.type == "heartbeat"]
     assert beats[-1]["gpu_mem_total_bytes"] > 0  # NVML reading through the wrapper
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_log_each_steps_own_loss_and_the_capture_is_left_alone(start_hub):
+    """A script that captures its whole step in a CUDA graph (torch's docs' pattern, global
+    capture mode) and logs the graph's static loss after each replay: the capture succeeds
+    although the agent's threads query events and copy meanwhile, and every step's loss is
+    that step's own, never the next replay's."""
+    hub = start_hub("agentGraph")
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = Run(model, opt, job="agentGraph", hub=hub.address.base, heartbeat_s=0.05)
+    x = torch.randn(32, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, logged (deferred copies: the sender is busy)
+        for step in range(1, 4):
+            opt.zero_grad(set_to_none=False)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            run.log(step, loss=loss.detach())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_loss = model(x).pow(2).mean()
+        static_loss.backward()
+        opt.step()
+    values = []
+    for step in range(4, 12):
+        graph.replay()
+        run.log(step, loss=static_loss)
+        values.append(static_loss.item())
+    assert not run.disabled, run._disabled_reason
+    assert not run._steps.defer  # the capture switched to copies at log()
+    run.finish()
+    steps = [m.body for m in hub_messages(hub) if m.type == "step"]
+    assert [b["step"] for b in steps] == list(range(1, 12))
+    assert [b["loss"] for b in steps[3:]] == pytest.approx(values, rel=1e-6)
+    assert len(set(values)) > 1  # the loss moves, so a value of another step would show
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
