@@ -104,7 +104,7 @@ install_wheels() {
              "before the call, and name .whl in the call's carry"
         return 1
     fi
-    local wheels=() built carried expected fresh
+    local wheels=() built carried expected fresh problems
     mapfile -t wheels < <(cd "$RUNDIR" && helper wheels "$REPO/.whl")
     carried=$(sed -n 's/^tree_hash=//p' "$REPO/.whl/SOURCE.txt" 2>/dev/null)
     expected=$(helper tree-hash "$REPO")
@@ -154,6 +154,12 @@ if not scalemon.__file__.startswith(sys.argv[1]):
         return 1
     fi
     echo "scalemon script: $SITE/bin/scalemon (--help exits 0); packages import from $SITE"
+    problems=$(cd "$RUNDIR" && helper unmet scalemon textual)
+    if [[ -n $problems ]]; then  # --no-deps checked nothing: say what may break, go on
+        echo "WARNING: needs not met by this Python's packages (carry them: GPU_WHEELS_EXTRA" \
+             "for bench/gpu_wheels.sh):"
+        echo "$problems"
+    fi
     (cd "$RUNDIR" && helper versions)
 }
 

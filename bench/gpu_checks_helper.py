@@ -3,6 +3,7 @@
     python3 bench/gpu_checks_helper.py tree-hash REPO            # the product source's hash
     python3 bench/gpu_checks_helper.py wheels DIR                # DIR's wheels for this Python
     python3 bench/gpu_checks_helper.py versions                  # torch, CUDA, NCCL, GPU, driver
+    python3 bench/gpu_checks_helper.py unmet DIST...             # their needs not installed
     python3 bench/gpu_checks_helper.py summary JUNIT LOG         # counts and failing tests
     python3 bench/gpu_checks_helper.py kill-hubs HOME            # hubs a job's ranks started
     python3 bench/gpu_checks_helper.py results-mark STATE        # bench/results/*.json lengths
@@ -114,6 +115,40 @@ def versions() -> list[str]:
                 version = metadata.version(dist)
         lines.append(f"{module}: {version} ({Path(mod.__file__ or '?').parent})")
     return lines
+
+
+def unmet(dists: list[str]) -> list[str]:
+    """The requirements of `dists` (and of theirs, recursively; extras left out) that no
+    installed distribution meets: `pip install --no-deps` checks none of them."""
+    from importlib import metadata
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    problems, todo, done = [], list(dists), set()
+    while todo:
+        dist = todo.pop()
+        if dist.lower() in done:
+            continue
+        done.add(dist.lower())
+        try:
+            needs = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            problems.append(f"{dist}: not installed")
+            continue
+        for text in needs:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                problems.append(f"{req.name}: not installed ({dist} needs {req})")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{req.name} {have}: {dist} needs {req}")
+            todo.append(req.name)
+    return problems
 
 
 def junit_counts(junit: Path) -> dict | None:
@@ -275,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tree-hash").add_argument("repo", type=Path)
     sub.add_parser("wheels").add_argument("folder", type=Path)
     sub.add_parser("versions")
+    sub.add_parser("unmet").add_argument("dists", nargs="+")
     s = sub.add_parser("summary")
     s.add_argument("junit", type=Path)
     s.add_argument("log", type=Path)
@@ -297,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(str(w) for w in usable))
     elif args.cmd == "versions":
         print("\n".join(versions()))
+    elif args.cmd == "unmet":
+        print("\n".join(unmet(args.dists)))
     elif args.cmd == "summary":
         print(summary(args.junit, args.log))
     elif args.cmd == "kill-hubs":

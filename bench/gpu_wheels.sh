@@ -15,6 +15,8 @@
 # .whl/ is git-ignored through the repository's .git/info/exclude (this script adds `/.whl/`
 # there), never committed: the `run` call takes it along with `carry: [".whl"]`.
 # Needs .venv (bash .ci/setup) and PyPI. Rerun it after changing the product code.
+# GPU_WHEELS_EXTRA="rich pygments": carry these too (at .venv's versions), should gpu_checks.sh
+# report in setup.txt that the image's copies are too old.
 set -euo pipefail
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
@@ -36,6 +38,9 @@ fi
 # what the GPU image lacks (/work/.library/device/KINDS.md, 'Python packages already there');
 # textual's other needs (rich, pygments, markdown-it-py, typing-extensions) are there
 NEEDED=(pyzmq textual mdit-py-plugins linkify-it-py platformdirs)
+# more, should gpu_checks.sh's setup.txt say one of those is too old there: GPU_WHEELS_EXTRA=rich
+read -r -a extra <<<"${GPU_WHEELS_EXTRA:-}"
+NEEDED+=("${extra[@]}")
 PLATFORMS=(--platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64
            --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
@@ -91,4 +96,4 @@ echo "$(basename "$REPO")/.whl: $((size_kib / 1024)) MiB ($size_kib KiB), tree_h
 if ((size_kib > 40 * 1024)); then
     echo "warning: over 40 MiB; a run call carries at most 64 MiB with the checkout" >&2
 fi
-echo "next: the run calls of README.md ('On a GPU machine'), with carry [\".whl\"]"
+echo "next: the run calls in bench/results/gpu-nvidia-h100-2026-11-25.md, 'Next GPU session'"

@@ -121,3 +121,25 @@ def test_tests_import_the_product_as_installed() -> None:
                  for path in sorted((REPO / "tests").rglob("*.py"))
                  for m in pattern.finditer(path.read_text())]
     assert not offenders, offenders
+
+
+def test_unmet_names_a_need_missing_or_too_old_that_no_deps_let_through(tmp_path: Path) -> None:
+    """pip install --no-deps checks nothing: the setup step lists what the installed
+    distributions need and this Python lacks."""
+    def dist(name: str, version: str, *needs: str) -> None:
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("\n".join([
+            "Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+            *(f"Requires-Dist: {n}" for n in needs)]) + "\n")
+
+    dist("gckfront", "1.0", "gckold>=2", "gckgone", 'gckpypy; implementation_name == "pypy"',
+         'gckextra; extra == "x"')
+    dist("gckold", "1.5")
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_checks_helper.py"),
+                           "unmet", "gckfront", "gckold"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["gckold 1.5: gckfront needs gckold>=2",
+                                        "gckgone: not installed (gckfront needs gckgone)"]
