@@ -256,8 +256,9 @@ row_segfault() {  # (a) the gloo job with the agent exits 0 (#25's SIGSEGV at ex
     for i in 1 2 3; do
         home=$RUNDIR/kc$i
         mkdir -p "$home/out"
+        # the environment of tests/test_collectives_jobs.py's job_env, which failed there
         row "segfault run $i" 45 env PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 \
-            SCALEMON_HOME="$home" SCALEMON_JOB_ID="kc$i" \
+            SCALEMON_HOME="$home" SCALEMON_JOB_ID="kc$i" SCALEMON_HUB_ARGS="--linger 60" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             "$REPO/tests/jobs/known_collectives.py" "$home/out"
         helper kill-hubs "$home"
