@@ -30,10 +30,10 @@
 #   GPU_CHECKS_PYTHON      the interpreter (python3; CPU mode: the checkout's .venv/bin/python)
 #   GPU_CHECKS_SITE        the install target (/tmp/site; CPU mode: a fresh /tmp folder)
 #   GPU_CHECKS_BUDGET      seconds a part may take (540; `all`: 1800 for the suite, 900 benches)
-#   GPU_CHECKS_TESTS       suite: test files to run instead of all, e.g. "test_seed.py test_jobs.py"
+#   GPU_CHECKS_TESTS       suite: test files to run instead of all, e.g. "test_seed.py test_hub.py"
 #   GPU_CHECKS_WORKERS     suite: pytest-xdist workers (12; CPU mode 2)
-#   GPU_CHECKS_AB_BLOCKS   benches: bench/agent_ab.py --blocks (14: ~3 minutes on an H100)
-#   GPU_CHECKS_OPT_BLOCKS  benches: bench/optimizer_ab.py --blocks (8: ~2 minutes on an H100)
+#   GPU_CHECKS_AB_BLOCKS   benches: bench/agent_ab.py --blocks (14: ~3 min on an H100, estimated)
+#   GPU_CHECKS_OPT_BLOCKS  benches: bench/optimizer_ab.py --blocks (8: ~2 min on an H100, estimated)
 #   GPU_CHECKS_ROWS        benches: which rows, in order (segfault tests agent_ab optimizer_ab)
 set -euo pipefail
 
