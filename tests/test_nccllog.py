@@ -188,6 +188,47 @@ def test_reset_symbol_lookup_in_real_libraries(tmp_path: Path) -> None:
     assert flags.reset_debug_symbol(str(tmp_path / "absent.so")) is None
 
 
+PICK_LIBRARY = """
+import ctypes, sys
+from scalemon.agent import flags
+from scalemon.agent.libs import mapped_libraries
+for path in sys.argv[1:]:
+    ctypes.CDLL(path)
+lib, reset = flags.loaded_reset()
+print(mapped_libraries("libnccl"))
+print(lib, getattr(reset, "__name__", None))
+"""
+
+
+def test_the_reset_is_looked_up_in_libnccl_not_in_a_nccl_plugin(tmp_path: Path) -> None:
+    """NCCL loads its plugins (libnccl-net.so, ...) after itself; /proc/self/maps lists them
+    by address, usually before it. The reset is looked up in libnccl.so.2 all the same."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libraries")
+    built = []
+    for name, source in (("libnccl.so.2", "void ncclResetDebugInit(void) {}"),
+                         ("libnccl-net.so", "int ncclNetPlugin_v9 = 0;")):
+        (tmp_path / "src.c").write_text(source)
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / name),
+                        str(tmp_path / "src.c")], check=True, timeout=60)
+        built.append(str(tmp_path / name))
+    done = subprocess.run([sys.executable, "-c", PICK_LIBRARY, *built], capture_output=True,
+                          text=True, timeout=60, check=True)
+    mapped, picked = done.stdout.splitlines()[-2:]
+    assert picked == f"{tmp_path / 'libnccl.so.2'} ncclResetDebugInit", done.stdout
+
+
+def test_libnccl_is_told_from_its_plugins_whatever_the_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flags, "mapped_libraries", lambda fragment: [
+        "/opt/plugins/libnccl-net.so", "/opt/plugins/libnccl-tuner.so",
+        "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"])
+    assert flags.nccl_library() == "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"
+    monkeypatch.setattr(flags, "mapped_libraries", lambda fragment: ["/p/libnccl-net.so"])
+    assert flags.nccl_library() is None
+
+
 def test_a_probe_counts_only_the_lines_after_it(tmp_path: Path) -> None:
     sent: list = []
     follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
@@ -335,3 +376,51 @@ def test_a_file_older_than_the_process_is_followed_from_its_end(tmp_path: Path) 
     fresh.write_text("this run\n")
     assert not _written_since_start(old)
     assert _written_since_start(fresh) and _written_since_start(tmp_path / "absent.log")
+
+
+def test_a_file_rewritten_in_place_past_its_old_end_is_read_from_its_start(
+        tmp_path: Path) -> None:
+    """NCCL opens NCCL_DEBUG_FILE with fopen(path, "w") at its first line after every
+    ncclResetDebugInit(): the same inode, truncated, and by the follower's next read the new
+    lines may be longer than the old file was. Every new line is read, whole, from the first."""
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)  # reads only when the test says so
+    path = tmp_path / "nccl.log"
+    path.write_text("h:1:1 [0] NCCL INFO Init START\nh:1:1 [0] NCCL INFO Init COMPLETE\n")
+    try:
+        follower.follow(path, "nccl")
+        assert follower.read_now(path)
+        inode = path.stat().st_ino
+        with open(path, "w") as f:  # what NCCL does after a reset
+            f.writelines(f"h:1:1 [0] NCCL INFO AllReduce: opCount {i:x}\n" for i in range(20))
+        assert path.stat().st_ino == inode and path.stat().st_size > 100
+        assert follower.read_now(path)
+        with open(path, "a") as f:  # and then it only appends
+            f.write("h:1:1 [0] NCCL INFO AllReduce: opCount 14\n")
+        assert follower.read_now(path)
+    finally:
+        follower.stop()
+    got = [line for body in sent for line in body["lines"]]
+    assert got[:2] == ["h:1:1 [0] NCCL INFO Init START", "h:1:1 [0] NCCL INFO Init COMPLETE"]
+    assert got[2:] == [f"h:1:1 [0] NCCL INFO AllReduce: opCount {i:x}" for i in range(21)]
+
+
+def test_a_file_followed_from_its_end_and_rewritten_is_read_from_its_start(
+        tmp_path: Path) -> None:
+    """The same for a file followed from its end (one an earlier run left): its last bytes are
+    known from the start, so a rewrite past its old end is seen too."""
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)
+    path = tmp_path / "nccl.log"
+    path.write_text("an earlier run, line 1\nan earlier run, line 2\n")
+    try:
+        follower.follow(path, "nccl", from_start=False)
+        with open(path, "w") as f:
+            f.writelines(f"this run, line {i}\n" for i in range(10))
+        assert follower.read_now(path)
+    finally:
+        follower.stop()
+    assert [line for body in sent for line in body["lines"]] == [
+        f"this run, line {i}" for i in range(10)]
