@@ -305,8 +305,11 @@ def _setenv(name: str, value: str) -> None:
 
 
 def nccl_library() -> str | None:
-    """Path of the libnccl loaded in this process (from /proc/self/maps), or None."""
-    return next(iter(mapped_libraries("libnccl")), None)
+    """Path of the libnccl loaded in this process (from /proc/self/maps), or None. NCCL's own
+    plugins (libnccl-net.so, libnccl-tuner.so, libnccl-profiler.so, libnccl-env.so: NCCL
+    src/plugin/plugin_open.cc) are mapped later, usually below it, and export no reset."""
+    return next((path for path in mapped_libraries("libnccl")
+                 if Path(path).name.startswith("libnccl.so")), None)
 
 
 def loaded_reset() -> tuple[str | None, Callable[[], Any] | None]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 
 def mapped_libraries(fragment: str) -> list[str]:
-    """Paths of the mapped shared libraries whose path contains `fragment`, in the order the
-    process mapped them, each once; empty where /proc/self/maps cannot be read."""
+    """Paths of the mapped shared libraries whose path contains `fragment`, each once, in the
+    order /proc/self/maps lists them (by address, which is not the order they were loaded in:
+    later ones usually lie lower); empty where /proc/self/maps cannot be read."""
     found: list[str] = []
     try:
         with open("/proc/self/maps") as f:
