@@ -13,6 +13,7 @@ from scalemon.jobs import run_dir
 
 from . import flags as _flags
 from .flags import FlagControl
+from .libs import flush_c_stdio
 from .warn import Warnings
 
 
@@ -54,6 +55,7 @@ class RankLogs:
             self._nccl_tee, tee = tee, None
             _, reset = _flags.loaded_reset()
             if reset is not None:
+                flush_c_stdio()  # NCCL's lines so far, before the copies of the later ones
                 reset()
         except Exception as exc:  # NCCL's lines stay where NCCL writes them
             self.warnings.once("nccl-log", "scalemon: not following NCCL's log: %s", exc)

@@ -259,6 +259,7 @@ def start_fake(home: Path, out: Path, *args: str, **env: str) -> subprocess.Pope
     for name in NCCL_ENV:
         if name not in env:
             full.pop(name, None)
+    full.pop("PYTHONUNBUFFERED", None)  # it would make C's stdout unbuffered too, as it rarely is
     with open(out, "w") as log:
         return subprocess.Popen([sys.executable, str(FAKE_JOB), *args], env=full, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -291,6 +292,8 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stay_on_stdout(home: P
     for i in range(8):  # every collective's line is on stdout, once
         assert printed.count(f"AllReduce: opCount {i:x} ") == 1, printed
     assert printed.count("Init COMPLETE") == 1 and "Destroy COMPLETE" in printed
+    # what NCCL had in C's stdout buffer comes out before the copies of its later lines
+    assert printed.index("Init COMPLETE") < printed.index("AllReduce"), printed
     lines = wait_for(lambda: len(got := nccl_lines(home)) >= 8 and got, timeout=30)
     assert [line.split("FAKE-NCCL ")[1] for line in lines] == [
         f"AllReduce: opCount {i:x} count 1 comm 0x1" for i in range(8)]  # from the first on
@@ -328,6 +331,36 @@ def test_toggle_reports_the_lines_of_its_first_seconds_or_why_none(home: Path,
         assert "AllReduce" not in out.read_text()  # toggled on: to the hub, not the job's stdout
     finally:
         kill_tree(proc)
+
+
+@pytest.mark.integration
+def test_a_subsys_toggle_on_a_job_launched_with_nccl_debug_loses_no_line(
+        home: Path, tmp_path: Path) -> None:
+    """NCCL_DEBUG=INFO at launch (the agent's file, copied to stdout), then a toggle of
+    NCCL_DEBUG_SUBSYS: NCCL truncates and rewrites the same file, a COLL line every 20 ms soon
+    outgrows its INIT lines. Every COLL line reaches stdout, whole, from the first."""
+    out = tmp_path / "job.out"
+    proc = start_fake(home, out, "100000", "0.02", NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT")
+    try:
+        wait_for(lambda: (s := snapshot(home)) and s["ranks"] and (s["ranks"][0]["step"] or 0)
+                 >= 3, timeout=60, interval=0.5)
+        done = cli(home, "toggle", home.name, "NCCL_DEBUG_SUBSYS=INIT,COLL")
+        assert done.returncode == 0, done.stdout + done.stderr
+        counted = [line for line in done.stdout.splitlines() if "NCCL log:" in line]
+        assert counted and int(counted[0].split("NCCL log: ")[1].split()[0]) > 20, done.stdout
+        assert proc.poll() is None, out.read_text()[-2000:]
+    finally:
+        kill_tree(proc)
+    printed = [line for line in out.read_text().splitlines() if "comm 0x1" in line]
+    coll = [line for line in printed if "AllReduce" in line]
+    assert len(coll) > 20, out.read_text()[-2000:]
+    whole = f"{short_hostname()}:{proc.pid}:{proc.pid} [0] NCCL INFO FAKE-NCCL "
+    assert all(line.startswith(whole) for line in printed), printed  # none came cut
+    # NCCL's file holds its lines since it opened it again; stdout got them all (but for
+    # those of the last moment before the kill)
+    files = list((home / "run" / home.name).glob("nccl.*.log"))
+    in_file = [line for line in files[0].read_text().splitlines() if "AllReduce" in line]
+    assert coll == in_file[:len(coll)], (coll[:3], in_file[:3])
 
 
 def test_a_libnccl_without_the_reset_makes_nccl_debug_restart_tier(home: Path,
