@@ -25,6 +25,7 @@ import ctypes
 import datetime
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,14 @@ class FlagControl:
             raise FlagError(no_reset_why(lib))
         reset()
         symbol = getattr(reset, "__name__", RESET_SYMBOLS[0])
-        return f"NCCL re-read its debug settings ({symbol} in {Path(lib).name})"
+        said = f"NCCL re-read its debug settings ({symbol} in {Path(lib).name})"
+        user_file = os.environ.get("NCCL_DEBUG_FILE")
+        if user_file and user_file != self.redirected and nccllog.opens_file(
+                os.environ.get("NCCL_DEBUG")):
+            said += (f"; note: NCCL opens NCCL_DEBUG_FILE again with mode \"w\" at its next "
+                     f"line, which empties {self.nccl_path or user_file} (the hub's log keeps "
+                     "the lines streamed from it)")
+        return said
 
     def nccl_file(self, tee_fd: int | None = None) -> Path | None:
         """With NCCL_DEBUG set, the file NCCL writes its lines to, followed (as source "nccl"):
@@ -254,7 +262,8 @@ class FlagControl:
             tee_fd = None  # the user chose the file: their stdout never had these lines
         elif self.log_dir is not None:
             # %p: NCCL puts its pid there, so a child process never truncates this one's file
-            template = str(self.log_dir).replace("%", "%%") + f"/nccl.{self.env.host}.%p.log"
+            host = re.sub(r"[^A-Za-z0-9._-]", "-", self.env.host)  # NCCL expands only %p here
+            template = str(self.log_dir).replace("%", "%%") + f"/nccl.{host}.%p.log"
             path = nccllog.expand_debug_file(template)
             os.environ["NCCL_DEBUG_FILE"] = self.redirected = template
         else:

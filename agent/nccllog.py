@@ -46,11 +46,17 @@ def prints_when_running(subsys: str | None) -> bool:
     return bool(RUNNING_SUBSYS & set(words))
 
 
+def opens_file(level: str | None) -> bool:
+    """True when NCCL_DEBUG=`level` makes NCCL open NCCL_DEBUG_FILE (above VERSION: WARN, INFO,
+    ABORT, TRACE; src/debug.cc, ncclDebugInit). It opens it with mode "w" every time it reads
+    its settings, so after each `ncclResetDebugInit()` the file starts empty."""
+    return (level or "").strip().upper() in ("WARN", "INFO", "ABORT", "TRACE")
+
+
 def short_hostname() -> str:
-    """The hostname as NCCL writes it into file names and lines (`%h`): up to the first dot,
-    `%` and `/` replaced by `-`."""
-    name = socket.gethostname().split(".", 1)[0] or "unknown"
-    return name.replace("%", "-").replace("/", "-")
+    """The hostname as NCCL writes it into file names and lines (`%h`): gethostname() up to the
+    first dot, nothing replaced (getHostName in NCCL's src/misc/utils.cc)."""
+    return socket.gethostname().split(".", 1)[0]
 
 
 def expand_debug_file(template: str, pid: int | None = None, host: str | None = None) -> Path:

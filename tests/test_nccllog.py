@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +56,8 @@ def test_subsystems_that_print_for_a_running_communicator() -> None:
 def test_debug_file_names_expand_as_nccl_does() -> None:
     assert expand_debug_file("/x/nccl.%h.%p.log", pid=42, host="n1") == Path("/x/nccl.n1.42.log")
     assert expand_debug_file("a%%b%q%", pid=1, host="h") == Path("a%b%q%")
-    assert "." not in short_hostname() and "/" not in short_hostname()
+    # NCCL's %h: gethostname() cut at the first dot, nothing else changed (getHostName)
+    assert short_hostname() == socket.gethostname().split(".")[0]
 
 
 def test_a_count_of_zero_never_reads_as_lines() -> None:
@@ -147,6 +149,28 @@ def test_nccl_debug_on_asks_for_coll_when_subsys_is_unset_and_says_so(
     assert "was unset" not in text
     set_flag(fc, 5, "NCCL_DEBUG", "")
     assert os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,NET"  # the user's: left alone
+
+
+def test_a_toggle_says_nccl_empties_the_users_debug_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_nccl_env: None) -> None:
+    """NCCL opens NCCL_DEBUG_FILE with mode "w" each time it reads its settings again: a live
+    toggle empties the user's file, and its reply says so (not for the agent's own file)."""
+    nccl, messages, followed = Calls(), [], []
+    monkeypatch.setattr(flags, "nccl_library", lambda: "/fake/libnccl.so.2")
+    monkeypatch.setattr(flags, "reset_debug_symbol", lambda path: nccl.reset)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "mine.%p.log"))
+    fc = control(tmp_path, messages, nccl.reset, followed)
+    set_flag(fc, 1, "NCCL_DEBUG_SUBSYS", "INIT,COLL")
+    text = results(messages)[-1]["text"]
+    assert f'with mode "w" at its next line, which empties {tmp_path}/mine.{os.getpid()}.log' \
+        in text, text
+    set_flag(fc, 2, "NCCL_DEBUG", "VERSION")  # NCCL opens no file at VERSION
+    assert "empties" not in results(messages)[-1]["text"]
+    monkeypatch.delenv("NCCL_DEBUG_FILE")
+    set_flag(fc, 3, "NCCL_DEBUG", "INFO")  # the agent's own file: no word about it
+    assert "empties" not in results(messages)[-1]["text"]
+    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / f"nccl.{fc.env.host}.%p.log")
 
 
 def test_without_reset_symbol_nccl_debug_needs_a_restart_and_says_why(
