@@ -112,5 +112,5 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stdout(home: Path,
     assert "Init COMPLETE" in printed
     assert printed.index("Init COMPLETE") < printed.index("AllReduce"), printed[:3000]
     files = list((home / "run" / home.name).glob("nccl.*.log"))
-    assert len(files) == 1 and "AllReduce" in files[0].read_text()  # %p expanded as we did
+    assert any("AllReduce" in f.read_text() for f in files), files  # %p expanded as we did
     assert time.monotonic() - started < 90
