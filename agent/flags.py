@@ -253,13 +253,16 @@ class FlagControl:
         """With NCCL_DEBUG set, the file NCCL writes its lines to, followed (as source "nccl"):
         the user's NCCL_DEBUG_FILE (%h, %p expanded), else one this sets in the job's run
         directory, whose lines also go to `tee_fd` when given. None when NCCL writes to stdout
-        (no run directory)."""
+        (no run directory) or to a file that is no log of its own (/dev/stderr, a FIFO)."""
         if not os.environ.get("NCCL_DEBUG"):
             return None
         template = os.environ.get("NCCL_DEBUG_FILE")
         if template:
             path = nccllog.expand_debug_file(template)
             tee_fd = None  # the user chose the file: their stdout never had these lines
+            if not nccllog.followable(path):
+                self.nccl_path = None
+                return None
         elif self.log_dir is not None:
             # %p: NCCL puts its pid there, so a child process never truncates this one's file
             host = re.sub(r"[^A-Za-z0-9._-]", "-", self.env.host)  # NCCL expands only %p here

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import stat
 import sys
 import threading
 import time
@@ -142,11 +143,13 @@ class LogFollower:
         when it was followed already or the follower is stopped."""
         entry = _Followed(Path(path), source, tee_fd)
         if not from_start:
-            with contextlib.suppress(OSError), open(entry.path, "rb") as f:
-                st = os.fstat(f.fileno())
+            with contextlib.suppress(OSError):
+                st = os.stat(entry.path)
                 entry.offset, entry.ident = st.st_size, (st.st_dev, st.st_ino)
-                f.seek(max(0, entry.offset - TAIL_BYTES))
-                entry.tail = f.read(entry.offset - f.tell())
+                if stat.S_ISREG(st.st_mode):  # never open a FIFO (it would block) or a tty
+                    with open(entry.path, "rb") as f:
+                        f.seek(max(0, entry.offset - TAIL_BYTES))
+                        entry.tail = f.read(max(0, entry.offset - f.tell()))
         key = str(entry.path.absolute())
         with self._lock:
             if self._stopping or key in self._files:
@@ -291,6 +294,8 @@ class LogFollower:
             st = os.stat(entry.path)
         except FileNotFoundError:
             st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            st = None  # a FIFO, tty or device: reading it would block or take others' input
         if st is not None:
             ident = (st.st_dev, st.st_ino)
             if entry.ident is not None and (ident != entry.ident or st.st_size < entry.offset):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 
 VERBOSE = ("INFO", "TRACE")
@@ -76,6 +77,18 @@ def expand_debug_file(template: str, pid: int | None = None, host: str | None = 
                     "p": str(pid)}.get(code, "%" + code))
         i += 2
     return Path("".join(out))
+
+
+def followable(path: Path) -> bool:
+    """False for a NCCL_DEBUG_FILE that is no log file of NCCL's own: the process's streams
+    (/dev/stdout, /dev/stderr, /proc/self/fd/N: following them would send the job's whole
+    output as NCCL lines) or an existing FIFO, socket or device."""
+    if str(path).startswith(("/dev/", "/proc/")):
+        return False
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # NCCL creates it
 
 
 def probe_text(lines: int, window_s: float, *, steps: int, level: str | None,

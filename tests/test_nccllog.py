@@ -481,3 +481,42 @@ def test_a_file_followed_from_its_end_and_rewritten_is_read_from_its_start(
         follower.stop()
     assert [line for body in sent for line in body["lines"]] == [
         f"this run, line {i}" for i in range(10)]
+
+
+def test_a_debug_file_that_is_a_stream_of_the_process_or_a_fifo_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_nccl_env: None) -> None:
+    """NCCL_DEBUG_FILE=/dev/stderr (a common way to move NCCL's lines) names the job's own
+    output: following it would send all of it as NCCL lines, or read the terminal. A FIFO is
+    never opened: it would block until a writer came."""
+    nccl, messages, followed = Calls(), [], []
+    monkeypatch.setattr(flags, "nccl_library", lambda: "/fake/libnccl.so.2")
+    monkeypatch.setattr(flags, "reset_debug_symbol", lambda path: nccl.reset)
+    fifo = tmp_path / "nccl.fifo"
+    os.mkfifo(fifo)
+    for target in ("/dev/stderr", "/proc/self/fd/1", str(fifo)):
+        monkeypatch.setenv("NCCL_DEBUG_FILE", target)
+        fc = control(tmp_path, messages, nccl.reset, followed)
+        set_flag(fc, 1, "NCCL_DEBUG", "INFO")
+        assert results(messages)[-1]["outcome"] == "applied"
+        assert followed == [] and fc.nccl_path is None, target
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)
+    done: list = []
+
+    def follow_and_read() -> None:
+        follower.follow(fifo, "nccl", from_start=False)
+        done.append(follower.read_now(fifo, timeout_s=1.0))
+
+    import threading
+
+    thread = threading.Thread(target=follow_and_read, daemon=True)
+    thread.start()
+    thread.join(10)
+    try:
+        assert done == [True] and sent == []  # neither call blocked on the FIFO
+    finally:
+        if thread.is_alive():  # unblock the open so the thread ends
+            with open(fifo, "w"):
+                pass
+        follower.stop()
