@@ -387,6 +387,31 @@ def test_a_subsys_toggle_on_a_job_launched_with_nccl_debug_loses_no_line(
     assert coll == in_file[:len(coll)], (coll[:3], in_file[:3])
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("nccl", ["2.28", "2.26"])
+def test_the_lines_before_a_reset_reach_stdout_too(home: Path, tmp_path: Path,
+                                                  nccl: str) -> None:
+    """NCCL_DEBUG=INFO with COLL at launch, then NCCL_DEBUG=WARN toggled (no count, NCCL still
+    opens its file): the lines NCCL wrote since the follower's last read are read before NCCL
+    empties the file, whether it does so at its next line (2.27 on) or in the reset itself
+    (2.24 to 2.26). Every collective's line is on stdout, in order."""
+    out = tmp_path / "job.out"
+    args = ["100000", "0.02"] + (["reopen-at-reset"] if nccl == "2.26" else [])
+    proc = start_fake(home, out, *args, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,COLL")
+    try:
+        wait_for(lambda: (s := snapshot(home)) and s["ranks"] and (s["ranks"][0]["step"] or 0)
+                 >= 20, timeout=60, interval=0.5)
+        done = cli(home, "toggle", home.name, "NCCL_DEBUG=WARN")
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        kill_tree(proc)
+    # the all_reduce of each step comes before its log(): those of steps 0 .. N-1 printed
+    at = int(done.stdout.split("in effect on every rank from step ")[1].split(";")[0])
+    coll = [line for line in out.read_text().splitlines() if "AllReduce" in line]
+    assert [int(line.split("opCount ")[1].split()[0], 16) for line in coll] == list(
+        range(at)), (at, coll[-3:])
+
+
 def test_a_libnccl_without_the_reset_makes_nccl_debug_restart_tier(home: Path,
                                                                    tmp_path: Path) -> None:
     out = tmp_path / "job.out"

@@ -1,7 +1,7 @@
 """A one-process monitored job with a stand-in for libnccl's debug log, for the NCCL_DEBUG tests
 on a machine without NCCL.
 
-    python tests/jobs/fake_nccl_log.py STEPS STEP_S [early] [no-reset]
+    python tests/jobs/fake_nccl_log.py STEPS STEP_S [early] [no-reset] [reopen-at-reset]
 
 `FakeNccl` does with the environment what NCCL's src/debug.cc does: it reads NCCL_DEBUG,
 NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE at its first log line and again only after
@@ -39,8 +39,12 @@ class FakeNccl:
         self.op_count = 0
 
     def reset(self) -> None:
-        """ncclResetDebugInit(): read the settings again at the next line."""
+        """ncclResetDebugInit(): read the settings again at the next line (NCCL 2.27 on), or at
+        once with `reopen-at-reset` (NCCL 2.24 to 2.26: src/debug.cc closes the file and runs
+        ncclDebugInit in the reset)."""
         self.level = None
+        if "reopen-at-reset" in sys.argv:
+            self._init()
 
     def _init(self) -> None:
         if self.out is not None:
@@ -50,7 +54,7 @@ class FakeNccl:
         words = os.environ.get("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP,ENV").upper().split(",")
         self.mask = SUBSYS if "ALL" in words else set(words)
         target = os.environ.get("NCCL_DEBUG_FILE")
-        if self.level in ("INFO", "TRACE") and target:
+        if self.level in ("WARN", "INFO", "ABORT", "TRACE") and target:  # above VERSION
             self.out = open(expand_debug_file(target), "w", buffering=1)  # noqa: SIM115
 
     def info(self, subsys: str, text: str) -> None:
