@@ -294,8 +294,8 @@ class LogFollower:
             st = os.stat(entry.path)
         except FileNotFoundError:
             st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            st = None  # a FIFO, tty or device: reading it would block or take others' input
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, tty, device: reading
+            raise OSError(f"{entry.path} is not a regular file")  # would block or take input
         if st is not None:
             ident = (st.st_dev, st.st_ino)
             if entry.ident is not None and (ident != entry.ident or st.st_size < entry.offset):
