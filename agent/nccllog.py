@@ -56,8 +56,9 @@ def opens_file(level: str | None) -> bool:
 
 def short_hostname() -> str:
     """The hostname as NCCL writes it into file names and lines (`%h`): gethostname() up to the
-    first dot, nothing replaced (getHostName in NCCL's src/misc/utils.cc)."""
-    return socket.gethostname().split(".", 1)[0]
+    first dot (getHostName, src/misc/utils.cc), `%` and `/` replaced by `-` as NCCL 2.29 on does
+    (getHostNameForLog, src/debug.cc; 2.28 keeps them, which no usable host name has)."""
+    return socket.gethostname().split(".", 1)[0].replace("%", "-").replace("/", "-")
 
 
 def expand_debug_file(template: str, pid: int | None = None, host: str | None = None) -> Path:
