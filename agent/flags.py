@@ -25,6 +25,7 @@ import ctypes
 import datetime
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,22 +240,33 @@ class FlagControl:
             raise FlagError(no_reset_why(lib))
         reset()
         symbol = getattr(reset, "__name__", RESET_SYMBOLS[0])
-        return f"NCCL re-read its debug settings ({symbol} in {Path(lib).name})"
+        said = f"NCCL re-read its debug settings ({symbol} in {Path(lib).name})"
+        user_file = os.environ.get("NCCL_DEBUG_FILE")
+        if user_file and user_file != self.redirected and nccllog.opens_file(
+                os.environ.get("NCCL_DEBUG")):
+            said += (f"; note: NCCL opens NCCL_DEBUG_FILE again with mode \"w\" at its next "
+                     f"line, which empties {self.nccl_path or user_file} (the hub's log keeps "
+                     "the lines streamed from it)")
+        return said
 
     def nccl_file(self, tee_fd: int | None = None) -> Path | None:
         """With NCCL_DEBUG set, the file NCCL writes its lines to, followed (as source "nccl"):
         the user's NCCL_DEBUG_FILE (%h, %p expanded), else one this sets in the job's run
         directory, whose lines also go to `tee_fd` when given. None when NCCL writes to stdout
-        (no run directory)."""
+        (no run directory) or to a file that is no log of its own (/dev/stderr, a FIFO)."""
         if not os.environ.get("NCCL_DEBUG"):
             return None
         template = os.environ.get("NCCL_DEBUG_FILE")
         if template:
             path = nccllog.expand_debug_file(template)
             tee_fd = None  # the user chose the file: their stdout never had these lines
+            if not nccllog.followable(path):
+                self.nccl_path = None
+                return None
         elif self.log_dir is not None:
             # %p: NCCL puts its pid there, so a child process never truncates this one's file
-            template = str(self.log_dir).replace("%", "%%") + f"/nccl.{self.env.host}.%p.log"
+            host = re.sub(r"[^A-Za-z0-9._-]", "-", self.env.host)  # NCCL expands only %p here
+            template = str(self.log_dir).replace("%", "%%") + f"/nccl.{host}.%p.log"
             path = nccllog.expand_debug_file(template)
             os.environ["NCCL_DEBUG_FILE"] = self.redirected = template
         else:
@@ -305,8 +317,11 @@ def _setenv(name: str, value: str) -> None:
 
 
 def nccl_library() -> str | None:
-    """Path of the libnccl loaded in this process (from /proc/self/maps), or None."""
-    return next(iter(mapped_libraries("libnccl")), None)
+    """Path of the libnccl loaded in this process (from /proc/self/maps), or None. NCCL's own
+    plugins (libnccl-net.so, libnccl-tuner.so, libnccl-profiler.so, libnccl-env.so: NCCL
+    src/plugin/plugin_open.cc) are mapped later, usually below it, and export no reset."""
+    return next((path for path in mapped_libraries("libnccl")
+                 if Path(path).name.startswith("libnccl.so")), None)
 
 
 def loaded_reset() -> tuple[str | None, Callable[[], Any] | None]:

@@ -24,6 +24,12 @@ seconds and calls `report(n)` from the follower thread (the count a NCCL_DEBUG t
 A followed file can be copied to any fd: NCCL's log the agent redirected at start goes back to
 the original stdout that way.
 
+A file rewritten in place is read again from its start: NCCL opens NCCL_DEBUG_FILE with
+fopen(path, "w") at its first line after every `ncclResetDebugInit()` (src/debug.cc), which
+truncates the same inode, and by the next read the new lines may already be longer than the old
+file. So besides a file that shrank or was replaced, each read checks that the last bytes read
+before are still where they were (`TAIL_BYTES` of them).
+
 The person watching the job still sees its stderr: the follower copies the raw new bytes of the
 captured file to the original stderr ("tee"), in order, a fraction of a second later. If the
 follower thread dies, the process keeps running and its stderr lands in the file only.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import stat
 import sys
 import threading
 import time
@@ -48,6 +55,8 @@ Submit = Callable[[str, dict[str, Any]], bool]
 
 _PIPE_BUF = getattr(select, "PIPE_BUF", 512)
 _CHUNK = 1 << 20  # bytes read at a time while skipping a burst
+TAIL_BYTES = 256
+"""How many of the last bytes read a followed file keeps, to see that it was rewritten in place."""
 
 
 @dataclass
@@ -59,6 +68,7 @@ class _Followed:
     tee_fd: int | None = None
     offset: int = 0
     ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file last read
+    tail: bytes = b""  # the last bytes before `offset`, as read (b"": none or not known)
     pending: bytes = b""  # an incomplete last line, kept until its newline comes
     discard: int = 0  # skip to the next newline: 1 the line was sent cut, 2 it is dropped
     removed: bool = False
@@ -136,6 +146,10 @@ class LogFollower:
             with contextlib.suppress(OSError):
                 st = os.stat(entry.path)
                 entry.offset, entry.ident = st.st_size, (st.st_dev, st.st_ino)
+                if stat.S_ISREG(st.st_mode):  # never open a FIFO (it would block) or a tty
+                    with open(entry.path, "rb") as f:
+                        f.seek(max(0, entry.offset - TAIL_BYTES))
+                        entry.tail = f.read(max(0, entry.offset - f.tell()))
         key = str(entry.path.absolute())
         with self._lock:
             if self._stopping or key in self._files:
@@ -280,6 +294,8 @@ class LogFollower:
             st = os.stat(entry.path)
         except FileNotFoundError:
             st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, tty, device: reading
+            raise OSError(f"{entry.path} is not a regular file")  # would block or take input
         if st is not None:
             ident = (st.st_dev, st.st_ino)
             if entry.ident is not None and (ident != entry.ident or st.st_size < entry.offset):
@@ -288,12 +304,15 @@ class LogFollower:
         raw: list[bytes] = []
         if st is not None and st.st_size > entry.offset:
             with open(entry.path, "rb") as f:
+                if not _still_there(f, entry):  # rewritten in place, already past the old end
+                    self._restart(entry, batch)
                 f.seek(entry.offset)
                 size = st.st_size
                 if size - entry.offset > self.max_read_bytes:
                     self._skip(entry, f, batch, size - self.keep_bytes, deadline)
                 data = f.read(size - entry.offset)
             entry.offset += len(data)
+            entry.tail = _last(entry.tail, data)
             self._tee(entry, data, deadline)
             raw = self._split(entry, data, batch)
         if final:
@@ -310,7 +329,7 @@ class LogFollower:
             self._take([entry.pending], batch)
         elif entry.discard == 2:
             self._drop_before(batch, 1)
-        entry.offset, entry.pending, entry.discard = 0, b"", 0
+        entry.offset, entry.pending, entry.discard, entry.tail = 0, b"", 0, b""
 
     def _skip(self, entry: _Followed, f: Any, batch: _Batch, to: int, deadline: float) -> None:
         """Skip a burst up to about `to`, counting its lines as dropped (and teeing it)."""
@@ -320,6 +339,7 @@ class LogFollower:
             if not chunk:
                 break
             entry.offset += len(chunk)
+            entry.tail = _last(entry.tail, chunk)
             self._tee(entry, chunk, deadline)
             newlines += chunk.count(b"\n")
             last = chunk[-1:]
@@ -499,6 +519,20 @@ class StderrCapture:
                 # the rest; the fd is closed only when the thread surely no longer uses it
                 if follower.unfollow(path, timeout_s / 2):
                     os.close(saved)
+
+
+def _last(tail: bytes, data: bytes) -> bytes:
+    """The last TAIL_BYTES of `tail + data`."""
+    return (tail + data[-TAIL_BYTES:])[-TAIL_BYTES:]
+
+
+def _still_there(f: Any, entry: _Followed) -> bool:
+    """True when the bytes last read before `entry.offset` are still there in `f` (or none
+    are known): the file grew, rather than being truncated and written again past that point."""
+    if not entry.tail or entry.offset < len(entry.tail):
+        return True
+    f.seek(entry.offset - len(entry.tail))
+    return f.read(len(entry.tail)) == entry.tail
 
 
 def _flush_stderr() -> None:

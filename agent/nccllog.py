@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 
 VERBOSE = ("INFO", "TRACE")
@@ -46,11 +47,18 @@ def prints_when_running(subsys: str | None) -> bool:
     return bool(RUNNING_SUBSYS & set(words))
 
 
+def opens_file(level: str | None) -> bool:
+    """True when NCCL_DEBUG=`level` makes NCCL open NCCL_DEBUG_FILE (above VERSION: WARN, INFO,
+    ABORT, TRACE; src/debug.cc, ncclDebugInit). It opens it with mode "w" every time it reads
+    its settings, so after each `ncclResetDebugInit()` the file starts empty."""
+    return (level or "").strip().upper() in ("WARN", "INFO", "ABORT", "TRACE")
+
+
 def short_hostname() -> str:
-    """The hostname as NCCL writes it into file names and lines (`%h`): up to the first dot,
-    `%` and `/` replaced by `-`."""
-    name = socket.gethostname().split(".", 1)[0] or "unknown"
-    return name.replace("%", "-").replace("/", "-")
+    """The hostname as NCCL writes it into file names and lines (`%h`): gethostname() up to the
+    first dot (getHostName, src/misc/utils.cc), `%` and `/` replaced by `-` as NCCL 2.29 on does
+    (getHostNameForLog, src/debug.cc; 2.28 keeps them, which no usable host name has)."""
+    return socket.gethostname().split(".", 1)[0].replace("%", "-").replace("/", "-")
 
 
 def expand_debug_file(template: str, pid: int | None = None, host: str | None = None) -> Path:
@@ -70,6 +78,18 @@ def expand_debug_file(template: str, pid: int | None = None, host: str | None = 
                     "p": str(pid)}.get(code, "%" + code))
         i += 2
     return Path("".join(out))
+
+
+def followable(path: Path) -> bool:
+    """False for a NCCL_DEBUG_FILE that is no log file of NCCL's own: the process's streams
+    (/dev/stdout, /dev/stderr, /proc/self/fd/N: following them would send the job's whole
+    output as NCCL lines) or an existing FIFO, socket or device."""
+    if str(path).startswith(("/dev/", "/proc/")):
+        return False
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # NCCL creates it
 
 
 def probe_text(lines: int, window_s: float, *, steps: int, level: str | None,

@@ -13,6 +13,7 @@ from scalemon.jobs import run_dir
 
 from . import flags as _flags
 from .flags import FlagControl
+from .libs import flush_c_stdio
 from .warn import Warnings
 
 
@@ -54,6 +55,7 @@ class RankLogs:
             self._nccl_tee, tee = tee, None
             _, reset = _flags.loaded_reset()
             if reset is not None:
+                flush_c_stdio()  # NCCL's lines so far, before the copies of the later ones
                 reset()
         except Exception as exc:  # NCCL's lines stay where NCCL writes them
             self.warnings.once("nccl-log", "scalemon: not following NCCL's log: %s", exc)
@@ -102,7 +104,13 @@ class RankLogs:
         return self.follower().probe("nccl", nccllog.PROBE_S, report)
 
     def follow_log(self, path: Path, source: str, tee_fd: int | None = None) -> bool:
-        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE); copy them to `tee_fd`."""
+        """Stream new lines of `path` to the hub (NCCL_DEBUG_FILE); copy them to `tee_fd`.
+        Called just before NCCL is reset: where `path` is followed already, what NCCL wrote so
+        far is read now, as NCCL opens the file again with mode "w" (at once before 2.27, at
+        its next line since), emptying it."""
+        if self._logs is not None and self._logs.following(path):
+            self._logs.read_now(path, 0.2)
+            return True
         try:
             fresh = written_since_start(path)  # an older file's lines are another run's
             return self.follower().follow(path, source, from_start=fresh, tee_fd=tee_fd)

@@ -1,15 +1,18 @@
 """NCCL's debug log on a real GPU: the demo trainer under torchrun, 1 rank on NCCL, monitored.
 
 1. `scalemon toggle JOB NCCL_DEBUG=INFO` on the running job: NCCL lines reach the hub's log
-   within seconds and the toggle's reply counts more than 0 of them.
+   within seconds and the toggle's reply counts more than 0 of them; a second toggle
+   (NCCL_DEBUG_SUBSYS, NCCL rewrites its file) counts some too, none cut.
 2. A job launched with NCCL_DEBUG=INFO (and COLL, for a line per step): its lines reach the hub
-   and are still on the job's stdout.
+   and are still on the job's stdout, those NCCL printed before `sm.init` first; the file
+   NCCL opened is the one the agent followed (NCCL expanded %p as the agent did).
 
 Skipped without CUDA and NCCL (this is the GPU check of tests/test_nccllog.py, which runs the
 same paths against a stand-in for libnccl)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +30,15 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and torch built with NCCL")
 
 
+NCCL_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+
+
 def start_demo(home: Path, out: Path, *args: str, **env: str) -> subprocess.Popen:
     full = {**job_env(home), **env}
+    for name in NCCL_ENV:  # none from the machine's environment: only what the test sets
+        if name not in env:
+            full.pop(name, None)
+    full.pop("PYTHONUNBUFFERED", None)  # C's stdout block-buffered, as under most launchers
     with open(out, "w") as log:
         return subprocess.Popen(
             torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--monitor", *args, nproc=1,
@@ -62,6 +72,20 @@ def test_toggling_nccl_debug_on_shows_lines_and_counts_them(home: Path, tmp_path
         assert int(counted[0].split("NCCL log: ")[1].split()[0]) > 0
         lines = wait_for(lambda: nccl_lines(home), timeout=10, interval=0.5)
         assert any("NCCL INFO" in line for line in lines), lines[:5]
+        # again: NCCL reopens the same file with mode "w", and its new lines soon outgrow the
+        # old ones; they are read from its start, each whole
+        done = subprocess.run(
+            [sys.executable, "-m", "scalemon.cli", "toggle", home.name,
+             "NCCL_DEBUG_SUBSYS=INIT,COLL", "--wait", "30"], env=job_env(home),
+            capture_output=True, text=True, timeout=60)
+        print(done.stdout, done.stderr)
+        assert done.returncode == 0, done.stdout + done.stderr
+        counted = [line for line in done.stdout.splitlines() if "NCCL log:" in line]
+        assert counted and int(counted[0].split("NCCL log: ")[1].split()[0]) > 0, done.stdout
+        host = socket.gethostname().split(".")[0]
+        lines = nccl_lines(home)
+        # (a WARN comes after an empty line: src/debug.cc writes "\n" before it)
+        assert lines and all(line.startswith(f"{host}:") for line in lines if line), lines
         assert proc.poll() is None, out.read_text()[-3000:]
     finally:
         kill_tree(proc)
@@ -84,5 +108,9 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stdout(home: Path,
     assert any("AllReduce" in line for line in lines), lines[:5]
     for line in lines[-5:]:  # the very lines the hub got are on the job's stdout too
         assert line in printed, (line, printed[-3000:])
-    assert "Init COMPLETE" in printed  # and what NCCL printed before the agent started
+    # and what NCCL printed before the agent started (eager init: device_id), before those
+    assert "Init COMPLETE" in printed
+    assert printed.index("Init COMPLETE") < printed.index("AllReduce"), printed[:3000]
+    files = list((home / "run" / home.name).glob("nccl.*.log"))
+    assert any("AllReduce" in f.read_text() for f in files), files  # %p expanded as we did
     assert time.monotonic() - started < 90

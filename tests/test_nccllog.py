@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ def test_subsystems_that_print_for_a_running_communicator() -> None:
 def test_debug_file_names_expand_as_nccl_does() -> None:
     assert expand_debug_file("/x/nccl.%h.%p.log", pid=42, host="n1") == Path("/x/nccl.n1.42.log")
     assert expand_debug_file("a%%b%q%", pid=1, host="h") == Path("a%b%q%")
-    assert "." not in short_hostname() and "/" not in short_hostname()
+    # NCCL's %h: gethostname() cut at the first dot (no "unknown" for an empty name)
+    assert short_hostname() == socket.gethostname().split(".")[0].replace("%", "-").replace(
+        "/", "-")
 
 
 def test_a_count_of_zero_never_reads_as_lines() -> None:
@@ -149,6 +152,28 @@ def test_nccl_debug_on_asks_for_coll_when_subsys_is_unset_and_says_so(
     assert os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,NET"  # the user's: left alone
 
 
+def test_a_toggle_says_nccl_empties_the_users_debug_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_nccl_env: None) -> None:
+    """NCCL opens NCCL_DEBUG_FILE with mode "w" each time it reads its settings again: a live
+    toggle empties the user's file, and its reply says so (not for the agent's own file)."""
+    nccl, messages, followed = Calls(), [], []
+    monkeypatch.setattr(flags, "nccl_library", lambda: "/fake/libnccl.so.2")
+    monkeypatch.setattr(flags, "reset_debug_symbol", lambda path: nccl.reset)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "mine.%p.log"))
+    fc = control(tmp_path, messages, nccl.reset, followed)
+    set_flag(fc, 1, "NCCL_DEBUG_SUBSYS", "INIT,COLL")
+    text = results(messages)[-1]["text"]
+    assert f'with mode "w" at its next line, which empties {tmp_path}/mine.{os.getpid()}.log' \
+        in text, text
+    set_flag(fc, 2, "NCCL_DEBUG", "VERSION")  # NCCL opens no file at VERSION
+    assert "empties" not in results(messages)[-1]["text"]
+    monkeypatch.delenv("NCCL_DEBUG_FILE")
+    set_flag(fc, 3, "NCCL_DEBUG", "INFO")  # the agent's own file: no word about it
+    assert "empties" not in results(messages)[-1]["text"]
+    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / f"nccl.{fc.env.host}.%p.log")
+
+
 def test_without_reset_symbol_nccl_debug_needs_a_restart_and_says_why(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_nccl_env: None) -> None:
     messages: list = []
@@ -188,6 +213,47 @@ def test_reset_symbol_lookup_in_real_libraries(tmp_path: Path) -> None:
     assert flags.reset_debug_symbol(str(tmp_path / "absent.so")) is None
 
 
+PICK_LIBRARY = """
+import ctypes, sys
+from scalemon.agent import flags
+from scalemon.agent.libs import mapped_libraries
+for path in sys.argv[1:]:
+    ctypes.CDLL(path)
+lib, reset = flags.loaded_reset()
+print(mapped_libraries("libnccl"))
+print(lib, getattr(reset, "__name__", None))
+"""
+
+
+def test_the_reset_is_looked_up_in_libnccl_not_in_a_nccl_plugin(tmp_path: Path) -> None:
+    """NCCL loads its plugins (libnccl-net.so, ...) after itself; /proc/self/maps lists them
+    by address, usually before it. The reset is looked up in libnccl.so.2 all the same."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libraries")
+    built = []
+    for name, source in (("libnccl.so.2", "void ncclResetDebugInit(void) {}"),
+                         ("libnccl-net.so", "int ncclNetPlugin_v9 = 0;")):
+        (tmp_path / "src.c").write_text(source)
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / name),
+                        str(tmp_path / "src.c")], check=True, timeout=60)
+        built.append(str(tmp_path / name))
+    done = subprocess.run([sys.executable, "-c", PICK_LIBRARY, *built], capture_output=True,
+                          text=True, timeout=60, check=True)
+    mapped, picked = done.stdout.splitlines()[-2:]
+    assert picked == f"{tmp_path / 'libnccl.so.2'} ncclResetDebugInit", done.stdout
+
+
+def test_libnccl_is_told_from_its_plugins_whatever_the_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flags, "mapped_libraries", lambda fragment: [
+        "/opt/plugins/libnccl-net.so", "/opt/plugins/libnccl-tuner.so",
+        "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"])
+    assert flags.nccl_library() == "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"
+    monkeypatch.setattr(flags, "mapped_libraries", lambda fragment: ["/p/libnccl-net.so"])
+    assert flags.nccl_library() is None
+
+
 def test_a_probe_counts_only_the_lines_after_it(tmp_path: Path) -> None:
     sent: list = []
     follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
@@ -218,6 +284,7 @@ def start_fake(home: Path, out: Path, *args: str, **env: str) -> subprocess.Pope
     for name in NCCL_ENV:
         if name not in env:
             full.pop(name, None)
+    full.pop("PYTHONUNBUFFERED", None)  # it would make C's stdout unbuffered too, as it rarely is
     with open(out, "w") as log:
         return subprocess.Popen([sys.executable, str(FAKE_JOB), *args], env=full, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -250,6 +317,8 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stay_on_stdout(home: P
     for i in range(8):  # every collective's line is on stdout, once
         assert printed.count(f"AllReduce: opCount {i:x} ") == 1, printed
     assert printed.count("Init COMPLETE") == 1 and "Destroy COMPLETE" in printed
+    # what NCCL had in C's stdout buffer comes out before the copies of its later lines
+    assert printed.index("Init COMPLETE") < printed.index("AllReduce"), printed
     lines = wait_for(lambda: len(got := nccl_lines(home)) >= 8 and got, timeout=30)
     assert [line.split("FAKE-NCCL ")[1] for line in lines] == [
         f"AllReduce: opCount {i:x} count 1 comm 0x1" for i in range(8)]  # from the first on
@@ -287,6 +356,61 @@ def test_toggle_reports_the_lines_of_its_first_seconds_or_why_none(home: Path,
         assert "AllReduce" not in out.read_text()  # toggled on: to the hub, not the job's stdout
     finally:
         kill_tree(proc)
+
+
+@pytest.mark.integration
+def test_a_subsys_toggle_on_a_job_launched_with_nccl_debug_loses_no_line(
+        home: Path, tmp_path: Path) -> None:
+    """NCCL_DEBUG=INFO at launch (the agent's file, copied to stdout), then a toggle of
+    NCCL_DEBUG_SUBSYS: NCCL truncates and rewrites the same file, a COLL line every 20 ms soon
+    outgrows its INIT lines. Every COLL line reaches stdout, whole, from the first."""
+    out = tmp_path / "job.out"
+    proc = start_fake(home, out, "100000", "0.02", NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT")
+    try:
+        wait_for(lambda: (s := snapshot(home)) and s["ranks"] and (s["ranks"][0]["step"] or 0)
+                 >= 3, timeout=60, interval=0.5)
+        done = cli(home, "toggle", home.name, "NCCL_DEBUG_SUBSYS=INIT,COLL")
+        assert done.returncode == 0, done.stdout + done.stderr
+        counted = [line for line in done.stdout.splitlines() if "NCCL log:" in line]
+        assert counted and int(counted[0].split("NCCL log: ")[1].split()[0]) > 20, done.stdout
+        assert proc.poll() is None, out.read_text()[-2000:]
+    finally:
+        kill_tree(proc)
+    printed = [line for line in out.read_text().splitlines() if "comm 0x1" in line]
+    coll = [line for line in printed if "AllReduce" in line]
+    assert len(coll) > 20, out.read_text()[-2000:]
+    whole = f"{short_hostname()}:{proc.pid}:{proc.pid} [0] NCCL INFO FAKE-NCCL "
+    assert all(line.startswith(whole) for line in printed), printed  # none came cut
+    # NCCL's file holds its lines since it opened it again; stdout got them all (but for
+    # those of the last moment before the kill)
+    files = list((home / "run" / home.name).glob("nccl.*.log"))
+    in_file = [line for line in files[0].read_text().splitlines() if "AllReduce" in line]
+    assert coll == in_file[:len(coll)], (coll[:3], in_file[:3])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("nccl", ["2.28", "2.26"])
+def test_the_lines_before_a_reset_reach_stdout_too(home: Path, tmp_path: Path,
+                                                  nccl: str) -> None:
+    """NCCL_DEBUG=INFO with COLL at launch, then NCCL_DEBUG=WARN toggled (no count, NCCL still
+    opens its file): the lines NCCL wrote since the follower's last read are read before NCCL
+    empties the file, whether it does so at its next line (2.27 on) or in the reset itself
+    (2.24 to 2.26). Every collective's line is on stdout, in order."""
+    out = tmp_path / "job.out"
+    args = ["100000", "0.02"] + (["reopen-at-reset"] if nccl == "2.26" else [])
+    proc = start_fake(home, out, *args, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,COLL")
+    try:
+        wait_for(lambda: (s := snapshot(home)) and s["ranks"] and (s["ranks"][0]["step"] or 0)
+                 >= 20, timeout=60, interval=0.5)
+        done = cli(home, "toggle", home.name, "NCCL_DEBUG=WARN")
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        kill_tree(proc)
+    # the all_reduce of each step comes before its log(): those of steps 0 .. N-1 printed
+    at = int(done.stdout.split("in effect on every rank from step ")[1].split(";")[0])
+    coll = [line for line in out.read_text().splitlines() if "AllReduce" in line]
+    assert [int(line.split("opCount ")[1].split()[0], 16) for line in coll] == list(
+        range(at)), (at, coll[-3:])
 
 
 def test_a_libnccl_without_the_reset_makes_nccl_debug_restart_tier(home: Path,
@@ -335,3 +459,90 @@ def test_a_file_older_than_the_process_is_followed_from_its_end(tmp_path: Path) 
     fresh.write_text("this run\n")
     assert not _written_since_start(old)
     assert _written_since_start(fresh) and _written_since_start(tmp_path / "absent.log")
+
+
+def test_a_file_rewritten_in_place_past_its_old_end_is_read_from_its_start(
+        tmp_path: Path) -> None:
+    """NCCL opens NCCL_DEBUG_FILE with fopen(path, "w") at its first line after every
+    ncclResetDebugInit(): the same inode, truncated, and by the follower's next read the new
+    lines may be longer than the old file was. Every new line is read, whole, from the first."""
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)  # reads only when the test says so
+    path = tmp_path / "nccl.log"
+    path.write_text("h:1:1 [0] NCCL INFO Init START\nh:1:1 [0] NCCL INFO Init COMPLETE\n")
+    try:
+        follower.follow(path, "nccl")
+        assert follower.read_now(path)
+        inode = path.stat().st_ino
+        with open(path, "w") as f:  # what NCCL does after a reset
+            f.writelines(f"h:1:1 [0] NCCL INFO AllReduce: opCount {i:x}\n" for i in range(20))
+        assert path.stat().st_ino == inode and path.stat().st_size > 100
+        assert follower.read_now(path)
+        with open(path, "a") as f:  # and then it only appends
+            f.write("h:1:1 [0] NCCL INFO AllReduce: opCount 14\n")
+        assert follower.read_now(path)
+    finally:
+        follower.stop()
+    got = [line for body in sent for line in body["lines"]]
+    assert got[:2] == ["h:1:1 [0] NCCL INFO Init START", "h:1:1 [0] NCCL INFO Init COMPLETE"]
+    assert got[2:] == [f"h:1:1 [0] NCCL INFO AllReduce: opCount {i:x}" for i in range(21)]
+
+
+def test_a_file_followed_from_its_end_and_rewritten_is_read_from_its_start(
+        tmp_path: Path) -> None:
+    """The same for a file followed from its end (one an earlier run left): its last bytes are
+    known from the start, so a rewrite past its old end is seen too."""
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)
+    path = tmp_path / "nccl.log"
+    path.write_text("an earlier run, line 1\nan earlier run, line 2\n")
+    try:
+        follower.follow(path, "nccl", from_start=False)
+        with open(path, "w") as f:
+            f.writelines(f"this run, line {i}\n" for i in range(10))
+        assert follower.read_now(path)
+    finally:
+        follower.stop()
+    assert [line for body in sent for line in body["lines"]] == [
+        f"this run, line {i}" for i in range(10)]
+
+
+def test_a_debug_file_that_is_a_stream_of_the_process_or_a_fifo_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_nccl_env: None) -> None:
+    """NCCL_DEBUG_FILE=/dev/stderr (a common way to move NCCL's lines) names the job's own
+    output: following it would send all of it as NCCL lines, or read the terminal. A FIFO is
+    never opened: it would block until a writer came."""
+    nccl, messages, followed = Calls(), [], []
+    monkeypatch.setattr(flags, "nccl_library", lambda: "/fake/libnccl.so.2")
+    monkeypatch.setattr(flags, "reset_debug_symbol", lambda path: nccl.reset)
+    fifo = tmp_path / "nccl.fifo"
+    os.mkfifo(fifo)
+    for target in ("/dev/stderr", "/proc/self/fd/1", str(fifo)):
+        monkeypatch.setenv("NCCL_DEBUG_FILE", target)
+        fc = control(tmp_path, messages, nccl.reset, followed)
+        set_flag(fc, 1, "NCCL_DEBUG", "INFO")
+        assert results(messages)[-1]["outcome"] == "applied"
+        assert followed == [] and fc.nccl_path is None, target
+    sent: list = []
+    follower = LogFollower(lambda mtype, body: sent.append(body) or True, Warnings(),
+                           interval_s=3600)
+    done: list = []
+
+    def follow_and_read() -> None:
+        follower.follow(fifo, "nccl", from_start=False)
+        done.append(follower.read_now(fifo, timeout_s=1.0))
+
+    import threading
+
+    thread = threading.Thread(target=follow_and_read, daemon=True)
+    thread.start()
+    thread.join(10)
+    try:
+        assert done == [True] and sent == []  # neither call blocked on the FIFO
+    finally:
+        if thread.is_alive():  # unblock the open so the thread ends
+            with open(fifo, "w"):
+                pass
+        follower.stop()

@@ -1,19 +1,21 @@
 """A one-process monitored job with a stand-in for libnccl's debug log, for the NCCL_DEBUG tests
 on a machine without NCCL.
 
-    python tests/jobs/fake_nccl_log.py STEPS STEP_S [early] [no-reset]
+    python tests/jobs/fake_nccl_log.py STEPS STEP_S [early] [no-reset] [reopen-at-reset]
 
 `FakeNccl` does with the environment what NCCL's src/debug.cc does: it reads NCCL_DEBUG,
 NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE at its first log line and again only after
 ncclResetDebugInit(), writes to that file (opened "w", line-buffered, %h/%p expanded) or else
-to fd 1, prints INIT lines when a communicator is created and a COLL line per all_reduce
-(INFO). The agent is pointed at it: `nccl_library()` names a library and
-`reset_debug_symbol()` returns its reset (None with `no-reset`: a libnccl without the symbol).
+to C's stdout (fputs: block-buffered on a file or pipe and never flushed, as NCCL's fwrite),
+prints INIT lines when a communicator is created and a COLL line per all_reduce (INFO). The
+agent is pointed at it: `nccl_library()` names a library and `reset_debug_symbol()` returns
+its reset (None with `no-reset`: a libnccl without the symbol).
 early: the communicator is created (and logs) before `sm.init`, as with eager init.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -23,6 +25,8 @@ from scalemon.agent import flags
 from scalemon.agent.nccllog import expand_debug_file, short_hostname
 
 SUBSYS = {"INIT", "COLL", "P2P", "BOOTSTRAP", "ENV", "ALL"}
+LIBC = ctypes.CDLL(None)
+LIBC.fputs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 
 
 class FakeNccl:
@@ -35,8 +39,12 @@ class FakeNccl:
         self.op_count = 0
 
     def reset(self) -> None:
-        """ncclResetDebugInit(): read the settings again at the next line."""
+        """ncclResetDebugInit(): read the settings again at the next line (NCCL 2.27 on), or at
+        once with `reopen-at-reset` (NCCL 2.24 to 2.26: src/debug.cc closes the file and runs
+        ncclDebugInit in the reset)."""
         self.level = None
+        if "reopen-at-reset" in sys.argv:
+            self._init()
 
     def _init(self) -> None:
         if self.out is not None:
@@ -46,7 +54,7 @@ class FakeNccl:
         words = os.environ.get("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP,ENV").upper().split(",")
         self.mask = SUBSYS if "ALL" in words else set(words)
         target = os.environ.get("NCCL_DEBUG_FILE")
-        if self.level in ("INFO", "TRACE") and target:
+        if self.level in ("WARN", "INFO", "ABORT", "TRACE") and target:  # above VERSION
             self.out = open(expand_debug_file(target), "w", buffering=1)  # noqa: SIM115
 
     def info(self, subsys: str, text: str) -> None:
@@ -57,8 +65,8 @@ class FakeNccl:
         line = f"{short_hostname()}:{os.getpid()}:{os.getpid()} [0] NCCL INFO {text}\n"
         if self.out is not None:
             self.out.write(line)
-        else:
-            os.write(1, line.encode())
+        else:  # C's stdout, as NCCL: block-buffered on a file or pipe, never flushed
+            LIBC.fputs(line.encode(), ctypes.c_void_p.in_dll(LIBC, "stdout"))
 
     def comm_init(self) -> None:
         self.info("INIT", "FAKE-NCCL ncclCommInitRank comm 0x1 rank 0 nranks 1 - Init START")
