@@ -32,7 +32,10 @@
 #   GPU_CHECKS_BUDGET      seconds a part may take (540; `all`: 1800 for the suite, 900 benches)
 #   GPU_CHECKS_TESTS       suite: test files to run instead of all, e.g. "test_seed.py test_hub.py"
 #   GPU_CHECKS_WORKERS     suite: pytest-xdist workers (12; CPU mode 2)
-#   GPU_CHECKS_AB_BLOCKS   benches: bench/agent_ab.py --blocks (14: ~3 min on an H100, estimated)
+#   GPU_CHECKS_AB_BLOCKS   benches: bench/agent_ab.py --blocks (300 pairs of blocks of
+#                          GPU_CHECKS_AB_BLOCK_STEPS=2 steps: short blocks, many pairs, so
+#                          that the paired ratio's 95% interval resolves 1%; ~1 min after
+#                          the two compiles on an H100, estimated)
 #   GPU_CHECKS_OPT_BLOCKS  benches: bench/optimizer_ab.py --blocks (8: ~2 min on an H100, estimated)
 #   GPU_CHECKS_ROWS        benches: which rows, in order (segfault tests agent_ab optimizer_ab)
 set -euo pipefail
@@ -79,7 +82,8 @@ else
     SITE=${GPU_CHECKS_SITE:-/tmp/site}
     WORKERS=${GPU_CHECKS_WORKERS:-12}
 fi
-AB_BLOCKS=${GPU_CHECKS_AB_BLOCKS:-14}
+AB_BLOCKS=${GPU_CHECKS_AB_BLOCKS:-300}
+AB_BLOCK_STEPS=${GPU_CHECKS_AB_BLOCK_STEPS:-2}
 OPT_BLOCKS=${GPU_CHECKS_OPT_BLOCKS:-8}
 RUNDIR=$(mktemp -d /tmp/gck.XXXXXX)  # short: ipc socket paths under it stay short
 TRIM=()  # CPU mode: the benches' runs are taken out of bench/results/ again (kept in $OUT)
@@ -305,12 +309,13 @@ row_agent_ab() {  # (c) the agent's cost on the training thread, in-process A/B
         row "agent_ab" 200 env SCALEMON_HOME="$RUNDIR/ab" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -- \
             "$REPO/bench/agent_ab.py" --device cuda --preset gpt2-124m --compile --amp bf16 \
-            --ddp --mode agent --breakdown --blocks "$AB_BLOCKS" --label gpu_checks
+            --ddp --mode agent --breakdown --blocks "$AB_BLOCKS" --block-steps "$AB_BLOCK_STEPS" \
+            --label gpu_checks
     fi
     helper kill-hubs "$RUNDIR/ab"
     saved_runs agent_ab
     note "agent_ab: $(rc_text): $(grep -E ' (agent|control): A ' "$ROW_LOG" \
-        | tail -1)"
+        | tail -1) $(grep -E 'paired geometric mean' "$ROW_LOG" | tail -1)"
     counted
 }
 
