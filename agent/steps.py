@@ -134,7 +134,8 @@ class StepFinisher:
             self.warnings.once("log-in-capture", "scalemon: log() was called while a CUDA graph "
                                "was being captured; device values of such calls are left out")
             loss, scale = _host_only(loss), _host_only(scale)
-            extra = {k: v for k, v in extra.items() if not _device_scalar(v)} if extra else extra
+            for name in [k for k, v in extra.items() if _device_scalar(v)] if extra else ():
+                del extra[name]  # the step's own dict (log's keywords): the sender sends it
         names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
         loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
