@@ -236,6 +236,21 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} free consecutive loopback ports in 100 tries")
 
 
+def scalemon_script() -> str:
+    """The `scalemon` console script of the install under test: the one beside this Python (a
+    venv, as .ci/setup makes), else the one on PATH (`pip install --no-deps .` into a cluster
+    image's Python puts it in /usr/local/bin, `--target DIR` in DIR/bin: README, "Run the
+    tests"); plain "scalemon" when there is neither, so a test that runs it fails saying the
+    command is not found."""
+    beside = Path(sys.executable).with_name("scalemon")
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("scalemon") or "scalemon"
+
+
+SCALEMON = scalemon_script()
+
+
 def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = (),
                  device: str = "cpu") -> list[str]:
     """`torchrun ... -- demo_train/train.py --device cpu ARGS` with a free rendezvous port.
