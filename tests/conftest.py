@@ -44,6 +44,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several test processes shari
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch here and in its jobs, one thread
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which makes "no" into "load"
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-n N` without `--dist`: whole files per worker, in the order below, as the README's
+    command asks (`--dist loadfile --no-loadscope-reorder`). xdist's default, `load`, hands out
+    single tests: each worker that gets one test of a file runs that file's module fixtures
+    again (the corpus jobs, the trainer's reference runs, a wheel and a fresh venv), so up to
+    N copies of them run at once and overrun their timeouts on any number of cores."""
+    option = config.option
+    if getattr(option, "numprocesses", None) and option.dist == "no" and not option.distload:
+        option.dist = "loadfile"
+        option.loadscopereorder = False
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Stop the hubs left in this process's default home and remove its directory."""
     for job_file in (_SESSION_DIR / "home" / "jobs").glob("*.json"):
