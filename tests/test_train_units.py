@@ -343,7 +343,11 @@ def test_log_every_defaults_to_1_on_cpu_and_10_on_cuda(corpus) -> None:
     if torch.cuda.is_available():
         args = train.parse_args(["--preset", "tiny", "--data", str(corpus), "--device", "cuda"])
         cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
-        assert train.build(args, cuda).log_every == 10
+        tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        try:
+            assert train.build(args, cuda).log_every == 10
+        finally:  # build() turned TF32 on (--tf32 on) for this whole test process
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_tokens_per_s_is_timed_between_syncs_so_waiting_for_the_device_counts(
