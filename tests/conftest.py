@@ -8,7 +8,7 @@ At import, before any test module imports scalemon or triton, it sets for this t
 - `TRITON_INTERPRET=1`: the fused-AdamW tests run the Triton kernels in the interpreter on CPU
   tensors in this process (compiled kernels run in subprocesses with `TRITON_INTERPRET=0`, see
   fused_adam_support.run_compiled), so they never depend on the caller's environment;
-- under pytest-xdist, `OMP_NUM_THREADS=1` and `TORCHINDUCTOR_COMPILE_THREADS=1` unless set:
+- under pytest-xdist, `OMP_NUM_THREADS=1` and `TORCHINDUCTOR_COMPILE_THREADS=2` unless set:
   four workers (fourteen on the 16-core GPU machine), each with a thread per core, and the jobs
   they start, each with a pool of compile workers per core, would oversubscribe the cores.
 """
@@ -43,10 +43,11 @@ for _name in ("SCALEMON_HUB", "SCALEMON_JOB_ID"):
 os.environ["TRITON_INTERPRET"] = "1"  # before any test module imports triton
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several test processes sharing the cores:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch here and in its jobs, one thread
-    # and torch.compile compiles in the process: with triton installed, inductor otherwise
-    # starts a pool of min(32, cores) compile workers per process at its first compile (each
-    # importing torch), 32 more processes for a 2-rank compiled job on a 16-core GPU machine
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # and torch.compile with 2 compile workers: with triton installed, inductor otherwise
+    # starts a pool of min(32, cores) of them per process at its first compile (each importing
+    # torch), 32 more processes for a 2-rank compiled job on a 16-core GPU machine (2 is what
+    # a 2-core machine gets by itself; compiling in the process, 1, was slower there)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which makes "no" into "load"
