@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from conftest import FakeRank, hub_messages, wait_for
-from hub.limits import REASON_CLASSES
 from scalemon import protocol
 from scalemon.client import HubClient, HubStream
 from scalemon.history import history_path, read_records
+from scalemon.hub.limits import REASON_CLASSES
 from scalemon.jobs import JobFile, jobs_dir
 
 

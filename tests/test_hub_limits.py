@@ -14,9 +14,9 @@ from pathlib import Path
 import zmq
 
 from conftest import FakeRank, wait_for
-from hub.limits import REASON_CLASSES
 from scalemon import protocol
 from scalemon.client import HubClient
+from scalemon.hub.limits import REASON_CLASSES
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
 
@@ -169,7 +169,7 @@ def home_run(hub) -> Path:
 
 def test_a_hub_record_over_the_message_limit_is_cut_never_fatal(home: Path) -> None:
     """Every record the hub writes itself is size-checked: long strings cut, else dropped."""
-    from hub.server import Hub
+    from scalemon.hub.server import Hub
 
     hub = Hub("jobW", home=home)
     sent: list[list[bytes]] = []
