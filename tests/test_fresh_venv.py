@@ -51,9 +51,11 @@ print(json.dumps(sizes))
 
 def pip_install(python: Path, *what: str) -> None:
     """`pip install WHAT` in the fresh venv; skipped, with pip's error, when PyPI is out of
-    reach; any other failure fails."""
+    reach (one retry, not pip's five: on a machine whose network drops packets each try waits
+    for its timeout, and the module fixture's time counts against the first test's); any
+    other failure fails."""
     run = subprocess.run([str(python), "-m", "pip", "install", "--quiet",
-                          "--disable-pip-version-check", *what],
+                          "--disable-pip-version-check", "--retries", "1", *what],
                          capture_output=True, text=True, timeout=600, env=fresh_env(None))
     if run.returncode == 0:
         return
