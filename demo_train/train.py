@@ -585,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceChoiceError as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"train.py: {exc}", file=sys.stderr, flush=True)
+        else:  # as FlagParser.error: a quiet rank that exited first could have torchrun end
+            time.sleep(FlagParser.QUIET_RANK_WAIT_S)  # local rank 0 before it said why
         return 2
     code = build_and_train(args, env)
     # free DDP and ZeroRedundancyOptimizer before their process group (build_and_train's

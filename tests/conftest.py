@@ -8,8 +8,9 @@ At import, before any test module imports scalemon or triton, it sets for this t
 - `TRITON_INTERPRET=1`: the fused-AdamW tests run the Triton kernels in the interpreter on CPU
   tensors in this process (compiled kernels run in subprocesses with `TRITON_INTERPRET=0`, see
   fused_adam_support.run_compiled), so they never depend on the caller's environment;
-- under pytest-xdist, `OMP_NUM_THREADS=1` unless set: four workers, each with a thread per
-  core, and the jobs they start would oversubscribe the cores.
+- under pytest-xdist, `OMP_NUM_THREADS=1` and `TORCHINDUCTOR_COMPILE_THREADS=2` unless set:
+  four workers (fourteen on the 16-core GPU machine), each with a thread per core, and the jobs
+  they start, each with a pool of compile workers per core, would oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ for _name in ("SCALEMON_HUB", "SCALEMON_JOB_ID"):
 os.environ["TRITON_INTERPRET"] = "1"  # before any test module imports triton
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several test processes sharing the cores:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch here and in its jobs, one thread
+    # and torch.compile with 2 compile workers: with triton installed, inductor otherwise
+    # starts a pool of min(32, cores) of them per process at its first compile (each importing
+    # torch), 32 more processes for a 2-rank compiled job on a 16-core GPU machine (2 is what
+    # a 2-core machine gets by itself; compiling in the process, 1, was slower there)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which makes "no" into "load"
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-n N` without `--dist`: whole files per worker, in the order below, as the README's
+    command asks (`--dist loadfile --no-loadscope-reorder`). xdist's default, `load`, hands out
+    single tests: each worker that gets one test of a file runs that file's module fixtures
+    again (the corpus jobs, the trainer's reference runs, a wheel and a fresh venv), so up to
+    N copies of them run at once and overrun their timeouts on any number of cores."""
+    option = config.option
+    if getattr(option, "numprocesses", None) and option.dist == "no" and not option.distload:
+        option.dist = "loadfile"
+        option.loadscopereorder = False
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -234,6 +253,21 @@ def free_port(count: int = 1) -> int:
                 continue  # one after it is taken: try another
             return port
     raise RuntimeError(f"no {count} free consecutive loopback ports in 100 tries")
+
+
+def scalemon_script() -> str:
+    """The `scalemon` console script of the install under test: the one beside this Python (a
+    venv, as .ci/setup makes), else the one on PATH (`pip install --no-deps .` into a cluster
+    image's Python puts it in /usr/local/bin, `--target DIR` in DIR/bin: README, "Run the
+    tests"); plain "scalemon" when there is neither, so a test that runs it fails saying the
+    command is not found."""
+    beside = Path(sys.executable).with_name("scalemon")
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("scalemon") or "scalemon"
+
+
+SCALEMON = scalemon_script()
 
 
 def torchrun_cmd(*train_args: str, nproc: int = 2, extra: tuple[str, ...] = (),

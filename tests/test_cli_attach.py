@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,10 +16,8 @@ import pytest
 import zmq
 from test_tui_demo import Tmux
 
-from conftest import FakeRank, HubProcess, wait_for
+from conftest import SCALEMON, FakeRank, HubProcess, wait_for
 from scalemon.tui.attach import wait_for_job
-
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 
 
 class Terminal(io.StringIO):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,9 @@ def test_quitting_stops_the_job_and_its_log_ends_with_a_line_not_a_traceback(hom
     job = "stopjob"
     proc, log = demo.start_job(demo_args(step_delay=0.05), job)
     try:
-        wait_for(lambda: "step 3 loss" in log.read_text(), timeout=180, interval=0.5)
+        # rank 0 prints every step on the CPU (gloo), every 10th on GPUs (NCCL, a GPU a rank)
+        wait_for(lambda: re.search(r"^step \d+ loss", log.read_text(), re.M), timeout=180,
+                 interval=0.5)
         ranks = psutil.Process(proc.pid).children()  # torchrun's workers
         assert len(ranks) == 2
         demo.stop_job(proc, job, log_path=log)
@@ -50,6 +53,20 @@ def test_quitting_stops_the_job_and_its_log_ends_with_a_line_not_a_traceback(hom
     finally:
         for p in job_processes(job):
             p.kill()
+
+
+@pytest.mark.parametrize(("ranks", "gpus", "device"), [
+    (2, 0, "cpu"),  # no GPU (or no NVML): gloo on the CPU
+    (2, 1, "cpu"),  # the default 2 ranks on a 1-GPU machine: NCCL would need a GPU each
+    (1, 1, "auto"),  # --ranks 1 on a 1-GPU machine: the GPU, with NCCL
+    (8, 8, "auto"),
+    (9, 8, "cpu"),
+])
+def test_the_demo_job_gets_the_gpus_only_when_there_is_one_for_every_rank(ranks, gpus, device):
+    assert demo.demo_device(ranks, gpus) == device
+    command = demo.job_command(demo_args(ranks=ranks), device)
+    assert command[command.index("--device") + 1] == device
+    assert command[command.index("--nproc-per-node") + 1] == str(ranks)
 
 
 def test_last_lines_are_the_end_of_the_log_without_escapes(tmp_path: Path):

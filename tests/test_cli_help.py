@@ -7,15 +7,14 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import SCALEMON
 from scalemon.cli import build_parser
 
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 SOURCES = ("scalemon", "hub", "agent", "tui", "demo_train")
 
 

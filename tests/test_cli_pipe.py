@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import zmq
 
-from conftest import FakeRank, wait_for
+from conftest import SCALEMON, FakeRank, wait_for
 from scalemon.cli import STDOUT_CLOSED
 from scalemon.client import HubClient
 
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 JOB = "piped1"
 
 

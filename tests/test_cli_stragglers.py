@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import zmq
 
-from conftest import wait_for
+from conftest import SCALEMON, wait_for
 from scalemon import protocol
 from scalemon.client import HubClient
 from scalemon.protocol import Message
@@ -21,7 +20,6 @@ from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.overview import overview
 
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 STEPS = 60
 
 

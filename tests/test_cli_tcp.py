@@ -9,18 +9,15 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import zmq
 
-from conftest import FakeRank, free_port, wait_for
+from conftest import SCALEMON, FakeRank, free_port, wait_for
 from scalemon.jobs import JobFile, jobs_dir
 from scalemon.keys import user_keypair
-
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 
 
 def scalemon(*args: str, home: Path, env: dict[str, str] | None = None,

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, kill_tree, torchrun_cmd, wait_for
+from conftest import kill_tree, torchrun_cmd, wait_for
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
 
@@ -133,7 +133,7 @@ def dashboard(home: Path) -> Iterator[Callable[[str], Tmux]]:
         attach = " ".join(shlex.quote(a) for a in (
             "env", "-u", "COLUMNS", "-u", "LINES", *(f"{k}={v}" for k, v in env.items()),
             sys.executable, "-m", "scalemon", "attach", job))
-        session = Tmux(f"cd {shlex.quote(str(REPO))}; {attach}; echo {EXITED} $?; sleep 600")
+        session = Tmux(f"cd {shlex.quote(str(home))}; {attach}; echo {EXITED} $?; sleep 600")
         sessions.append(session)
         return session
 

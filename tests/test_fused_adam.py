@@ -442,6 +442,11 @@ CUDA_CHECK = textwrap.dedent(
 )
 
 
+def test_the_cuda_check_script_is_python():
+    """It runs only on a GPU: here at least it must compile."""
+    compile(CUDA_CHECK, "CUDA_CHECK", "exec")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_one_kernel_per_step_no_sync_and_parity():
     run_compiled(CUDA_CHECK)

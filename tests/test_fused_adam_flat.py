@@ -343,6 +343,11 @@ CUDA_FLAT = textwrap.dedent(
 )
 
 
+def test_the_cuda_flat_script_is_python():
+    """It runs only on a GPU: here at least it must compile."""
+    compile(CUDA_FLAT, "CUDA_FLAT", "exec")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_flat_buffers_step_in_a_cuda_graph():
     run_compiled(CUDA_FLAT)

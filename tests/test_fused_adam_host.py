@@ -326,8 +326,7 @@ CUDA_GRAPH = textwrap.dedent(
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from scalemon.demo_train import adam_plan
-from scalemon.demo_train import fused_adam as fa
+    from scalemon.demo_train import fused_adam as fa
     assert not fa.interpreted()
     torch.manual_seed(0)
 
@@ -407,6 +406,12 @@ from scalemon.demo_train import fused_adam as fa
     print("ok")
     """
 )
+
+
+def test_the_cuda_graph_script_is_python():
+    """The script runs only on a GPU: here at least it must compile (a line of it once slipped
+    to column 0, so that dedent left it indented: an IndentationError on every GPU run)."""
+    compile(CUDA_GRAPH, "CUDA_GRAPH", "exec")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

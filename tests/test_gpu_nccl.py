@@ -15,7 +15,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,11 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.distributed.is_available()
          and torch.distributed.is_nccl_available()),
     reason="needs a CUDA GPU and torch built with NCCL")
+
+START_S = 120
+"""Longest wait for the job's first steps: torch with CUDA, the CUDA context and the NCCL
+communicator start slowly on a machine whose cores the other test workers keep busy (the
+suite runs 14 workers on the 16-core H100 machine)."""
 
 
 NCCL_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
@@ -53,12 +57,11 @@ def nccl_lines(home: Path) -> list[str]:
 
 
 def test_toggling_nccl_debug_on_shows_lines_and_counts_them(home: Path, tmp_path: Path) -> None:
-    started = time.monotonic()
     out = tmp_path / "job.out"
     proc = start_demo(home, out, "--max-steps", "100000", "--step-delay", "0.02")
     try:
         wait_for(lambda: (s := snapshot(home)) and s["ranks"]
-                 and (s["ranks"][0]["step"] or 0) >= 3, timeout=60, interval=0.5)
+                 and (s["ranks"][0]["step"] or 0) >= 3, timeout=START_S, interval=0.5)
         assert not nccl_lines(home)
         done = subprocess.run(
             [sys.executable, "-m", "scalemon.cli", "toggle", home.name, "NCCL_DEBUG=INFO",
@@ -89,17 +92,15 @@ def test_toggling_nccl_debug_on_shows_lines_and_counts_them(home: Path, tmp_path
         assert proc.poll() is None, out.read_text()[-3000:]
     finally:
         kill_tree(proc)
-    assert time.monotonic() - started < 90
 
 
 def test_launched_with_nccl_debug_lines_reach_the_hub_and_stdout(home: Path,
                                                                  tmp_path: Path) -> None:
-    started = time.monotonic()
     out = tmp_path / "job.out"
     proc = start_demo(home, out, "--max-steps", "30", NCCL_DEBUG="INFO",
                       NCCL_DEBUG_SUBSYS="INIT,COLL")
     try:
-        assert proc.wait(timeout=80) == 0, out.read_text()[-3000:]
+        assert proc.wait(timeout=START_S + 60) == 0, out.read_text()[-3000:]
     finally:
         kill_tree(proc)
     printed = out.read_text()
@@ -113,4 +114,3 @@ def test_launched_with_nccl_debug_lines_reach_the_hub_and_stdout(home: Path,
     assert printed.index("Init COMPLETE") < printed.index("AllReduce"), printed[:3000]
     files = list((home / "run" / home.name).glob("nccl.*.log"))
     assert any("AllReduce" in f.read_text() for f in files), files  # %p expanded as we did
-    assert time.monotonic() - started < 90

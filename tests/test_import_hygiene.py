@@ -13,13 +13,19 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import zmq
 
-from conftest import REPO, FakeRank, HubProcess, wait_for
+from conftest import FakeRank, HubProcess, wait_for
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
+
+OUTSIDE = Path(tempfile.gettempdir())
+"""Where the commands run: outside the checkout, whose `scalemon/` folder would shadow an
+installed (not editable) scalemon for `python -m scalemon` and `python -c` (README, "Run the
+tests"); its modules, not the installed ones, would then be what the test sees imported."""
 
 HEAVY = ("torch", "triton", "numpy", "scalemon.agent", "scalemon.demo_train")
 """What no command of the base install may import."""
@@ -49,7 +55,7 @@ def heavy(names: set[str], prefixes: tuple[str, ...] | None = None) -> list[str]
 def scalemon(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run `python -X importtime -m scalemon ARGS`; the result and the modules it imported."""
     run = subprocess.run([sys.executable, "-X", "importtime", "-m", "scalemon", *args],
-                         capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                         capture_output=True, text=True, timeout=timeout, cwd=OUTSIDE)
     return run, imported(run.stderr)
 
 
@@ -113,7 +119,7 @@ def test_the_hub_imports_no_training_stack_while_it_folds_a_job(zctx: zmq.Contex
     stopped: what it imported on the way, the lazy imports of folding included."""
     log = home / "hub-importtime.log"
     run_fed_hub([sys.executable, "-X", "importtime", "-m", "scalemon", "hub", "--job", "hyg2",
-                 "--home", str(home)], "hyg2", home, zctx, log, steps=8, cwd=REPO)
+                 "--home", str(home)], "hyg2", home, zctx, log, steps=8, cwd=OUTSIDE)
     names = imported(log.read_text())
     assert "scalemon.hub.server" in names
     assert not heavy(names), f"`scalemon hub` imported {heavy(names)}"
@@ -151,7 +157,7 @@ def test_attach_imports_no_training_stack(start_hub, zctx: zmq.Context, home: Pa
     hub: HubProcess = start_hub("hyg3")
     ranks = feed(zctx, hub.address, "hyg3")
     modules, err = run_headless_attach(
-        [sys.executable, "-X", "importtime", "-c", _ATTACH, "hyg3"], ranks, cwd=REPO,
+        [sys.executable, "-X", "importtime", "-c", _ATTACH, "hyg3"], ranks, cwd=OUTSIDE,
         env={**os.environ, "TERM": "xterm-256color"})
     assert "scalemon.tui.app" in modules  # the dashboard ran
     names = imported(err) | modules
@@ -162,7 +168,7 @@ def test_the_relay_imports_no_training_stack():
     """The node's relay (`python -m scalemon.hub.relay`, started by rank 0's agent beside the
     job) is hub code: it stays light too."""
     run = subprocess.run([sys.executable, "-X", "importtime", "-m", "scalemon.hub.relay",
-                          "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
+                          "--help"], capture_output=True, text=True, timeout=120, cwd=OUTSIDE)
     assert run.returncode == 0, run.stderr[-3000:]
     names = imported(run.stderr)
     assert "scalemon.hub" in names  # (the relay itself runs as __main__)
@@ -176,7 +182,7 @@ _HIDDEN = "import sys\nfor name in sys.argv[1].split(','):\n    sys.modules[name
 def without(packages: str, code: str, *args: str) -> subprocess.CompletedProcess:
     """Run `code` in a python where `packages` (comma-separated) cannot be imported."""
     return subprocess.run([sys.executable, "-c", _HIDDEN + code, packages, *args],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=120, cwd=OUTSIDE)
 
 
 def test_demo_without_its_extra_says_what_to_install():

@@ -8,15 +8,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import zmq
 
-from conftest import FakeRank, wait_for
+from conftest import SCALEMON, FakeRank, wait_for
 from scalemon.client import HubClient
-
-SCALEMON = str(Path(sys.executable).with_name("scalemon"))
 
 
 def _strict(text: str) -> dict:

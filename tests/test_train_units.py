@@ -289,6 +289,46 @@ def test_two_ranks_on_one_gpu_stop_with_one_line_instead_of_a_traceback(monkeypa
     assert "--device cpu" in err and "--nproc-per-node 1" in err
 
 
+def test_the_other_ranks_wait_quietly_for_local_rank_0_to_say_why(monkeypatch, capsys) -> None:
+    """Rank 1 of the same job says nothing and waits (torchrun ends it once rank 0 has said
+    why and exited): exiting at once, it could have torchrun stop rank 0 before it printed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    slept: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    assert train.main(["--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == ""
+    assert slept == [train.FlagParser.QUIET_RANK_WAIT_S]
+
+
+@pytest.mark.integration
+def test_two_ranks_on_fewer_gpus_end_the_job_with_one_line_from_local_rank_0() -> None:
+    """For real, under torchrun: two ranks asking for a GPU each where there are fewer (none
+    on a CPU machine, one on the 1-GPU machine) end the job, and the reason is said once."""
+    import os
+    import subprocess
+
+    from conftest import torchrun_cmd
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        pytest.skip(f"{gpus} GPUs here: two ranks get one each")
+    says = ("train.py: --device cuda, but no CUDA GPU is visible: use --device cpu" if gpus == 0
+            else "train.py: 2 ranks on this node but 1 visible GPU(s), and each rank needs its "
+                 "own: use --device cpu (gloo), or start at most 1 rank(s) per node")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    done = subprocess.run(torchrun_cmd("--max-steps", "1", device="cuda"), env=env,
+                          capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert out.count(says) == 1, out[-3000:]
+    assert "]: Traceback" not in out  # no rank's traceback (torchrun's own may follow)
+
+
 # -----------------------------------------------------------------------------
 # --log-every: host reads only on logged steps, throughput between them
 
@@ -343,7 +383,11 @@ def test_log_every_defaults_to_1_on_cpu_and_10_on_cuda(corpus) -> None:
     if torch.cuda.is_available():
         args = train.parse_args(["--preset", "tiny", "--data", str(corpus), "--device", "cuda"])
         cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
-        assert train.build(args, cuda).log_every == 10
+        tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        try:
+            assert train.build(args, cuda).log_every == 10
+        finally:  # build() turned TF32 on (--tf32 on) for this whole test process
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_tokens_per_s_is_timed_between_syncs_so_waiting_for_the_device_counts(

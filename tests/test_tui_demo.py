@@ -7,13 +7,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import job_processes, wait_for
+from conftest import SCALEMON, job_processes, wait_for
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
@@ -52,7 +51,7 @@ def ranks_on(screen: str) -> dict[int, tuple[int, str]]:
 
 def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home: Path):
     job = f"tuidemo{os.getpid()}"
-    scalemon = Path(sys.executable).with_name("scalemon")
+    scalemon = SCALEMON
     cmd = (f"env SCALEMON_HOME={home} OMP_NUM_THREADS=1 {scalemon} demo --job {job} "
            f"--step-delay 0.05; echo DEMO-EXIT=$?; sleep 60")
     tmux = Tmux(f"smtest-{os.getpid()}")
@@ -80,7 +79,7 @@ def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home:
             f"scalemon demo: stopped job {job} on quit (SIGTERM); torchrun ended: exit code 143")
         assert (f"scalemon demo: stopped job {job} (log: {home / 'demo' / job}.log); "
                 f"`scalemon snapshot {job}` replays its history") in tmux.joined()
-        replay = subprocess.run([str(scalemon), "snapshot", job, "--json"], capture_output=True,
+        replay = subprocess.run([scalemon, "snapshot", job, "--json"], capture_output=True,
                                 text=True, timeout=60, env={**os.environ,
                                                             "SCALEMON_HOME": str(home)})
         state = json.loads(replay.stdout)  # q told the hub first: stopped by user, not lost
@@ -96,7 +95,7 @@ def test_scalemon_demo_in_tmux_shows_two_ranks_advancing_and_quits_cleanly(home:
 
 def test_scalemon_demo_whose_job_dies_shows_its_last_lines_and_exits_with_its_code(home: Path):
     job = f"tuidie{os.getpid()}"
-    scalemon = Path(sys.executable).with_name("scalemon")
+    scalemon = SCALEMON
     cmd = (f"env SCALEMON_HOME={home} OMP_NUM_THREADS=1 {scalemon} demo --job {job} "
            f"--step-delay 0.05; echo DEMO-EXIT=$?; sleep 60")
     tmux = Tmux(f"smdie-{os.getpid()}")
