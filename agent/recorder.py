@@ -470,8 +470,11 @@ class Recorder:
         return "".join(traceback.format_stack(frame, limit=40))
 
     def relay_ras(self) -> None:
-        """Send NCCL RAS's status of this node as an `nccl_ras` info (once per stuck spell)."""
-        if self.ras_port is None:
+        """Send NCCL RAS's status of this node as an `nccl_ras` info (once per stuck spell), where
+        this process's default group runs NCCL: `init()` guesses NCCL wherever CUDA is, and a
+        process that never makes a group stays with that guess, whose RAS port may be another
+        job's on the node."""
+        if self.ras_port is None or not group_uses_nccl():
             return
         from .ras import RasUnavailable, ras_status
 

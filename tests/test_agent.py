@@ -524,12 +524,15 @@ def test_cuda_loss_changed_in_place_after_log_is_left_out_not_misread(start_hub,
             total.zero_()  # queued before the sender copies the first step's value
         run.finish()
     steps = [m.body for m in hub_messages(hub) if m.type == "step"]
-    # step 1's copy is queued by the sender after the reset (it wakes every few ms): lost,
-    # never the zero; from step 2 on log() saw the reuse and copied at once
-    assert steps[0]["loss"] is None
+    # step 1's copy is queued by the sender (it wakes every 50 ms), almost always after the
+    # reset: then it is left out and said, never the zero; from step 2 on log() saw the reuse
+    # and copied at once
+    lost = "the loss of step 1 could not be read (the script changed it in place after log())"
+    if steps[0]["loss"] is None:
+        assert caplog.text.count(lost) == 1
+    else:  # the sender came first
+        assert steps[0]["loss"] == pytest.approx(sums[0], rel=1e-6) and lost not in caplog.text
     assert [b["loss"] for b in steps[1:]] == pytest.approx(sums[1:], rel=1e-6)
-    assert caplog.text.count("the loss of step 1 could not be read (the script changed it in "
-                             "place after log())") == 1
     assert not run._steps.defer
 
 

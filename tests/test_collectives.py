@@ -432,6 +432,28 @@ def test_nccl_ras_status_is_read_as_ncclras_does_and_its_absence_said():
         ras_status("127.0.0.1", port, timeout_s=1.0)  # closed now
 
 
+def test_nccl_ras_is_not_asked_for_a_process_without_a_nccl_group():
+    """A rank whose agent guessed NCCL (CUDA is there) but that never made a process group
+    (or made a gloo one) sends no RAS report: the port could be another job's on the node."""
+    import socket
+
+    from scalemon.agent.recorder import Recorder
+
+    server = socket.create_server(("127.0.0.1", 0))  # a RAS port that would answer
+    server.settimeout(0.5)
+    sent: list = []
+    recorder = Recorder(lambda *m: sent.append(m) or True, threading.get_ident(),
+                        lambda: None, lambda: None, nccl=True, sources=[], start=False,
+                        ras_port=server.getsockname()[1])
+    try:
+        recorder.relay_ras()
+        with pytest.raises(TimeoutError):
+            server.accept()  # nobody connected
+    finally:
+        server.close()
+    assert sent == []
+
+
 def test_a_big_hang_stays_small_in_words_and_in_json():
     """4096 ranks, half of them in Python, the other half waiting for them: one sentence per
     kind of rank, awaited ranks as ranges, at most 64 of them listed per waiting rank."""
