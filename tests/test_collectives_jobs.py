@@ -129,6 +129,9 @@ def test_an_injected_hang_is_named_with_its_culprit_within_15_s(home, tmp_path, 
         if nproc == 2:
             check_dashboard(home, hang["text"].split(";")[0])
             check_dump(home, nproc)
+    except AssertionError as exc:  # say what the job printed (a failure under load, a port)
+        raise AssertionError(f"{exc}\n--- the job's output ends:\n{out.read_text()[-3000:]}"
+                             ) from exc
     finally:
         kill_tree(proc)
 

@@ -45,7 +45,11 @@ def named(home: Path, log: Path, scenario: str, ready) -> dict:
     """`scalemon snapshot --json` once the hub's hang satisfies `ready(hang)`, which must come
     within the threshold + 5 s of the first rank reaching the fault (the hub is asked
     directly: a CLI process takes seconds to start on a loaded machine)."""
-    wait_for(lambda: f": {scenario} at step" in log.read_text(), timeout=150, interval=0.2)
+    try:
+        wait_for(lambda: f": {scenario} at step" in log.read_text(), timeout=150, interval=0.2)
+    except AssertionError:
+        raise AssertionError(f"{scenario}: no rank reached the fault within 150 s; the job's "
+                             f"output ends:\n{log.read_text()[-4000:]}") from None
     hung_at = time.monotonic()
     wait_for(lambda: (jobs_dir(home) / f"{home.name}.json").exists(), timeout=30)
     client = hub_client(home)
