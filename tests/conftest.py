@@ -234,25 +234,40 @@ def zctx() -> Iterator[zmq.Context]:
     ctx.destroy(linger=0)
 
 
+TEST_PORTS = range(20000, 32768)
+"""Where `free_port` draws from: below Linux's ephemeral range (32768-60999), which the OS
+hands out for `bind(port 0)` (the hubs' free ports, rendezvous stores) and for outgoing
+connections, so a port given to one test is never also the OS's pick for another process."""
+_next_port: list[int] = []
+
+
 def free_port(count: int = 1) -> int:
     """A loopback tcp port that is free now, with the `count - 1` ports after it (a hub given
-    `--listen tcp://HOST:PORT` binds PORT, PORT+1 and PORT+2). Only the first was checked
-    before, and another test process could hold PORT+1 (seen under pytest-xdist)."""
-    import contextlib
+    `--listen tcp://HOST:PORT` binds PORT, PORT+1 and PORT+2). Each pytest-xdist worker draws
+    from its own slice of `TEST_PORTS`, in turn from a random start, so two workers never pick
+    the same port between one's check and its job's bind (a CI run lost a torchrun job that
+    way, by all signs: it never reached its first fault)."""
+    import random
     import socket
 
-    for _ in range(100):
-        with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                for extra in range(1, count):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = len(TEST_PORTS) // workers
+    low = TEST_PORTS.start + (index % workers) * size
+    if not _next_port:
+        _next_port.append(random.randrange(size))
+    for _ in range(size):
+        port = low + _next_port[0] % (size - count)
+        _next_port[0] += count
+        try:
+            with contextlib.ExitStack() as held:
+                for extra in range(count):
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port + extra))
-            except OSError:
-                continue  # one after it is taken: try another
-            return port
-    raise RuntimeError(f"no {count} free consecutive loopback ports in 100 tries")
+        except OSError:
+            continue  # taken (another session's test, a socket in TIME_WAIT): the next
+        return port
+    raise RuntimeError(f"no {count} free consecutive loopback ports in {low}..{low + size}")
 
 
 def scalemon_script() -> str:
