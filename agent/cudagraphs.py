@@ -30,6 +30,7 @@ log = logging.getLogger("scalemon.agent")
 CAPTURE_MODE_THREAD_LOCAL = 1
 """`cudaStreamCaptureModeThreadLocal` in `cudaStreamCaptureMode`."""
 
+
 class CaptureState:
     """How many CUDA graph captures are in progress in this process (counted once
     `watch_captures` ran): the training thread's hooks record no event while one is, since a
@@ -88,9 +89,14 @@ def _tell_listeners() -> None:
             callback()
 
 
-def capture_mode_thread_local(cudart: Any) -> bool:
-    """Set the calling thread's CUDA stream-capture mode to thread-local through the runtime
-    library `cudart` (a ctypes library, cudart.CudaDirect's); True when it was set."""
+def capture_mode_thread_local() -> bool:
+    """Set the calling thread's CUDA stream-capture mode to thread-local through torch's CUDA
+    runtime library; True when it was set (False where that library is not loaded)."""
+    from .cudart import runtime_library
+
+    cudart = runtime_library()
+    if cudart is None:
+        return False
     try:
         mode = ctypes.c_int(CAPTURE_MODE_THREAD_LOCAL)
         return cudart.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0

@@ -54,7 +54,6 @@ class CudaDirect:
     API, holding the GIL. Build with `CudaDirect.load()`; None where unavailable."""
 
     def __init__(self, lib: Any) -> None:
-        self.lib = lib
         self._event_record = lib.cudaEventRecord
         self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._event_record.restype = ctypes.c_int

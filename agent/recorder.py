@@ -174,11 +174,8 @@ class Recorder:
     def _run(self) -> None:
         if self.nccl:  # its reads query CUDA events: never into a capture of the training's
             from .cudagraphs import capture_mode_thread_local
-            from .cudart import runtime_library
 
-            lib = runtime_library()
-            if lib is not None:
-                capture_mode_thread_local(lib)
+            capture_mode_thread_local()
         next_full = time.monotonic() + self.min_read_s
         while not self._stop.is_set():
             now = time.monotonic()

@@ -11,13 +11,13 @@ from typing import Any, NamedTuple
 import torch
 
 from .cudagraphs import CAPTURE, capture_mode_thread_local
-from .cudart import runtime_library
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
 from .transport import PLAIN_TYPES, local_value, plain_value
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
+
 
 class RawStep(NamedTuple):
     """What the training thread leaves per step (a tuple: cheaper to build than a dict there);
@@ -273,9 +273,7 @@ class StepFinisher:
         if staged is not None:
             if not self._sender_ready:  # the first CUDA work of the sender thread
                 self._sender_ready = True
-                lib = runtime_library()
-                if lib is not None:
-                    capture_mode_thread_local(lib)
+                capture_mode_thread_local()
             if staged.event is None:
                 self._queue_later(staged, step)
             event = staged.event
