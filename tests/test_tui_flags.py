@@ -6,6 +6,7 @@ and the log's filters."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from test_tui_app import SimSender, cells, header, until
@@ -266,10 +267,18 @@ def test_log_screen_filters_by_rank_source_level_and_text():
             assert line_with(text, "   2 nccl", "NCCL WARN Call to ibv_open_device")
             assert line_with(text, "   0 stderr", "[W rank0] ProcessGroupNCCL.cpp")
 
+            def rows_drawn(text: str) -> bool:
+                """As many rows on the screen as its count says (they can land in a later
+                frame than the count on a loaded machine); True for an error instead."""
+                shown = re.search(r"(\d+) shown", text)
+                rows = [line for line in text.splitlines()
+                        if re.match(r"\s+\d+ (nccl|stderr)\s", line)]
+                return shown is None or len(rows) == int(shown.group(1))
+
             async def query(q: str) -> str:
                 await pilot.press("slash", "ctrl+u", *q)
                 await until(pilot, lambda: app.screen._drawn is not None
-                            and app.screen._drawn[2] == q)
+                            and app.screen._drawn[2] == q and rows_drawn(screen_text(app)))
                 return screen_text(app)
 
             text = await query("rank:1")
