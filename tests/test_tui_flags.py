@@ -258,14 +258,6 @@ def test_log_screen_filters_by_rank_source_level_and_text():
             await until(pilot, lambda: isinstance(app.screen, LogScreen)
                         and EMPTY_HELP in screen_text(app))
             data.apply_messages(encoded(lines))
-            # the count and the rows can land in different frames (a loaded machine): wait for
-            # the last rank's row too
-            await until(pilot, lambda: "12 shown" in screen_text(app) and line_with(
-                screen_text(app), "   2 nccl", "NCCL WARN Call to ibv_open_device"))
-            text = screen_text(app)
-            assert "12 kept  ·  12 received" in text and "dropped by the agents: rank 1: 4" in text
-            assert line_with(text, "   2 nccl", "NCCL WARN Call to ibv_open_device")
-            assert line_with(text, "   0 stderr", "[W rank0] ProcessGroupNCCL.cpp")
 
             def rows_drawn(text: str) -> bool:
                 """As many rows on the screen as its count says (they can land in a later
@@ -274,6 +266,15 @@ def test_log_screen_filters_by_rank_source_level_and_text():
                 rows = [line for line in text.splitlines()
                         if re.match(r"\s+\d+ (nccl|stderr)\s", line)]
                 return shown is None or len(rows) == int(shown.group(1))
+
+            # the count and the rows can land in different frames (a loaded machine): wait for
+            # every row the count names (a predicate that returns False, never one that raises)
+            await until(pilot, lambda: "12 shown" in screen_text(app)
+                        and rows_drawn(screen_text(app)))
+            text = screen_text(app)
+            assert "12 kept  ·  12 received" in text and "dropped by the agents: rank 1: 4" in text
+            assert line_with(text, "   2 nccl", "NCCL WARN Call to ibv_open_device")
+            assert line_with(text, "   0 stderr", "[W rank0] ProcessGroupNCCL.cpp")
 
             async def query(q: str) -> str:
                 await pilot.press("slash", "ctrl+u", *q)
