@@ -99,17 +99,47 @@ def free_port() -> int:
 
 
 def gpu_count() -> int:
-    """Number of NVIDIA GPUs (0 without NVML or a driver)."""
+    """Number of NVIDIA GPUs the job's ranks can use: NVML's count, narrowed by
+    CUDA_VISIBLE_DEVICES as CUDA narrows it (0 without NVML or a driver)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetCount())
+            installed = int(pynvml.nvmlDeviceGetCount())
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         return 0
+    return visible_gpus(installed, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_gpus(installed: int, cuda_visible_devices: str | None) -> int:
+    """How many of `installed` GPUs CUDA shows under CUDA_VISIBLE_DEVICES, read as torch
+    reads it (``torch.cuda._parse_visible_devices``): unset, all of them; else the entries up
+    to the first CUDA rejects (a negative or out-of-range index, or not a number: an empty
+    value hides every GPU), none at all when an entry repeats; a ``GPU-``/``MIG-`` UUID list
+    up to the first entry without that prefix (UUIDs are not resolved against NVML)."""
+    if cuda_visible_devices is None:
+        return installed
+    entries = cuda_visible_devices.split(",")
+    prefix = next((p for p in ("GPU-", "MIG-") if cuda_visible_devices.startswith(p)), None)
+    seen: list[object] = []
+    for entry in entries:
+        key: object
+        if prefix is not None:
+            if not entry.startswith(prefix):
+                break
+            key = entry
+        else:
+            digits = re.match(r"\+?\d+", entry.strip())
+            if digits is None or int(digits.group()) >= installed:
+                break
+            key = int(digits.group())
+        if key in seen:
+            return 0
+        seen.append(key)
+    return min(len(seen), installed)
 
 
 def trainer_path() -> str:

@@ -69,6 +69,24 @@ def test_the_demo_job_gets_the_gpus_only_when_there_is_one_for_every_rank(ranks,
     assert command[command.index("--nproc-per-node") + 1] == str(ranks)
 
 
+@pytest.mark.parametrize(("installed", "env", "visible"), [
+    (8, None, 8),
+    (8, "", 0),  # an empty value hides every GPU
+    (8, "0,1", 2),
+    (8, "3", 1),
+    (2, "0,1,5", 2),  # CUDA stops at the first index it does not have
+    (8, "1,-1,2", 1),  # and at -1
+    (8, "0,1,0", 0),  # a repeated one hides them all
+    (8, "1gpu,2", 2),  # CUDA reads the number an entry starts with
+    (8, "GPU-8f2c,GPU-77aa", 2),
+    (8, "GPU-8f2c,3", 1),
+    (0, "0,1", 0),
+])
+def test_the_demo_counts_only_the_gpus_cuda_visible_devices_leaves_visible(installed, env,
+                                                                          visible):
+    assert demo.visible_gpus(installed, env) == visible
+
+
 def test_last_lines_are_the_end_of_the_log_without_escapes(tmp_path: Path):
     log = tmp_path / "job.log"
     log.write_text("".join(f"line {i}\n" for i in range(30)) + "\x1b[31mred\x1b[0m\ttab\n\n")
