@@ -146,7 +146,7 @@ class Run:
         self.address = hub_address(self.env, hub)
         self.phase = Phase()
         self.scaler = scaler
-        self.device = cuda_device(model)  # the model's GPU, None on CPU
+        self.device = cuda_device(model, optimizer)  # the model's GPU, None on CPU
         self._cuda = self.device is not None
         events = EventPool(self.device, direct_calls(), self.warnings) if self._cuda else None
         self._opt_timer = SpanTimer(events, optimizer_timing_every_s(self._cuda, self.warnings))

@@ -11,19 +11,32 @@ import torch
 from .recorder import group_uses_nccl
 
 
-def cuda_device(model: Any) -> torch.device | None:
-    """The CUDA device the model lives on (else the current one if CUDA is in use), or None."""
+def cuda_device(model: Any, optimizer: Any = None) -> torch.device | None:
+    """The CUDA device the model's params live on, else the optimizer's, else (neither given,
+    or without params) the current device if CUDA is in use; None for a job on the CPU."""
     if not torch.cuda.is_available():
         return None
-    try:
-        param = next(model.parameters(), None) if model is not None else None
-    except Exception:  # not an nn.Module: the current device, as without a model
-        param = None
+    param = _first_param(model, optimizer)
     if param is not None:
         return param.device if param.is_cuda else None
     if torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def _first_param(model: Any, optimizer: Any) -> torch.Tensor | None:
+    """The model's first param, else the optimizer's; None when neither has one (or either
+    is not what it claims to be)."""
+    try:
+        param = next(model.parameters(), None) if model is not None else None
+    except Exception:  # not an nn.Module
+        param = None
+    if param is None and optimizer is not None:
+        try:
+            param = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        except Exception:  # not an optimizer
+            param = None
+    return param if isinstance(param, torch.Tensor) else None
 
 
 def direct_calls() -> Any:

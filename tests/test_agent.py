@@ -394,6 +394,27 @@ def test_log_sees_a_script_that_reuses_the_tensors_it_logs():
     assert finisher._reused(noted(static))
 
 
+def test_without_a_model_the_agent_takes_the_optimizers_device_not_the_current_gpu(
+        monkeypatch):
+    """A CPU job on a machine where CUDA was initialised (by a library, say) and an init()
+    given only the optimizer: its params are on the CPU, so the agent must not time the CPU
+    optimizer with CUDA events (it would report kernel time the job never spent)."""
+    from scalemon.agent.torchdist import cuda_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert cuda_device(None, optimizer) is None
+    assert cuda_device(model, None) is None
+    assert cuda_device(None, None) == torch.device("cuda", 3)  # nothing else to go by
+    assert cuda_device("not a model", object()) == torch.device("cuda", 3)
+    empty = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    empty.param_groups[0]["params"].clear()
+    assert cuda_device(None, empty) == torch.device("cuda", 3)
+
+
 def test_agent_package_does_not_import_textual():
     code = ("import sys, scalemon.agent, scalemon.agent.run; "
             "assert 'textual' not in sys.modules, 'agent imported textual'")
