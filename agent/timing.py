@@ -196,9 +196,30 @@ def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -
     }
 
 
+def _with_closure_wrapped(optimizer: Any, args: tuple, kwargs: dict,
+                          wrap: Any) -> tuple[tuple, dict] | None:
+    """`optimizer.step`'s arguments as a step pre-hook gets them (`args` begins with the
+    optimizer) with its closure (`closure=` or the first positional argument after the
+    optimizer, when callable) replaced by `wrap(closure)`; None when it has no closure."""
+    closure = kwargs.get("closure")
+    if callable(closure):
+        return args, {**kwargs, "closure": wrap(closure)}
+    at = 1 if args and args[0] is optimizer else 0
+    if len(args) > at and callable(args[at]):
+        return (*args[:at], wrap(args[at]), *args[at + 1:]), kwargs
+    return None
+
+
 class OptimizerTimer:
     """Times `optimizer.step()` through the optimizer's own step hooks: every call, or the
-    calls of sampled steps (`SpanTimer.every_s`)."""
+    calls of sampled steps (`SpanTimer.every_s`).
+
+    A step given a closure (`optimizer.step(closure)`: Lightning's automatic optimization,
+    LBFGS) runs the script's forward and backward inside it, before the update: the span then
+    starts when the closure returns (the pre-hook hands the step a wrapped closure), so the
+    optimizer's time is the update's, not the whole step's. A closure called several times in
+    one step (LBFGS) restarts the span each time: the figure is the update after the last
+    call."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, timer: SpanTimer, phase: Phase,
                  on_error: Any = None) -> None:
@@ -206,15 +227,46 @@ class OptimizerTimer:
         self.phase = phase
         self.on_error = on_error  # called with the reason when a hook fails (never raises)
         self._open: Span | None = None
+        self._started = False  # the step in progress opened its span (or was sampled out)
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
         ]
 
-    def _pre(self, *_: Any) -> None:
+    def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_compiling():  # a compiled optimizer.step(): nothing to time from inside
-            return
+            return None
         t = time.perf_counter()
+        self._drop_open()
+        self._started = False
+        wrapped = _with_closure_wrapped(optimizer, args, kwargs, self._after_closure)
+        if wrapped is not None:  # forward and backward run first, inside the step
+            self.phase.name, self.phase.since = "forward-backward", t
+        else:
+            self._start(t)
+        self.phase.cost_s += time.perf_counter() - t
+        return wrapped
+
+    def _after_closure(self, closure: Any) -> Any:
+        """`closure` that opens the step's span when it returns."""
+
+        def closure_then_update(*args: Any, **kwargs: Any) -> Any:
+            if self._started:  # LBFGS: a closure between updates
+                self.phase.name, self.phase.since = "forward-backward", time.perf_counter()
+            result = closure(*args, **kwargs)
+            t = time.perf_counter()
+            if self._started:  # called again in the same step (LBFGS): the span starts anew
+                self._restart(t)
+            else:
+                self._started = True
+                self._start(t)
+            self.phase.cost_s += time.perf_counter() - t
+            return result
+
+        return closure_then_update
+
+    def _start(self, t: float) -> None:
+        """The update starts at `t`: open the span (unless the step is sampled out)."""
         phase = self.phase
         phase.name, phase.since = "optimizer", t
         timer = self.timer
@@ -228,7 +280,30 @@ class OptimizerTimer:
                 self._open = [t, t if events is None else events.record(), None, None]
             except Exception as exc:
                 self._failed("before", exc)
-        phase.cost_s += time.perf_counter() - t
+
+    def _restart(self, t: float) -> None:
+        """The open span (if the step is timed) starts again at `t`."""
+        span = self._open
+        if span is None:
+            return
+        self.phase.since = t
+        events = self.timer.events
+        try:
+            if events is None:
+                span[0] = span[1] = t
+            else:
+                events.put(span[1])
+                span[0], span[1] = t, events.record()
+        except Exception as exc:
+            self._open = None
+            self._failed("before", exc)
+
+    def _drop_open(self) -> None:
+        """Forget a span a step left open (it raised before its post-hook ran): its start
+        event goes back to the pool."""
+        span, self._open = self._open, None
+        if span is not None and self.timer.events is not None and type(span[1]) is not float:
+            self.timer.events.put(span[1])
 
     def _post(self, *_: Any) -> None:
         if is_compiling():

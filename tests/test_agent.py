@@ -303,6 +303,53 @@ def test_sampled_optimizer_timing_carries_the_last_timed_figure_and_says_from_wh
     assert [e["args"]["step"] for e in slices] == [1]
 
 
+def test_a_step_given_a_closure_times_the_update_not_the_forward_and_backward_inside_it(
+        start_hub):
+    """`optimizer.step(closure)` (Lightning's automatic optimization, LBFGS) runs forward and
+    backward inside the step: the optimizer's figure must be the update's, not the closure's
+    0.2 s, and while the closure runs the rank's phase says forward-backward. A closure that
+    raises leaves no span open, and the next step is timed."""
+    hub = start_hub("agentClosure")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = Run(model, opt, job="agentClosure", hub=hub.address.base, heartbeat_s=0.2)
+    phases = []
+
+    def closure() -> torch.Tensor:
+        phases.append(run.phase.name)
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4)).pow(2).mean()
+        loss.backward()
+        time.sleep(0.2)  # a heavy forward and backward
+        return loss
+
+    def failing() -> torch.Tensor:
+        raise RuntimeError("out of memory in forward")
+
+    t0 = time.perf_counter()
+    loss = opt.step(closure=closure)  # as Lightning calls it
+    run.log(1, loss=loss.detach())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.step(failing)
+    loss = opt.step(closure)  # positional, as LBFGS examples do
+    run.log(2, loss=loss.detach())
+    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    run.watch_optimizer(lbfgs)
+    lbfgs.step(closure)  # three closure calls: the figure is what followed the last one
+    run.log(3)
+    opt.step()  # no closure: the whole step
+    run.log(4)
+    took = time.perf_counter() - t0
+    run.finish()
+    steps = [m.body for m in hub_messages(hub) if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2, 3, 4]
+    assert phases and set(phases) == {"forward-backward"}
+    for b in steps:
+        assert 0 < b["optimizer_time_s"] < 0.1, b
+    assert steps[0]["step_time_s"] is None or steps[1]["step_time_s"] >= 0.2
+    assert took >= 0.2 * len(phases)  # the closures did run, and took their time
+
+
 def test_a_bad_optimizer_timing_setting_is_said_and_the_default_kept(monkeypatch, caplog):
     from scalemon.agent.run import optimizer_timing_every_s
     from scalemon.agent.warn import Warnings

@@ -35,6 +35,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...], int]] = {  # name: script, its argum
     "nanogpt": ("nanogpt_style.py", (), 2),
     "accelerate": ("accelerate_style.py", (), 2),
     "titan": ("titan_style.py", (), 2),
+    "lightning": ("lightning_style.py", (), 2),
     "compile_outer": ("compile_ddp.py", ("outer",), 2),
     "compile_inner": ("compile_ddp.py", ("inner",), 2),
     "crash": ("crash.py", (), 2),
@@ -200,6 +201,21 @@ def test_each_rank_ends_in_the_state_it_should_with_its_scaler_and_collectives(c
     for printed in got.printed.values():
         assert set(printed["ops"]) <= ops, f"{name}: {sorted(ops)}"
     assert bool(ops) == any(p["ops"] for p in got.printed.values()), name
+
+
+@pytest.mark.integration
+def test_a_step_given_a_closure_shows_the_update_as_optimizer_time_not_the_whole_step(corpus):
+    """Lightning's automatic optimization runs forward and backward inside `optimizer.step()`
+    (tests/corpus/lightning_style.py: a closure with a FORWARD_S forward): the snapshot's
+    optimizer time is the update's, a small part of the step, not the step's time again."""
+    home, outcomes = corpus
+    got = outcomes["lightning"]
+    for r in got.state["ranks"]:
+        forward_s = got.printed[r["rank"]]["forward_s"]
+        where = f"rank {r['rank']}:\n{got.table}"
+        assert r["step_time_s"] >= forward_s, where
+        assert 0 < r["optimizer_time_s"] < forward_s / 3, where
+        assert float(column_text(got.table, r["rank"], "opt ms")) < forward_s / 3 * 1000, where
 
 
 def test_a_monitor_that_switches_itself_off_says_why_to_the_hub_first(corpus):
