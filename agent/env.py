@@ -1,5 +1,6 @@
 """Who this process is in the job: rank, world size, local rank and job id, from the
-environment that torchrun (or SLURM's srun) sets."""
+environment that torchrun (or SLURM's srun) sets, else from the process group a process
+started otherwise (`torch.multiprocessing.spawn`) joined before `init()`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class RankEnv:
     job: str
     restart_count: int
     host: str
-    launcher: str  # "torchrun", "slurm" or "single"
+    launcher: str  # "torchrun", "slurm", "spawn" (rank from the process group) or "single"
     node_rank: int = 0
     """This node's index in the job (torchrun's GROUP_RANK, SLURM_NODEID); rank 0 is on 0."""
     nodes: int = 1
@@ -94,3 +95,22 @@ def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     job = re.sub(r"[^A-Za-z0-9._-]", "-", job_id_from_env(env, host, launcher))[:100]
     restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", default=0)
     return RankEnv(rank, world, local, job, restarts, host, launcher, node_rank, max(1, nodes))
+
+
+def rank_env_from_group(env: RankEnv, rank: int, world_size: int, parent_pid: int,
+                        environ: Mapping[str, str] | None = None) -> RankEnv:
+    """The identity of a process the environment calls single (no RANK/WORLD_SIZE, no SLURM)
+    that is rank `rank` of an initialised process group of `world_size`: a process started by
+    `torch.multiprocessing.spawn` or by hand with `init_process_group(rank=, world_size=)`,
+    as PyTorch's DDP tutorial and many scripts do. Every rank on the node derives the same job
+    id without talking: the spawning parent's pid and the rendezvous port (SCALEMON_JOB_ID
+    wins). The job is taken to be on one node (nothing in the environment says otherwise):
+    the local rank is LOCAL_RANK where set, else the rank."""
+    environ = os.environ if environ is None else environ
+    if not 0 <= rank < world_size:
+        raise ValueError(f"process group rank {rank} is outside its world size {world_size}")
+    job = environ.get("SCALEMON_JOB_ID") or (
+        f"{env.host.split('.')[0]}-{parent_pid}-{environ.get('MASTER_PORT', '0')}")
+    job = re.sub(r"[^A-Za-z0-9._-]", "-", job)[:100]
+    local = _int(environ, "LOCAL_RANK", default=rank)
+    return RankEnv(rank, world_size, local, job, env.restart_count, env.host, "spawn")

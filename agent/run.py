@@ -50,6 +50,7 @@ from .torchdist import (
     direct_calls,
     dist_backend,
     dist_initialized,
+    identity_from_group,
     ras_port,
     uses_nccl,
 )
@@ -140,7 +141,7 @@ class Run:
         self._disabled_reason: str | None = None
         self.warnings = Warnings()
         self.pid = os.getpid()
-        self.env = env or read_rank_env()
+        self.env = env or identity_from_group(read_rank_env(), self.warnings)
         if job:
             self.env = RankEnv(**{**self.env.__dict__, "job": job})
         self.address = hub_address(self.env, hub)

@@ -1,5 +1,6 @@
 """What torch tells of this process: the CUDA device it trains on, whether and how its
-process group exists (NCCL or gloo), and the NCCL RAS port; read by `Run` (agent/run.py)."""
+process group exists (NCCL or gloo), its rank when the environment does not say, and the NCCL
+RAS port; read by `Run` (agent/run.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 import torch
 
+from .env import RankEnv, rank_env_from_group
 from .recorder import group_uses_nccl
+from .warn import Warnings
 
 
 def cuda_device(model: Any, optimizer: Any = None) -> torch.device | None:
@@ -37,6 +40,33 @@ def _first_param(model: Any, optimizer: Any) -> torch.Tensor | None:
         except Exception:  # not an optimizer
             param = None
     return param if isinstance(param, torch.Tensor) else None
+
+
+def identity_from_group(env: RankEnv, warnings: Warnings) -> RankEnv:
+    """`env` (read from the environment), or where it says "single process" but this process
+    is one rank of an initialised process group (`torch.multiprocessing.spawn`), its rank,
+    world size and a job id shared with the other ranks (`rank_env_from_group`). A process
+    started by multiprocessing before its group exists is monitored as a single process,
+    and told once what to change if it is a rank."""
+    if env.launcher != "single":
+        return env
+    if dist_initialized():
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world > 1:
+            return rank_env_from_group(env, dist.get_rank(), world, os.getppid())
+        return env
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        warnings.once("spawned-before-group",
+                      "scalemon: this process was started by multiprocessing (mp.spawn?) with "
+                      "no RANK/WORLD_SIZE and no process group yet, so it is monitored as a "
+                      "single process, a job of its own; if it is one rank of a distributed "
+                      "job, call scalemon.agent.init() after init_process_group(), or set "
+                      "RANK, WORLD_SIZE and SCALEMON_JOB_ID")
+    return env
 
 
 def direct_calls() -> Any:

@@ -47,6 +47,35 @@ def test_rank_env_knows_its_node_and_how_many_nodes_the_job_spans():
     assert (slurm.node_rank, slurm.nodes, slurm.job) == (1, 2, "slurm-7")
 
 
+def test_a_spawned_rank_takes_its_identity_from_its_process_group(monkeypatch, caplog):
+    """mp.spawn children have no RANK/WORLD_SIZE: once their group exists, rank and world
+    size come from it and every rank of the node derives one job id (parent pid and port);
+    before it, the process is monitored as a single one and told once what to change."""
+    from scalemon.agent.env import rank_env_from_group
+    from scalemon.agent.torchdist import identity_from_group
+    from scalemon.agent.warn import Warnings
+
+    single = read_rank_env({"SCALEMON_NODE": "gpu-a01.cluster"})
+    ranks = [rank_env_from_group(single, r, 4, 777, {"MASTER_PORT": "29500"}) for r in range(4)]
+    assert [(e.rank, e.world_size, e.local_rank) for e in ranks] == [(r, 4, r) for r in range(4)]
+    assert {e.job for e in ranks} == {"gpu-a01-777-29500"} and ranks[0].launcher == "spawn"
+    assert not ranks[0].multi_node
+    named = rank_env_from_group(single, 1, 2, 777, {"SCALEMON_JOB_ID": "mine", "LOCAL_RANK": "0"})
+    assert (named.job, named.local_rank) == ("mine", 0)
+    with pytest.raises(ValueError, match="rank 2 is outside its world size 2"):
+        rank_env_from_group(single, 2, 2, 777, {})
+    torchrun = read_rank_env({"RANK": "1", "WORLD_SIZE": "2"})
+    assert identity_from_group(torchrun, Warnings()) is torchrun  # the environment wins
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        warnings = Warnings()
+        assert identity_from_group(single, warnings) is single  # no group in this process
+        assert identity_from_group(single, warnings) is single
+    assert caplog.text.count("call scalemon.agent.init() after init_process_group()") == 1
+
+
 def test_rank_env_rejects_nonsense_with_a_clear_message():
     with pytest.raises(ValueError, match="RANK='x' is not an integer"):
         read_rank_env({"RANK": "x", "WORLD_SIZE": "2"})

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, hub_messages, kill_tree, wait_for
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.jobs import HubAddress, JobFile, jobs_dir, node_name
 
 CORPUS = REPO / "tests" / "corpus"
 JOBS: dict[str, tuple[str, tuple[str, ...], int]] = {  # name: script, its arguments, ranks
@@ -41,11 +41,14 @@ JOBS: dict[str, tuple[str, tuple[str, ...], int]] = {  # name: script, its argum
     "crash": ("crash.py", (), 2),
     "agent_fault": ("agent_fault.py", (), 2),
     "single": ("single_process.py", (), 1),
+    "spawn": ("spawn_style.py", (), 2),
 }
 DIRECT = {"crash", "single"}
 """Jobs whose ranks are started as processes of their own with the rendezvous in their
 environment, as `srun` starts them, not by torchrun (which would SIGTERM the other ranks of a
 crash while they report it); "single" is one process without any of it."""
+SPAWNING = {"spawn"}
+"""Jobs started as one process that starts its ranks itself (`torch.multiprocessing.spawn`)."""
 FAILING = {"crash"}
 """Jobs whose processes end with an error on purpose."""
 LAUNCHES_AT_ONCE = 2
@@ -82,7 +85,9 @@ def snapshot(home: Path, job: str, *args: str) -> subprocess.CompletedProcess:
 def run_job(home: Path, name: str) -> Outcome:
     script, args, nproc = JOBS[name]
     env = job_env(home, name)
-    if name in DIRECT:
+    if name in SPAWNING:
+        cmd, envs = [sys.executable, str(CORPUS / script), *args], [env]
+    elif name in DIRECT:
         cmd = [sys.executable, str(CORPUS / script), *args]
         port = str(free_port())
         envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
@@ -216,6 +221,37 @@ def test_a_step_given_a_closure_shows_the_update_as_optimizer_time_not_the_whole
         assert r["step_time_s"] >= forward_s, where
         assert 0 < r["optimizer_time_s"] < forward_s / 3, where
         assert float(column_text(got.table, r["rank"], "opt ms")) < forward_s / 3 * 1000, where
+
+
+@pytest.mark.integration
+def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_processes(
+        tmp_path):
+    """tests/corpus/spawn_style.py as the DDP tutorial runs it (mp.spawn, no RANK/WORLD_SIZE,
+    no SCALEMON_JOB_ID): both ranks derive the same job id from the spawning process and the
+    port, and `scalemon jobs` lists one job of world size 2 with both ranks in it (before,
+    each rank was rank 0 of its own single-process job, with a hub of its own)."""
+    env = job_env(tmp_path, "unused")
+    del env["SCALEMON_JOB_ID"]
+    done = subprocess.run([sys.executable, str(CORPUS / "spawn_style.py")], env=env,
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    printed = {line["rank"]: line for line in map(json.loads, PRINTED.findall(done.stdout))}
+    assert sorted(printed) == [0, 1], done.stdout
+    expected = f"{node_name().split('.')[0]}-{printed[0]['parent_pid']}-{printed[0]['port']}"
+    assert {p["job"] for p in printed.values()} == {expected}
+    try:
+        listed = json.loads(subprocess.run(
+            [sys.executable, "-m", "scalemon", "jobs", "--json"], env=env, capture_output=True,
+            text=True, timeout=60).stdout)
+        assert [(j["job"], j["world_size"]) for j in listed] == [(printed[0]["job"], 2)]
+        snap = snapshot(tmp_path, printed[0]["job"], "--json")
+        ranks = json.loads(snap.stdout)["ranks"]
+        assert [(r["rank"], r["steps_received"], r["state"]) for r in ranks] == [
+            (0, 5, "finished"), (1, 5, "finished")]
+    finally:
+        for job_file in jobs_dir(tmp_path).glob("*.json"):
+            with contextlib.suppress(Exception):
+                os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
 
 
 def test_a_monitor_that_switches_itself_off_says_why_to_the_hub_first(corpus):

@@ -65,10 +65,12 @@ class Logged:
                                                     isinstance(loss, torch.Tensor) else loss)
         self.extra.update(extra)
 
-    def report(self, state: str, ops: tuple[str, ...] = (), **facts: Any) -> None:
+    def report(self, state: str, ops: tuple[str, ...] = (), rank_: int | None = None,
+               **facts: Any) -> None:
         """Print this rank's line for the test: what it logged, the state its rank should end
         in, the collective ops it issued (by the Flight Recorder's names) and other facts
-        (the scaler's state and scale, tokens, the error)."""
-        print(PREFIX + json.dumps({"rank": rank(), "steps": self.steps, "step": self.step,
+        (the scaler's state and scale, tokens, the error). `rank_`: where RANK is not set."""
+        print(PREFIX + json.dumps({"rank": rank() if rank_ is None else rank_,
+                                   "steps": self.steps, "step": self.step,
                                    "loss": self.loss, "extra": self.extra, "state": state,
                                    "ops": list(ops), **facts}), flush=True)
