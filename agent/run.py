@@ -44,7 +44,14 @@ from .recorder import Recorder, group_uses_nccl
 from .scaler import ScaleReader
 from .stepcomm import MARKS_KEPT
 from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
-from .timing import AllReduceTimer, EventPool, OptimizerTimer, SpanTimer, is_compiling
+from .timing import (
+    AllReduceTimer,
+    EventPool,
+    OptimizerTimer,
+    SpanTimer,
+    hookable_optimizer,
+    is_compiling,
+)
 from .torchdist import (
     cuda_device,
     direct_calls,
@@ -270,8 +277,18 @@ class Run:
 
     @guarded
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Time every `optimizer.step()` (step hooks; CUDA events on GPU)."""
-        self._hooks.append(OptimizerTimer(optimizer, self._opt_timer, self.phase, self.disable))
+        """Time every `optimizer.step()` (step hooks; CUDA events on GPU). A wrapper
+        (accelerate's, Lightning's, DeepSpeed's) is timed through the optimizer it wraps; one
+        that wraps none is said once, and the optimizer's time stays n/a."""
+        hookable = hookable_optimizer(optimizer)
+        if hookable is None:
+            self.warnings.once("optimizer-unhookable",
+                               "scalemon: optimizer time n/a: %s is not a torch optimizer and "
+                               "wraps none in .optimizer or ._optimizer, so its steps cannot "
+                               "be timed (pass the torch optimizer it steps)",
+                               type(optimizer).__name__)
+            return
+        self._hooks.append(OptimizerTimer(hookable, self._opt_timer, self.phase, self.disable))
 
     @guarded
     def watch_scaler(self, scaler: Any) -> None:

@@ -196,6 +196,28 @@ def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -
     }
 
 
+WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
+"""Where optimizer wrappers keep the optimizer they step: accelerate's AcceleratedOptimizer and
+DeepSpeed's ZeRO optimizers (`optimizer`), Lightning's LightningOptimizer (`_optimizer`)."""
+
+
+def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose step hooks time `optimizer`'s steps: itself when it is a torch
+    optimizer with step hooks, else the one it wraps (a wrapper that does not run
+    `Optimizer.__init__` has no hooks, and its `step()` steps the wrapped one, only when
+    the step is not skipped: accumulation, an inf gradient); None when there is none."""
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if (isinstance(optimizer, torch.optim.Optimizer)
+                and "_optimizer_step_pre_hooks" in vars(optimizer)):
+            return optimizer
+        optimizer = next((inner for name in WRAPPED_OPTIMIZER_ATTRS
+                          if (inner := vars(optimizer).get(name) if hasattr(optimizer, "__dict__")
+                              else None) is not None), None)
+    return None
+
+
 def _with_closure_wrapped(optimizer: Any, args: tuple, kwargs: dict,
                           wrap: Any) -> tuple[tuple, dict] | None:
     """`optimizer.step`'s arguments as a step pre-hook gets them (`args` begins with the

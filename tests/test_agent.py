@@ -379,6 +379,52 @@ def test_a_step_given_a_closure_times_the_update_not_the_forward_and_backward_in
     assert took >= 0.2 * len(phases)  # the closures did run, and took their time
 
 
+class LightningLikeOptimizer:
+    """A wrapper that is no torch optimizer, the real one in `_optimizer` (Lightning's)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self, closure: object = None) -> object:
+        return self._optimizer.step(closure)
+
+
+class Unsteppable:
+    """Something passed as an optimizer that wraps none; `optimizer` points at itself."""
+
+    def __init__(self) -> None:
+        self.optimizer = self
+
+
+def test_a_wrapped_optimizer_is_timed_through_the_one_it_wraps_and_none_turns_nothing_off(
+        start_hub, caplog):
+    """accelerate's, Lightning's and DeepSpeed's wrappers have no step hooks of their own:
+    the optimizer inside is timed. Something that wraps none leaves the optimizer's time n/a,
+    said once, and the monitor on (it used to switch the whole monitor off)."""
+    from scalemon.agent.timing import hookable_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = LightningLikeOptimizer(LightningLikeOptimizer(opt))
+    assert hookable_optimizer(wrapped) is opt and hookable_optimizer(opt) is opt
+    assert hookable_optimizer(Unsteppable()) is None and hookable_optimizer("adam") is None
+    hub = start_hub("agentWrapped")
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        run = Run(model, wrapped, job="agentWrapped", hub=hub.address.base, heartbeat_s=0.2)
+        run.watch_optimizer(Unsteppable())
+        run.watch_optimizer(Unsteppable())
+        for step in (1, 2):
+            model(torch.randn(2, 4)).sum().backward()
+            wrapped.step()
+            run.log(step)
+        run.finish()
+    assert not run.disabled
+    assert caplog.text.count("Unsteppable is not a torch optimizer") == 1
+    steps = [m.body for m in hub_messages(hub) if m.type == "step"]
+    assert [b["step"] for b in steps] == [1, 2]
+    assert all(b["optimizer_time_s"] > 0 for b in steps)
+
+
 def test_a_bad_optimizer_timing_setting_is_said_and_the_default_kept(monkeypatch, caplog):
     from scalemon.agent.run import optimizer_timing_every_s
     from scalemon.agent.warn import Warnings

@@ -177,6 +177,8 @@ def test_the_snapshot_has_every_step_and_the_last_loss_the_script_logged(corpus,
         for key, value in printed["extra"].items():
             assert r["extra"][key] == pytest.approx(value, rel=1e-6), f"{where}: {key}"
         assert r["tokens"] == printed.get("tokens"), where
+        if printed.get("optimizer_timed"):  # the optimizer it handed over was timed
+            assert r["optimizer_time_s"] > 0, where
 
 
 @pytest.mark.integration

@@ -8,6 +8,11 @@
 - gradient accumulation: micro-steps under `model.no_sync()`, the loss divided by their count;
 - fp16 on the CPU with an enabled `ShardedGradScaler` (FSDP's scaler: it all-reduces inf
   checks itself), the `scale(loss).backward()` / `step` / `update` dance;
+- the optimizer handed to the monitor is the prepared one, as `accelerator.prepare()` returns
+  it: a `torch.optim.Optimizer` subclass that never runs `Optimizer.__init__` (no step hooks
+  of its own) and keeps the real one in `.optimizer`; the script calls its `step()` and
+  `zero_grad()` on every micro-step, and it steps the real one through the scaler (then
+  updates the scale) only on the micro-step that syncs gradients;
 - AdamW with a no-decay group (biases and LayerNorm weights), a linear warmup `LambdaLR`
   stepped with the optimizer, `optimizer.zero_grad()` with its defaults;
 - `completed_steps` counted from 1; the loss given as a Python float (`loss.item()`), no
@@ -35,6 +40,33 @@ import scalemon.agent as sm
 EPOCHS, BATCHES, ACCUM, WARMUP = 2, 4, 2, 2
 
 
+class PreparedOptimizer(torch.optim.Optimizer):
+    """What accelerate's `AcceleratedOptimizer` is to the monitor: an Optimizer by type, the
+    real one inside, steps skipped while gradients accumulate."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler) -> None:
+        self.optimizer = optimizer  # no super().__init__(), as accelerate does
+        self.scaler = scaler
+        self.sync_gradients = True
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: object = None) -> None:
+        if self.sync_gradients:
+            self.scaler.step(self.optimizer, closure)
+            self.scaler.update()
+
+
 def main() -> None:
     run = sm.init(config={"style": "accelerate"})
     dist.init_process_group("gloo")
@@ -53,7 +85,8 @@ def main() -> None:
     scaler = ShardedGradScaler("cpu", init_scale=256.0)
     assert run is not None
     run.watch_model(model)
-    run.watch_optimizer(optimizer)
+    prepared = PreparedOptimizer(optimizer, scaler)
+    run.watch_optimizer(prepared)
     run.watch_scaler(scaler)
     inputs, targets = batch(0, size=BATCH * BATCHES * dist.get_world_size())
     sampler = DistributedSampler(TensorDataset(inputs, targets), shuffle=True, seed=0)
@@ -65,7 +98,7 @@ def main() -> None:
         model.train()
         sampler.set_epoch(epoch)
         for i, (inputs, targets) in enumerate(loader):
-            sync = (i + 1) % ACCUM == 0
+            sync = prepared.sync_gradients = (i + 1) % ACCUM == 0
             with torch.autocast("cpu", dtype=torch.float16):
                 if sync:
                     _, loss = model(inputs, targets)
@@ -74,12 +107,11 @@ def main() -> None:
                     with model.no_sync():
                         _, loss = model(inputs, targets)
                         scaler.scale(loss / ACCUM).backward()
+            prepared.step()
+            prepared.zero_grad()
             if not sync:
                 continue
-            scaler.step(optimizer)
-            scaler.update()
             scheduler.step()
-            optimizer.zero_grad()
             completed_steps += 1
             lr = scheduler.get_last_lr()[0]
             sm.log(completed_steps, loss.item(), lr=lr, epoch=epoch)
@@ -105,7 +137,7 @@ def main() -> None:
                   f"accuracy {float(correct) / gathered.numel() / 2:.3f} of {VOCAB} classes")
     dist.barrier()
     logged.report("finished", ("all_reduce", "all_gather", "barrier"), scaler="on",
-                  loss_scale=scaler.get_scale())
+                  loss_scale=scaler.get_scale(), optimizer_timed=True)
     dist.destroy_process_group()
     sm.finish()
 
