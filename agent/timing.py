@@ -222,12 +222,13 @@ def _with_closure_wrapped(optimizer: Any, args: tuple, kwargs: dict,
                           wrap: Any) -> tuple[tuple, dict] | None:
     """`optimizer.step`'s arguments as a step pre-hook gets them (`args` begins with the
     optimizer) with its closure (`closure=` or the first positional argument after the
-    optimizer, when callable) replaced by `wrap(closure)`; None when it has no closure."""
+    optimizer, when callable and not a module) replaced by `wrap(closure)`; None when it has
+    no closure."""
     closure = kwargs.get("closure")
     if callable(closure):
         return args, {**kwargs, "closure": wrap(closure)}
     at = 1 if args and args[0] is optimizer else 0
-    if len(args) > at and callable(args[at]):
+    if len(args) > at and callable(args[at]) and not isinstance(args[at], torch.nn.Module):
         return (*args[:at], wrap(args[at]), *args[at + 1:]), kwargs
     return None
 
