@@ -226,34 +226,38 @@ def test_a_step_given_a_closure_shows_the_update_as_optimizer_time_not_the_whole
 
 
 @pytest.mark.integration
-def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_processes(
-        tmp_path):
+def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_processes():
     """tests/corpus/spawn_style.py as the DDP tutorial runs it (mp.spawn, no RANK/WORLD_SIZE,
     no SCALEMON_JOB_ID): both ranks derive the same job id from the spawning process and the
     port, and `scalemon jobs` lists one job of world size 2 with both ranks in it (before,
     each rank was rank 0 of its own single-process job, with a hub of its own)."""
-    env = job_env(tmp_path, "unused")
+    home = Path(tempfile.mkdtemp(prefix="smsp", dir="/tmp"))  # short: ipc paths are bounded
+    env = job_env(home, "unused")
     del env["SCALEMON_JOB_ID"]
-    done = subprocess.run([sys.executable, str(CORPUS / "spawn_style.py")], env=env,
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    printed = {line["rank"]: line for line in map(json.loads, PRINTED.findall(done.stdout))}
-    assert sorted(printed) == [0, 1], done.stdout
-    expected = f"{node_name().split('.')[0]}-{printed[0]['parent_pid']}-{printed[0]['port']}"
-    assert {p["job"] for p in printed.values()} == {expected}
     try:
+        done = subprocess.run([sys.executable, str(CORPUS / "spawn_style.py")], env=env,
+                              capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        said = done.stdout[-2000:] + done.stderr[-3000:]
+        assert done.returncode == 0, said
+        printed = {line["rank"]: line for line in map(json.loads,
+                                                      PRINTED.findall(done.stdout))}
+        assert sorted(printed) == [0, 1], said
+        expected = (f"{node_name().split('.')[0]}-{printed[0]['parent_pid']}-"
+                    f"{printed[0]['port']}")
+        assert {p["job"] for p in printed.values()} == {expected}, said
         listed = json.loads(subprocess.run(
             [sys.executable, "-m", "scalemon", "jobs", "--json"], env=env, capture_output=True,
             text=True, timeout=60).stdout)
         assert [(j["job"], j["world_size"]) for j in listed] == [(printed[0]["job"], 2)]
-        snap = snapshot(tmp_path, printed[0]["job"], "--json")
+        snap = snapshot(home, printed[0]["job"], "--json")
         ranks = json.loads(snap.stdout)["ranks"]
         assert [(r["rank"], r["steps_received"], r["state"]) for r in ranks] == [
             (0, 5, "finished"), (1, 5, "finished")]
     finally:
-        for job_file in jobs_dir(tmp_path).glob("*.json"):
+        for job_file in jobs_dir(home).glob("*.json"):
             with contextlib.suppress(Exception):
                 os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_a_monitor_that_switches_itself_off_says_why_to_the_hub_first(corpus):
