@@ -99,16 +99,24 @@ def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
 
 def rank_env_from_group(env: RankEnv, rank: int, world_size: int, parent_pid: int,
                         environ: Mapping[str, str] | None = None) -> RankEnv:
-    """The identity of a process the environment calls single (no RANK/WORLD_SIZE, no SLURM)
-    that is rank `rank` of an initialised process group of `world_size`: a process started by
-    `torch.multiprocessing.spawn` or by hand with `init_process_group(rank=, world_size=)`,
-    as PyTorch's DDP tutorial and many scripts do. Every rank on the node derives the same job
-    id without talking: the spawning parent's pid and the rendezvous port (SCALEMON_JOB_ID
-    wins). The job is taken to be on one node (nothing in the environment says otherwise):
-    the local rank is LOCAL_RANK where set, else the rank."""
+    """The identity of rank `rank` of an initialised process group of `world_size` whose
+    environment says otherwise: a process started by `torch.multiprocessing.spawn` (or by
+    hand with `init_process_group(rank=, world_size=)`), as PyTorch's DDP tutorial and the
+    pytorch/examples scripts do, which inherits no RANK/WORLD_SIZE, or those of the one
+    launcher task that spawned it (an `srun` task per node, `torchrun --nproc-per-node 1`).
+
+    Under a launcher, the job id, node index and node count stay the launcher's (the same on
+    every node) and the local rank is the rank modulo the ranks per node. Without one, every
+    rank of the node derives the same job id without talking: the spawning parent's pid and
+    the rendezvous port (SCALEMON_JOB_ID wins), and the job is taken to be on one node, the
+    local rank LOCAL_RANK where set, else the rank."""
     environ = os.environ if environ is None else environ
     if not 0 <= rank < world_size:
         raise ValueError(f"process group rank {rank} is outside its world size {world_size}")
+    if env.launcher != "single":
+        per_node = world_size // env.nodes if world_size % env.nodes == 0 else world_size
+        return RankEnv(rank, world_size, rank % per_node, env.job, env.restart_count,
+                       env.host, "spawn", env.node_rank, env.nodes)
     job = environ.get("SCALEMON_JOB_ID") or (
         f"{env.host.split('.')[0]}-{parent_pid}-{environ.get('MASTER_PORT', '0')}")
     job = re.sub(r"[^A-Za-z0-9._-]", "-", job)[:100]

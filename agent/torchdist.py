@@ -43,29 +43,29 @@ def _first_param(model: Any, optimizer: Any) -> torch.Tensor | None:
 
 
 def identity_from_group(env: RankEnv, warnings: Warnings) -> RankEnv:
-    """`env` (read from the environment), or where it says "single process" but this process
-    is one rank of an initialised process group (`torch.multiprocessing.spawn`), its rank,
-    world size and a job id shared with the other ranks (`rank_env_from_group`). A process
-    started by multiprocessing before its group exists is monitored as a single process,
-    and told once what to change if it is a rank."""
-    if env.launcher != "single":
-        return env
+    """`env` (read from the environment), unless this process is a rank of an initialised
+    process group that the environment does not describe (a `torch.multiprocessing.spawn`
+    child, with no launcher's variables or with those of the one task that spawned it): then
+    its rank and world size from the group, and a job id shared with the other ranks
+    (`rank_env_from_group`). A multiprocessing child that the environment calls a world of
+    one and that has no group yet is monitored as such, and told once what to change if it
+    is a rank."""
     if dist_initialized():
         import torch.distributed as dist
 
-        world = dist.get_world_size()
-        if world > 1:
-            return rank_env_from_group(env, dist.get_rank(), world, os.getppid())
-        return env
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) == (env.rank, env.world_size):
+            return env
+        return rank_env_from_group(env, rank, world, os.getppid())
     import multiprocessing
 
-    if multiprocessing.parent_process() is not None:
+    if env.world_size == 1 and multiprocessing.parent_process() is not None:
         warnings.once("spawned-before-group",
-                      "scalemon: this process was started by multiprocessing (mp.spawn?) with "
-                      "no RANK/WORLD_SIZE and no process group yet, so it is monitored as a "
-                      "single process, a job of its own; if it is one rank of a distributed "
-                      "job, call scalemon.agent.init() after init_process_group(), or set "
-                      "RANK, WORLD_SIZE and SCALEMON_JOB_ID")
+                      "scalemon: this process was started by multiprocessing (mp.spawn?), its "
+                      "environment names no other rank and it has no process group yet, so "
+                      "it is monitored as a single process, a job of its own; if it is one "
+                      "rank of a distributed job, call scalemon.agent.init() after "
+                      "init_process_group(), or set RANK, WORLD_SIZE and SCALEMON_JOB_ID")
     return env
 
 

@@ -64,6 +64,13 @@ def test_a_spawned_rank_takes_its_identity_from_its_process_group(monkeypatch, c
     assert (named.job, named.local_rank) == ("mine", 0)
     with pytest.raises(ValueError, match="rank 2 is outside its world size 2"):
         rank_env_from_group(single, 2, 2, 777, {})
+    # the imagenet example under SLURM: one srun task per node spawns a process per GPU, and
+    # each inherits its task's SLURM_PROCID/SLURM_NTASKS (rank 1 of 2 on node 1)
+    task = read_rank_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODEID": "1",
+                          "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_LOCALID": "0"})
+    gpu2 = rank_env_from_group(task, 6, 8, 777, {"SLURM_JOB_ID": "7"})
+    assert (gpu2.rank, gpu2.world_size, gpu2.local_rank) == (6, 8, 2)
+    assert (gpu2.job, gpu2.node_rank, gpu2.nodes, gpu2.multi_node) == ("slurm-7", 1, 2, True)
     torchrun = read_rank_env({"RANK": "1", "WORLD_SIZE": "2"})
     assert identity_from_group(torchrun, Warnings()) is torchrun  # the environment wins
     import multiprocessing
@@ -73,6 +80,7 @@ def test_a_spawned_rank_takes_its_identity_from_its_process_group(monkeypatch, c
         warnings = Warnings()
         assert identity_from_group(single, warnings) is single  # no group in this process
         assert identity_from_group(single, warnings) is single
+        assert identity_from_group(torchrun, warnings) is torchrun  # a world of 2: no word
     assert caplog.text.count("call scalemon.agent.init() after init_process_group()") == 1
 
 

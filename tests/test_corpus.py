@@ -71,7 +71,8 @@ class Outcome:
 def job_env(home: Path, job: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "TORCHELASTIC_RESTART_COUNT", "SCALEMON_HUB")}
+                        "TORCHELASTIC_RESTART_COUNT", "SCALEMON_HUB")
+           and not k.startswith("SLURM_")}  # the suite run inside a SLURM job
     env.update(OMP_NUM_THREADS="1", SCALEMON_HOME=str(home), SCALEMON_JOB_ID=job,
                SCALEMON_HUB_ARGS="--linger 600", PYTHONWARNINGS="ignore")
     return env
@@ -225,15 +226,25 @@ def test_a_step_given_a_closure_shows_the_update_as_optimizer_time_not_the_whole
         assert float(column_text(got.table, r["rank"], "opt ms")) < forward_s / 3 * 1000, where
 
 
+SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+             "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
+"""The environment of the one `srun` task that spawns the ranks of its node."""
+
+
 @pytest.mark.integration
-def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_processes():
+@pytest.mark.parametrize("launcher", ["none", "srun task"])
+def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_processes(
+        launcher):
     """tests/corpus/spawn_style.py as the DDP tutorial runs it (mp.spawn, no RANK/WORLD_SIZE,
-    no SCALEMON_JOB_ID): both ranks derive the same job id from the spawning process and the
-    port, and `scalemon jobs` lists one job of world size 2 with both ranks in it (before,
-    each rank was rank 0 of its own single-process job, with a hub of its own)."""
+    no SCALEMON_JOB_ID), alone or as the one srun task of its node (the imagenet example on
+    SLURM: each child inherits SLURM_PROCID=0, SLURM_NTASKS=1): both ranks share one job id
+    (the spawning process and the port; SLURM's job), and `scalemon jobs` lists one job of
+    world size 2 with both ranks in it (before, each rank was rank 0 of its own job of one,
+    with a hub of its own)."""
     home = Path(tempfile.mkdtemp(prefix="smsp", dir="/tmp"))  # short: ipc paths are bounded
     env = job_env(home, "unused")
     del env["SCALEMON_JOB_ID"]
+    env.update(SRUN_TASK if launcher == "srun task" else {})
     try:
         done = subprocess.run([sys.executable, str(CORPUS / "spawn_style.py")], env=env,
                               capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
@@ -242,8 +253,8 @@ def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_pr
         printed = {line["rank"]: line for line in map(json.loads,
                                                       PRINTED.findall(done.stdout))}
         assert sorted(printed) == [0, 1], said
-        expected = (f"{node_name().split('.')[0]}-{printed[0]['parent_pid']}-"
-                    f"{printed[0]['port']}")
+        expected = "slurm-4242.0" if launcher == "srun task" else (
+            f"{node_name().split('.')[0]}-{printed[0]['parent_pid']}-{printed[0]['port']}")
         assert {p["job"] for p in printed.values()} == {expected}, said
         listed = json.loads(subprocess.run(
             [sys.executable, "-m", "scalemon", "jobs", "--json"], env=env, capture_output=True,
