@@ -372,6 +372,8 @@ class Run:
             step = self._step_number(step)
         if tokens is not None and type(tokens) is not int:
             tokens = self._host_int(tokens, "tokens")
+        if step == phase.step and self.steps_logged:
+            self._said_repeated_step(step)
         phase.step = step
         self._step_marks.append((step, t0))  # the recorder's step boundary (stepcomm.py)
         hooks_s, phase.cost_s = phase.cost_s, 0.0
@@ -399,6 +401,15 @@ class Run:
         self._previous_log_s = log_s = phase.since - t0  # reported with the next step
         self.agent_time_total_s += hooks_s + log_s
         self.steps_logged += 1
+
+    def _said_repeated_step(self, step: int) -> None:
+        """Say once that log() got the same step number twice in a row (a callback that logs
+        every micro-batch under gradient accumulation, such as Lightning's
+        `on_train_batch_end` with `trainer.global_step`): each call is a step of its own."""
+        self.warnings.once(
+            "repeated-step", "scalemon: log() got step %s twice in a row: every call counts as "
+            "a step, so step time is the time between calls (a micro-batch's under gradient "
+            "accumulation); call log() once per optimizer step for the step's own time", step)
 
     def _settle_backend(self, now: float) -> None:
         """Once the default process group exists (checked at most once a second): where

@@ -433,6 +433,23 @@ def test_a_wrapped_optimizer_is_timed_through_the_one_it_wraps_and_none_turns_no
     assert all(b["optimizer_time_s"] > 0 for b in steps)
 
 
+def test_a_step_number_logged_twice_in_a_row_is_said_once_and_each_call_still_arrives(
+        start_hub, caplog):
+    """Lightning's `on_train_batch_end` with `trainer.global_step` under gradient accumulation
+    logs every step number twice: the user is told once that each call is a step (its step
+    time is a micro-batch's), and nothing is dropped."""
+    hub = start_hub("agentRepeat")
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        run = Run(job="agentRepeat", hub=hub.address.base)
+        for step in (0, 1, 1, 2, 2, 3):
+            run.log(step, loss=float(step))
+        run.finish()
+    assert caplog.text.count("log() got step 1 twice in a row") == 1
+    assert "step 2 twice" not in caplog.text
+    steps = [m.body["step"] for m in hub_messages(hub) if m.type == "step"]
+    assert steps == [0, 1, 1, 2, 2, 3]
+
+
 def test_a_bad_optimizer_timing_setting_is_said_and_the_default_kept(monkeypatch, caplog):
     from scalemon.agent.run import optimizer_timing_every_s
     from scalemon.agent.warn import Warnings
