@@ -107,6 +107,17 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
+def send_unless_refused(sock: zmq.Socket, data: bytes) -> bool:
+    """Send on a socket whose Curve handshake the hub may refuse: never blocks. A DEALER or
+    PUSH whose handshake was refused before the send has no peer left, and a blocking send
+    would wait for ever; False when the message could not be queued."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def hub_messages(hub: HubProcess, exits: int = 1, timeout: float = 20.0) -> list:
     """Every record of `hub`, decoded, once the `exit` messages of `exits` rank processes
     arrived (a rank's exit is its last message: nothing of it can still be on the way)."""

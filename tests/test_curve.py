@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from conftest import wait_for
+from conftest import send_unless_refused, wait_for
 from scalemon import protocol
 from scalemon.client import HubClient, HubStream
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
@@ -104,7 +104,7 @@ def test_only_admitted_keys_get_in_over_tcp(start_hub, zctx: zmq.Context) -> Non
     def push(keys: tuple[bytes, bytes] | None, rank: int, loss: float) -> None:
         sock = _curve(zctx.socket(zmq.PUSH), jf.server_key, keys)
         sock.connect(address.ingest)
-        sock.send(protocol.encode("step", "jobC", rank, 0, {
+        send_unless_refused(sock, protocol.encode("step", "jobC", rank, 0, {
             "step": 1, "loss": loss, "tokens": 1, "step_time_s": 0.01}))
         time.sleep(0.3)
         sock.close(linger=0)
@@ -114,10 +114,10 @@ def test_only_admitted_keys_get_in_over_tcp(start_hub, zctx: zmq.Context) -> Non
     push(None, 6, 888.0)  # no Curve at all
     dealer = _curve(zctx.socket(zmq.DEALER), jf.server_key, stranger)
     dealer.connect(address.rpc)
-    dealer.send(protocol.encode_request("state"))
+    send_unless_refused(dealer, protocol.encode_request("state"))
     plain = _curve(zctx.socket(zmq.DEALER), jf.server_key, None)
     plain.connect(address.rpc)
-    plain.send(protocol.encode_request("state"))
+    send_unless_refused(plain, protocol.encode_request("state"))
     sub = _curve(zctx.socket(zmq.SUB), jf.server_key, None)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(address.feed)
@@ -166,8 +166,8 @@ def test_a_key_added_to_authorized_gets_in_on_its_next_try(start_hub, zctx: zmq.
     def ping() -> bool:
         dealer = _curve(zctx.socket(zmq.DEALER), jf.server_key, colleague)
         dealer.connect(address.rpc)
-        dealer.send(protocol.encode_request("ping"))
-        answered = bool(dealer.poll(int(QUIET_S * 1000)))
+        answered = (send_unless_refused(dealer, protocol.encode_request("ping"))
+                    and bool(dealer.poll(int(QUIET_S * 1000))))
         dealer.close(linger=0)
         return answered
 

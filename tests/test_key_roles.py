@@ -18,7 +18,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from conftest import FakeRank, free_port, wait_for
+from conftest import FakeRank, free_port, send_unless_refused, wait_for
 from scalemon import protocol
 from scalemon.client import HubClient
 from scalemon.jobs import HubAddress, JobFile, jobs_dir
@@ -262,7 +262,7 @@ def test_removing_a_key_cuts_its_live_connections(start_hub, home: Path, zctx: z
     took = time.monotonic() - started
     for n in range(2, 6):  # and nothing reaches bob any more: reconnecting is refused
         rank.step(n)
-    dealer.send(protocol.encode_request("state"))
+    send_unless_refused(dealer, protocol.encode_request("state"))  # reconnects are refused
     assert not dealer.poll(int(QUIET_S * 1000)) and not sub.poll(0)
     client = HubClient(HubAddress.parse(jf.address))  # the owner is unaffected
     hub = client.state()["hub"]
@@ -284,7 +284,7 @@ def test_refused_handshakes_are_audited_with_the_peer_and_bounded(start_hub, hom
         sock.curve_serverkey = jf.server_key.encode()
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(jf.tcp["rpc"])
-        sock.send(protocol.encode_request("state"))
+        send_unless_refused(sock, protocol.encode_request("state"))  # refused: may not queue
         assert not sock.poll(100)
         sock.close()
     client = HubClient(HubAddress.parse(jf.address))
