@@ -133,7 +133,7 @@ def _rank_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
     columns = display.rank_columns(dashboard=False)
     cells = []
     for rank in ranks:
-        values = {**rank, **rank.get("extra", {})}
+        values = display.snapshot_values(rank)
         cells.append([clean(display.metric_text(c.metric, values) if c.metric else
                             _frame_cell(c.key, rank), one_line=True) for c in columns])
     widths = [max([len(c.heading)] + [len(row[i]) for row in cells if c.key != "state"])

@@ -314,6 +314,16 @@ def _snapshot_worst(rank: dict[str, Any], late: dict[int, float], bar: float,
                        late.get(rank["rank"], 0.0) > bar, stuck_after)
 
 
+def snapshot_values(rank: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot rank's values by metric name, as the dashboard reads them: its messages'
+    fields and its `extra`, and tokens/s derived from `tokens / step_time_s` where the
+    script gave tokens but no rate of its own (`metrics.tokens_per_s`)."""
+    values = {**rank, **(rank.get("extra") or {})}
+    if values.get("tokens_per_s") is None:
+        values["tokens_per_s"] = metrics.tokens_per_s(values)
+    return values
+
+
 def _node_table_lines(by_node: dict[str | None, list[dict[str, Any]]], late: dict[int, float],
                       bar: float, median_step: float | None) -> list[str]:
     """A row per node, trouble first, under a two-line heading (metric, then min/med/max)."""
@@ -323,7 +333,7 @@ def _node_table_lines(by_node: dict[str | None, list[dict[str, Any]]], late: dic
     for host, members in by_node.items():
         worsts = [_snapshot_worst(r, late, bar, stuck_after) for r in members]
         worst = min(worsts, key=NODE_STATES.index)
-        values = [{**r, **(r.get("extra") or {})} for r in members]
+        values = [snapshot_values(r) for r in members]
         cells = node_cells(columns, host, [rank_kind(r["state"], r.get("exit_code"))
                                            for r in members], worst,
                            [r.get("step") for r in members], values)

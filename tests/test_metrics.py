@@ -166,6 +166,29 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
     assert "info config (rank 0,1): preset=gpt2-124m" in text
 
 
+def test_snapshot_shows_the_tokens_per_s_the_dashboard_derives_from_tokens_alone():
+    """A script that logs `tokens` but no rate of its own (nanoGPT with `log(tokens=...)`):
+    the dashboard shows tokens / step time, and so must `scalemon snapshot` (it said n/a; its
+    node table reads the same `display.snapshot_values`)."""
+    from scalemon.cli import _rank_lines  # the table without the job's header
+
+    sim = SimJob(ranks=2)
+    state = JobState()
+    for msg in sim.run(6):
+        if msg.type == "step":
+            msg.body.get("extra", {}).pop("tokens_per_s", None)
+        state.apply(msg)
+    ranks = state.to_json(now=sim.end_t(6))["ranks"]
+    columns = [c for c in display.rank_columns(dashboard=False) if c.key != "state"]
+    at = next(i for i, c in enumerate(columns) if c.heading == "tok/s")  # state goes last
+    for rank in ranks:
+        derived = state.ranks[rank["rank"]].value("tokens_per_s")
+        assert derived and "tokens_per_s" not in rank["extra"]
+        shown = display.metric_text(BY_NAME["tokens_per_s"], {"tokens_per_s": derived})
+        row = _rank_lines(ranks, 60)[1 + rank["rank"]]
+        assert row.split()[at] == shown != display.NA, row
+
+
 def test_docs_field_tables_are_generated_from_the_table():
     path = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
     text = path.read_text()
