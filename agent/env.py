@@ -46,6 +46,17 @@ def _int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
+def siblings_job_id(env: Mapping[str, str], host: str, parent_pid: int) -> str:
+    """The job id that the processes one parent started on a node derive alike: the host,
+    the parent's pid and the rendezvous port."""
+    return f"{host.split('.')[0]}-{parent_pid}-{env.get('MASTER_PORT', '0')}"
+
+
+def clean_job_id(job: str) -> str:
+    """`job` as a job id: letters, digits, `.`, `_` and `-` (others become `-`), 100 at most."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", job)[:100]
+
+
 def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
     """A job id every rank of the job derives alike, without talking to the others."""
     explicit = env.get("SCALEMON_JOB_ID")
@@ -65,7 +76,7 @@ def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
         return f"{master or 'master'}-{env.get('MASTER_PORT', '0')}"
     if launcher == "torchrun":
         # static rendezvous with the default run id: the local torchrun agent is our parent
-        return f"{host.split('.')[0]}-{os.getppid()}-{env.get('MASTER_PORT', '0')}"
+        return siblings_job_id(env, host, os.getppid())
     return f"{host.split('.')[0]}-{os.getpid()}"
 
 
@@ -92,7 +103,7 @@ def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
         launcher, rank, world, local, node_rank, nodes = "single", 0, 1, 0, 0, 1
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside world size {world}: check RANK/WORLD_SIZE")
-    job = re.sub(r"[^A-Za-z0-9._-]", "-", job_id_from_env(env, host, launcher))[:100]
+    job = clean_job_id(job_id_from_env(env, host, launcher))
     restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", default=0)
     return RankEnv(rank, world, local, job, restarts, host, launcher, node_rank, max(1, nodes))
 
@@ -117,8 +128,7 @@ def rank_env_from_group(env: RankEnv, rank: int, world_size: int, parent_pid: in
         per_node = world_size // env.nodes if world_size % env.nodes == 0 else world_size
         return RankEnv(rank, world_size, rank % per_node, env.job, env.restart_count,
                        env.host, "spawn", env.node_rank, env.nodes)
-    job = environ.get("SCALEMON_JOB_ID") or (
-        f"{env.host.split('.')[0]}-{parent_pid}-{environ.get('MASTER_PORT', '0')}")
-    job = re.sub(r"[^A-Za-z0-9._-]", "-", job)[:100]
+    job = clean_job_id(environ.get("SCALEMON_JOB_ID")
+                       or siblings_job_id(environ, env.host, parent_pid))
     local = _int(environ, "LOCAL_RANK", default=rank)
     return RankEnv(rank, world_size, local, job, env.restart_count, env.host, "spawn")
