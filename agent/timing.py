@@ -212,9 +212,9 @@ def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
         if (isinstance(optimizer, torch.optim.Optimizer)
                 and "_optimizer_step_pre_hooks" in vars(optimizer)):
             return optimizer
-        optimizer = next((inner for name in WRAPPED_OPTIMIZER_ATTRS
-                          if (inner := vars(optimizer).get(name) if hasattr(optimizer, "__dict__")
-                              else None) is not None), None)
+        attrs = getattr(optimizer, "__dict__", {})
+        optimizer = next((attrs[name] for name in WRAPPED_OPTIMIZER_ATTRS
+                          if attrs.get(name) is not None), None)
     return None
 
 
@@ -278,11 +278,12 @@ class OptimizerTimer:
                 self.phase.name, self.phase.since = "forward-backward", time.perf_counter()
             result = closure(*args, **kwargs)
             t = time.perf_counter()
-            if self._started:  # called again in the same step (LBFGS): the span starts anew
-                self._restart(t)
-            else:
-                self._started = True
+            if self._started and self._open is None:  # sampled out, captured or failed
+                self.phase.name, self.phase.since = "optimizer", t
+            else:  # the first call, or called again (LBFGS): the span starts anew
+                self._drop_open()
                 self._start(t)
+            self._started = True
             self.phase.cost_s += time.perf_counter() - t
             return result
 
@@ -304,26 +305,9 @@ class OptimizerTimer:
             except Exception as exc:
                 self._failed("before", exc)
 
-    def _restart(self, t: float) -> None:
-        """The open span (if the step is timed) starts again at `t`."""
-        span = self._open
-        if span is None:
-            return
-        self.phase.since = t
-        events = self.timer.events
-        try:
-            if events is None:
-                span[0] = span[1] = t
-            else:
-                events.put(span[1])
-                span[0], span[1] = t, events.record()
-        except Exception as exc:
-            self._open = None
-            self._failed("before", exc)
-
     def _drop_open(self) -> None:
-        """Forget a span a step left open (it raised before its post-hook ran): its start
-        event goes back to the pool."""
+        """Forget an open span (a step that raised before its post-hook ran, or a closure
+        called again): its start event goes back to the pool."""
         span, self._open = self._open, None
         if span is not None and self.timer.events is not None and type(span[1]) is not float:
             self.timer.events.put(span[1])

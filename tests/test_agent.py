@@ -371,8 +371,11 @@ def test_a_step_given_a_closure_times_the_update_not_the_forward_and_backward_in
     loss = opt.step(closure)  # positional, as LBFGS examples do
     run.log(2, loss=loss.detach())
     lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    at_update_end = []  # registered first: runs before the agent's post-hook
+    lbfgs.register_step_post_hook(lambda *_: at_update_end.append(run.phase.name))
     run.watch_optimizer(lbfgs)
     lbfgs.step(closure)  # three closure calls: the figure is what followed the last one
+    assert at_update_end == ["optimizer"]  # not the last closure's forward-backward
     run.log(3)
     opt.step()  # no closure: the whole step
     run.log(4)
