@@ -207,7 +207,7 @@ class StepFinisher:
                 events.no_direct(exc)
         if value.requires_grad:
             value = value.detach()
-        slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
+        _queue_copy(slot, value)
 
     def _queue_later(self, staged: Staged, step: int) -> None:
         """On the sender thread: queue the copies `stage` left, on the step's stream, then an
@@ -377,6 +377,11 @@ def _direct_copyable(value: torch.Tensor, index: int) -> bool:
             and value.get_device() == index)
 
 
+def _queue_copy(slot: torch.Tensor, value: torch.Tensor) -> None:
+    """Queue the copy of one-element `value` into the 0-dim `slot`, not waiting for it."""
+    slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
+
+
 def copy_if_unchanged(slot: torch.Tensor, tensor: torch.Tensor, version: int) -> str | None:
     """Queue the copy of the one-element `tensor` into `slot` (on the current stream, not
     waiting) unless an in-place operation on it was queued since its version was `version`,
@@ -384,7 +389,7 @@ def copy_if_unchanged(slot: torch.Tensor, tensor: torch.Tensor, version: int) ->
     it does not (the slot's content is then not to be read)."""
     try:
         if tensor._version == version:
-            slot.copy_(tensor if tensor.dim() == 0 else tensor.reshape(()), non_blocking=True)
+            _queue_copy(slot, tensor)
             if tensor._version == version:
                 return None
         return "the script changed it in place after log()"
