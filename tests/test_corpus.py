@@ -130,6 +130,14 @@ def run_job(home: Path, name: str) -> Outcome:
     return Outcome(returncode, output, printed, last, table)
 
 
+def remove_home(home: Path) -> None:
+    """Kill the hubs the jobs in `home` started, then remove it."""
+    for job_file in jobs_dir(home).glob("*.json"):
+        with contextlib.suppress(Exception):
+            os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
+    shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def corpus() -> Any:
     """Every corpus job, run `LAUNCHES_AT_ONCE` at a time in one private SCALEMON_HOME; the
@@ -141,10 +149,7 @@ def corpus() -> Any:
             outcomes = {name: future.result() for name, future in futures.items()}
         yield home, outcomes
     finally:
-        for job_file in jobs_dir(home).glob("*.json"):
-            with contextlib.suppress(Exception):
-                os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
-        shutil.rmtree(home, ignore_errors=True)
+        remove_home(home)
 
 
 def column_text(table: str, rank: int, heading: str) -> str:
@@ -265,10 +270,7 @@ def test_spawned_ranks_without_a_job_id_are_one_job_of_their_group_not_single_pr
         assert [(r["rank"], r["steps_received"], r["state"]) for r in ranks] == [
             (0, 5, "finished"), (1, 5, "finished")]
     finally:
-        for job_file in jobs_dir(home).glob("*.json"):
-            with contextlib.suppress(Exception):
-                os.kill(JobFile.read(job_file).pid, signal.SIGKILL)
-        shutil.rmtree(home, ignore_errors=True)
+        remove_home(home)
 
 
 def test_a_monitor_that_switches_itself_off_says_why_to_the_hub_first(corpus):
