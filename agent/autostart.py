@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from scalemon.jobs import HubAddress, private_dir, relay_dir, run_dir, scalemon_home
+from scalemon import settings
+from scalemon.home.address import HubAddress
+from scalemon.home.paths import relay_dir, run_dir
+from scalemon.home.safefs import private_dir
+from scalemon.settings import scalemon_home
 
 from .env import RankEnv
 
@@ -31,7 +34,7 @@ def hub_address(env: RankEnv, configured: str | None = None) -> HubAddress:
         if env.local_rank == 0:
             start_relay_if_needed(env, directory)
         return HubAddress.for_directory(directory)
-    from_env = os.environ.get("SCALEMON_HUB")
+    from_env = settings.raw("SCALEMON_HUB")
     if from_env:
         try:
             return HubAddress.parse(from_env)
@@ -67,9 +70,9 @@ def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
         "--job", env.job,
         "--world-size", str(env.world_size),
         "--home", str(scalemon_home()),
-        *os.environ.get(HUB_ARGS_ENV, "").split(),
+        *settings.words(HUB_ARGS_ENV),
     ]
-    if env.multi_node and not os.environ.get("SCALEMON_LISTEN"):
+    if env.multi_node and not settings.raw("SCALEMON_LISTEN"):
         cmd += ["--listen", "tcp://*:0"]  # the other nodes' relays and the login node
     pid = _spawn(cmd, directory / "hub.log")
     log.info("scalemon: started hub pid %d for job %s", pid, env.job)

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from scalemon.jobs import node_name
+from scalemon import settings
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def clean_job_id(job: str) -> str:
 
 def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
     """A job id every rank of the job derives alike, without talking to the others."""
-    explicit = env.get("SCALEMON_JOB_ID")
+    explicit = settings.raw("SCALEMON_JOB_ID", env)
     if explicit:
         return explicit
     if launcher == "slurm" or (env.get("SLURM_JOB_ID") and launcher != "torchrun"):
@@ -83,7 +83,7 @@ def job_id_from_env(env: Mapping[str, str], host: str, launcher: str) -> str:
 def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     """Read the identity from torchrun's variables, else SLURM's, else a single process."""
     env = os.environ if env is None else env
-    host = env.get("SCALEMON_NODE") or node_name()
+    host = settings.node_name(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun"
         rank = _int(env, "RANK", default=0)
@@ -128,7 +128,7 @@ def rank_env_from_group(env: RankEnv, rank: int, world_size: int, parent_pid: in
         per_node = world_size // env.nodes if world_size % env.nodes == 0 else world_size
         return RankEnv(rank, world_size, rank % per_node, env.job, env.restart_count,
                        env.host, "spawn", env.node_rank, env.nodes)
-    job = clean_job_id(environ.get("SCALEMON_JOB_ID")
+    job = clean_job_id(settings.raw("SCALEMON_JOB_ID", environ)
                        or siblings_job_id(environ, env.host, parent_pid))
     local = _int(environ, "LOCAL_RANK", default=rank)
     return RankEnv(rank, world_size, local, job, env.restart_count, env.host, "spawn")

@@ -4,9 +4,10 @@ name it, and starting a new one when it stops answering. Part of `Run` (agent/ru
 from __future__ import annotations
 
 import logging
-import os
 
-from scalemon.jobs import HubAddress, relay_dir, run_dir
+from scalemon import settings
+from scalemon.home.address import HubAddress
+from scalemon.home.paths import relay_dir, run_dir
 
 from .autostart import start_hub_if_needed, start_relay_if_needed
 from .env import RankEnv
@@ -30,7 +31,7 @@ def watch_hub(sender: Sender, env: RankEnv, configured: str | None) -> None:
         return
     if env.multi_node and env.node_rank != 0:
         directory, start, what = relay_dir(env.job), start_relay_if_needed, "relay"
-    elif os.environ.get("SCALEMON_HUB") or env.node_rank != 0:
+    elif settings.raw("SCALEMON_HUB") or env.node_rank != 0:
         return
     else:
         directory, start, what = run_dir(env.job), start_hub_if_needed, "hub"

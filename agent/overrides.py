@@ -42,7 +42,7 @@ def _run_id(env: Any) -> str | None:
 
 def override_path(job: str) -> Path:
     """Where the job's overrides live on this node."""
-    from scalemon.jobs import run_dir
+    from scalemon.home.paths import run_dir
 
     return run_dir(job) / OVERRIDE_FILE
 
@@ -63,7 +63,7 @@ def read(path: Path) -> dict[str, Any] | None:
 def write(job: str, values: dict[str, str | None], restart_at: int | None = None) -> Path:
     """Merge `values` into the job's override file (atomically; every rank writes alike)."""
     from scalemon.flags import FLAGS
-    from scalemon.jobs import private_dir
+    from scalemon.home.safefs import private_dir
 
     path = override_path(job)
     private_dir(path.parent)

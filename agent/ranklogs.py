@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scalemon.jobs import run_dir
+from scalemon.home.paths import run_dir
 
 from . import flags as _flags
 from .flags import FlagControl
@@ -160,7 +160,7 @@ class RankLogs:
 def log_dir(job: str) -> Path | None:
     """The job's run directory on this node, where NCCL's and torch's logs are written."""
     try:
-        from scalemon.jobs import private_dir
+        from scalemon.home.safefs import private_dir
 
         return private_dir(run_dir(job))
     except Exception:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from scalemon.collectives import (
-    HANG_AFTER_S,
     CollectiveStats,
     buffer_bytes,
     is_all_reduce,
@@ -47,6 +46,7 @@ from scalemon.collectives import (
     pg_config_ranks,
     size_bucket,
 )
+from scalemon.policy import HANG_AFTER_S
 
 from .stepcomm import StepComm
 from .warn import Warnings

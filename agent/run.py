@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import torch
 
 import scalemon
-from scalemon.collectives import hang_after_default
-from scalemon.failures import clean_error
+from scalemon import settings
+from scalemon.settings import hang_after_s
+from scalemon.state.failures import clean_error
 
 from .autostart import hub_address
 from .cudagraphs import watch_captures
@@ -90,7 +91,7 @@ def optimizer_timing_every_s(cuda: bool, warnings: Warnings) -> float:
     """Seconds between timed optimizer steps: SCALEMON_OPTIMIZER_TIMING_S (0: every step), else
     `OPTIMIZER_TIMING_CUDA_S` on CUDA and 0 on CPU."""
     default = OPTIMIZER_TIMING_CUDA_S if cuda else 0.0
-    text = os.environ.get(OPTIMIZER_TIMING_ENV, "").strip()
+    text = (settings.raw(OPTIMIZER_TIMING_ENV) or "").strip()
     if not text:
         return default
     try:
@@ -174,7 +175,7 @@ class Run:
         self.steps_logged = 0
         self._finished = False
         configured_by = ("init(hub=...)" if hub else
-                         "SCALEMON_HUB" if os.environ.get("SCALEMON_HUB") else None)
+                         "SCALEMON_HUB" if settings.raw("SCALEMON_HUB") else None)
         self.sender = Sender(self.address.ingest, self.env.job, self.env.rank,
                              rpc_endpoint=self.address.rpc, warnings=self.warnings,
                              configured_by=configured_by,
@@ -201,7 +202,7 @@ class Run:
             lambda: self.phase.step, nccl=self._nccl,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
-            warnings=self.warnings, stuck_after_s=hang_after_default(),
+            warnings=self.warnings, stuck_after_s=hang_after_s(),
             step_marks=self._step_marks)
         self._hello(model, config)
         self.logs = RankLogs(self.sender.submit, self.warnings, self.env.host, self.pid,

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from scalemon import settings
+
 from .env import RankEnv, rank_env_from_group
 from .recorder import group_uses_nccl
 from .warn import Warnings
@@ -71,7 +73,7 @@ def identity_from_group(env: RankEnv, warnings: Warnings) -> RankEnv:
 
 def direct_calls() -> Any:
     """CUDA calls that keep the GIL (cudart.py), unless SCALEMON_CUDA_DIRECT=0 or unavailable."""
-    if os.environ.get("SCALEMON_CUDA_DIRECT", "1") == "0":
+    if settings.flag_off("SCALEMON_CUDA_DIRECT"):
         return None
     from .cudart import CudaDirect
 

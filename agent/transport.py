@@ -30,7 +30,7 @@ import zmq
 
 import scalemon
 from scalemon import protocol
-from scalemon.keys import secure_client
+from scalemon.home.keys import secure_client
 
 from .warn import Warnings
 

@@ -36,8 +36,9 @@ from pathlib import Path
 import zmq
 
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.link.client import HubClient
 
 JOB = "attack"
 
@@ -131,12 +132,12 @@ def removal_cut_s(ctx: zmq.Context, jf: JobFile, home: Path) -> dict:
     be refused), then `keys remove` it: the seconds until both its connections were cut."""
     from zmq.utils.monitor import parse_monitor_message
 
-    from scalemon.keys import add_key, remove_key
+    from scalemon.home.keys import add_key, remove_key
 
     bob_home = Path(tempfile.mkdtemp(prefix="smb", dir="/tmp"))
     try:
         os.environ["SCALEMON_HOME"] = str(bob_home)
-        from scalemon.keys import user_keypair
+        from scalemon.home.keys import user_keypair
 
         bob = user_keypair(bob_home)
         os.environ["SCALEMON_HOME"] = str(home)

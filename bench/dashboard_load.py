@@ -35,8 +35,10 @@ import psutil
 import zmq
 
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 from scalemon.tui.sim import SimJob
 
 REPO = Path(__file__).resolve().parents[1]

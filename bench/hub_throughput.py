@@ -27,8 +27,8 @@ from pathlib import Path
 import zmq
 
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress
+from scalemon.home.address import HubAddress
+from scalemon.link.client import HubClient
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -29,8 +29,8 @@ from cluster import NODES, make_cluster, node_env, relay_pid
 from machine import cpu_name
 
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import JobFile
+from scalemon.home.jobfile import JobFile
+from scalemon.link.client import HubClient
 
 REPO = Path(__file__).resolve().parents[1]
 

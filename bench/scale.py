@@ -56,8 +56,10 @@ from dashboard_load import find_dashboard, tmux
 from machine import cpu_name
 from sim_nodes import Plan, run_worker
 
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

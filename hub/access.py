@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from scalemon.keys import AuthorizedKey
+from scalemon.home.keys import AuthorizedKey
 from scalemon.protocol import OP_ROLES, SOCKET_ROLES
 
 from .tcpguard import TcpGuard, shutdown_connection

@@ -3,10 +3,11 @@
 Only the hub's own environment names the command (the owner's, read once at start): never a
 request, never a rank's message. An alert fires when a condition appears in the job state:
 
-* the training-health alerts of `scalemon.alerts` (`loss_not_finite`, `loss_scale_floor`,
+* the training-health alerts of `scalemon.state.alerts` (`loss_not_finite`, `loss_scale_floor`,
   `skipped_steps`), per rank;
-* `hang`: the state's hang (`JobState.hang`) becomes non-null;
-* `straggler`: a rank is named a straggler (`scalemon.stragglers`, the dashboard's rule) at every
+* `hang`: the job's hang (`reports.hangs.job_hang`) becomes non-null;
+* `straggler`: a rank is named a straggler (`scalemon.reports.stragglers`, the dashboard's
+  rule) at every
   look for `STRAGGLER_STEPS` steps of its own;
 * `memory`: a rank's device memory in use (NVML's, else the allocator's reserved, else allocated
   bytes) is over `MEMORY_FRACTION` of the device's total;
@@ -37,10 +38,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from scalemon import alerts as alerting
-from scalemon import stragglers as rule
-from scalemon.display import LATE, shown, unit
-from scalemon.jobstate import JobState
+from scalemon import settings
+from scalemon.reports import stragglers as rule
+from scalemon.reports.hangs import job_hang
+from scalemon.state import alerts as alerting
+from scalemon.state.jobstate import JobState
+from scalemon.text.display import LATE, shown, unit
 
 log = logging.getLogger("scalemon.hub")
 
@@ -152,7 +155,7 @@ class AlertsOut:
                  run_dir: Path) -> AlertsOut | None:
         """The alerts of `$SCALEMON_ALERT_CMD` (None when unset; a value that does not split
         into a command is logged, audited and left off)."""
-        text = environ.get(ALERT_CMD_ENV, "").strip()
+        text = (settings.raw(ALERT_CMD_ENV, environ) or "").strip()
         if not text:
             return None
         try:
@@ -284,7 +287,7 @@ class AlertsOut:
         held = self._hang_alert
         if key in self._active and held is not None and state.state in ("running", "degraded"):
             return {key: held}
-        hang = state.hang(wall)
+        hang = job_hang(state, wall)
         self._hang_alert = None
         out: dict[Key, dict[str, Any]] = {}
         if hang is not None:

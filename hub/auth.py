@@ -21,7 +21,13 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from scalemon.keys import ZAP_DOMAIN, AuthorizedKey, KeyFileError, authorized_file, load_authorized
+from scalemon.home.keys import (
+    ZAP_DOMAIN,
+    AuthorizedKey,
+    KeyFileError,
+    authorized_file,
+    load_authorized,
+)
 from scalemon.protocol import SOCKET_ROLES
 
 log = logging.getLogger("scalemon.hub")

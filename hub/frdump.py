@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scalemon import frtrace
+from scalemon.reports import frtrace
 
 WAIT_S = 15.0
 """How long the ranks have to write their dumps."""

@@ -12,9 +12,7 @@ import zmq
 
 import scalemon
 from scalemon import protocol
-from scalemon.fold import JobFold
-from scalemon.history import History
-from scalemon.jobstate import JobState
+from scalemon.home.history import History
 from scalemon.protocol import (
     HUB_RANK,
     RANK_RECORDS_KEPT,
@@ -23,6 +21,8 @@ from scalemon.protocol import (
     VersionMismatch,
     version_text,
 )
+from scalemon.state.fold import JobFold
+from scalemon.state.jobstate import JobState
 
 from .access import Peer, PeerBook, refusal, tcp_peer
 from .audit import Audit

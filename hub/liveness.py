@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from scalemon.jobs import pid_alive
-from scalemon.jobstate import JobState, RankView
+from scalemon.home.jobfile import pid_alive
+from scalemon.state.jobstate import JobState, RankView
 
 from .relays import RelayBook
 

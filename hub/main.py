@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
-from scalemon.collectives import hang_after_default
-from scalemon.jobs import check_job_id
+from scalemon import settings
+from scalemon.home.paths import check_job_id
 from scalemon.options import Parser, int_at_least, job_id, seconds
-from scalemon.safe_text import CleanStream, clean
+from scalemon.settings import hang_after_s
+from scalemon.text.safe import CleanStream, clean
 
 from . import METRICS_ENV, METRICS_FILE_ENV
 
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind here instead of the job's private ipc directory (ipc:///dir or tcp://host:port)",
     )
     parser.add_argument(
-        "--listen", metavar="tcp://HOST:PORT", default=os.environ.get("SCALEMON_LISTEN") or None,
+        "--listen", metavar="tcp://HOST:PORT", default=settings.raw("SCALEMON_LISTEN"),
         help="also listen on TCP, always with CurveZMQ, admitting the keys in "
              "$SCALEMON_HOME/keys/authorized (port 0: free ports; default: $SCALEMON_LISTEN)",
     )
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a rank lost after S seconds without a message",
     )
     parser.add_argument(
-        "--hang-after", type=seconds(0.0, above=True), default=hang_after_default(),
+        "--hang-after", type=seconds(0.0, above=True), default=hang_after_s(),
         metavar="S", help="the job is hung when no rank completed a step for S seconds "
         "(default: $SCALEMON_HANG_AFTER, else 10); the ranks' agents use the same (they send "
         "their stacks once stuck that long)",

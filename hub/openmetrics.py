@@ -40,12 +40,15 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from scalemon import alerts as alerting
+from scalemon import settings
+from scalemon.reports.groups import collectives_table
+from scalemon.reports.hangs import job_hang
+from scalemon.state import alerts as alerting
 
 from . import METRICS_ENV, METRICS_FILE_ENV
 
 if TYPE_CHECKING:
-    from scalemon.jobstate import JobState
+    from scalemon.state.jobstate import JobState
 
 log = logging.getLogger("scalemon.hub")
 
@@ -178,7 +181,7 @@ def _collective_families(state: JobState, job: str) -> list[Metric]:
     nbytes = CounterMetricFamily("scalemon_collective_bytes", "Bytes of the (group, op)'s "
                                  "collectives, as one member rank issued them.",
                                  labels=COLLECTIVE_LABELS)
-    for row in state.collectives_table():
+    for row in collectives_table(state.groups, state.ranks.values()):
         labels = [job, row["group"], row["op"]]
         names = dict(zip(COLLECTIVE_LABELS, labels, strict=True))
         if (value := _number(row["busbw_gbps"])) is not None:
@@ -194,7 +197,7 @@ def _collective_families(state: JobState, job: str) -> list[Metric]:
 
 
 def _job_families(state: JobState, job: str, now: float) -> list[Metric]:
-    hang = state.hang(now)
+    hang = job_hang(state, now)
     hung = GaugeMetricFamily("scalemon_hang", "1 while the job is hung (no rank completed a "
                              "step for the hang threshold while it runs).", labels=["job"])
     hung.add_metric([job], 1 if hang else 0)
@@ -379,7 +382,7 @@ def _option(value: str | None, env: str, option: str,
             return parse(value)
         except ValueError as exc:
             raise ValueError(f"{option}: {exc}") from None
-    from_env = os.environ.get(env)
+    from_env = settings.raw(env)
     if not from_env:
         return None
     try:

@@ -1,7 +1,7 @@
 """The relay: one per node that is not the hub's, started by that node's local rank 0.
 
 The node's ranks send over ipc, in a 0700 directory on the node's own disk
-(`scalemon.jobs.relay_dir`), to the relay, which forwards to the hub over one CurveZMQ tcp
+(`scalemon.home.paths.relay_dir`), to the relay, which forwards to the hub over one CurveZMQ tcp
 connection:
 
 - ingest: the ranks' frames go on in batches, one multipart message of up to `BATCH` frames
@@ -36,10 +36,13 @@ from pathlib import Path
 
 import zmq
 
-from scalemon import protocol
-from scalemon.jobs import HubAddress, JobFile, jobs_dir, node_name
-from scalemon.keys import NoServerKey, secure_client
-from scalemon.safe_text import CleanStream
+from scalemon import protocol, settings
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.keys import NoServerKey, secure_client
+from scalemon.home.paths import jobs_dir
+from scalemon.settings import node_name
+from scalemon.text.safe import CleanStream
 
 log = logging.getLogger("scalemon.relay")
 
@@ -382,7 +385,7 @@ class Relay:
 
 def _master_addr_hub() -> HubAddress | None:
     """tcp://$MASTER_ADDR:PORT where $SCALEMON_LISTEN names a fixed PORT, else None."""
-    listen, master = os.environ.get("SCALEMON_LISTEN", ""), os.environ.get("MASTER_ADDR")
+    listen, master = settings.raw("SCALEMON_LISTEN") or "", os.environ.get("MASTER_ADDR")
     port = listen.rpartition(":")[2]
     if not master or not listen.startswith("tcp://") or not port.isdigit() or port == "0":
         return None
@@ -416,14 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m scalemon.hub.relay --job ID`: run this node's relay in the foreground."""
     import sys
 
-    from scalemon.jobs import relay_dir
+    from scalemon.home.paths import relay_dir
     from scalemon.options import Parser, job_id, seconds
 
     parser = Parser(prog="scalemon relay", description=__doc__)
     parser.add_argument("--job", required=True, type=job_id, metavar="ID", help="job id")
     parser.add_argument("--home", type=Path, metavar="DIR",
                         help="scalemon home holding jobs/ and keys/ (default: $SCALEMON_HOME)")
-    parser.add_argument("--hub", default=os.environ.get("SCALEMON_HUB") or None,
+    parser.add_argument("--hub", default=settings.raw("SCALEMON_HUB"),
                         metavar="tcp://HOST:PORT",
                         help="the hub's address (default: $SCALEMON_HUB, else the job file)")
     parser.add_argument("--linger", type=seconds(0.0, above=True), default=60.0, metavar="S",

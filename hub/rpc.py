@@ -14,11 +14,13 @@ from typing import Any
 
 import zmq
 
-from scalemon import protocol, seed
-from scalemon.fold import JobFold
-from scalemon.history import History
-from scalemon.jobstate import JobState
+from scalemon import protocol
+from scalemon.home.history import History
+from scalemon.link import seed
 from scalemon.protocol import ProtocolError
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.state.fold import JobFold
+from scalemon.state.jobstate import JobState
 
 from .access import Peer, PeerBook, ipc_peer, may, refusal
 from .audit import Audit
@@ -133,7 +135,8 @@ class HubRpc:
         if op == "toggle":
             return self._toggle(args, peer)
         if op == "state":
-            return {"state": self.state.to_json(), "hub": self.stats(), "head": len(self.history)}
+            return {"state": snapshot_json(self.state), "hub": self.stats(),
+                    "head": len(self.history)}
         if op == "seed":
             return self._seed()
         if op == "rank_records":

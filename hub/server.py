@@ -1,7 +1,7 @@
 """The hub: one process per job that ingests every rank's messages, keeps the history, serves
 dashboards and notices ranks that stop.
 
-Sockets (see `scalemon.jobs.HubAddress`):
+Sockets (see `scalemon.home.address.HubAddress`):
 - `ingest` PULL (bind): ranks PUSH protocol messages; invalid frames are counted and logged.
 - `feed` PUB (bind): every accepted record, numbered, for live dashboards.
 - `rpc` ROUTER (bind): ping / state / fetch requests (snapshot, history pages), agents' sync.
@@ -30,20 +30,16 @@ from typing import Any
 import zmq
 
 from scalemon import protocol
-from scalemon.fold import JobFold
-from scalemon.history import HISTORY_FILE, RETRY_S, History
-from scalemon.jobs import (
-    ENDED_STATES,
-    HubAddress,
-    JobFile,
-    jobs_dir,
-    node_name,
-    private_dir,
-    run_dir,
-)
-from scalemon.jobstate import HANG_AFTER_S
-from scalemon.keys import Keypair, hub_keypair, load_authorized
+from scalemon.home.address import HubAddress
+from scalemon.home.history import HISTORY_FILE, RETRY_S, History
+from scalemon.home.jobfile import ENDED_STATES, JobFile
+from scalemon.home.keys import Keypair, hub_keypair, load_authorized
+from scalemon.home.paths import jobs_dir, run_dir
+from scalemon.home.safefs import private_dir
 from scalemon.protocol import ProtocolError
+from scalemon.settings import node_name
+from scalemon.state.fold import JobFold
+from scalemon.state.jobstate import HANG_AFTER_S
 
 from .access import PeerBook
 from .alerts_out import AlertsOut

@@ -7,8 +7,8 @@ import socket
 
 import zmq
 
-from scalemon.jobs import HubAddress
-from scalemon.keys import Keypair, secure_server
+from scalemon.home.address import HubAddress
+from scalemon.home.keys import Keypair, secure_server
 
 from .auth import DOMAINS
 from .tcpguard import TcpGuard

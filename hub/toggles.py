@@ -20,8 +20,8 @@ from typing import Any
 
 from scalemon import flags
 from scalemon.flags import RESTART, FlagError
-from scalemon.jobstate import JobState
 from scalemon.protocol import ProtocolError
+from scalemon.state.jobstate import JobState
 
 from .audit import Audit
 

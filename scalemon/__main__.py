@@ -2,6 +2,6 @@
 
 import sys
 
-from scalemon.cli import main
+from scalemon.cli.main import main
 
 sys.exit(main())

@@ -8,40 +8,6 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-ENVIRONMENT = """\
-environment variables:
-  SCALEMON_HOME         where hubs keep job files, keys, sockets, histories and the demo's logs
-                        (default ~/.scalemon); ipc socket paths under it must fit in 100 bytes
-  SCALEMON_HUB          the hub address ranks send to (ipc:///dir or tcp://host:port) instead
-                        of the job's own hub that rank 0 starts; ranks on other nodes need it
-  SCALEMON_HUB_KEY      the hub's public key, for tcp addresses when this SCALEMON_HOME has no
-                        job file of the hub (`scalemon keys show --hub` on the hub's side)
-  SCALEMON_LISTEN       tcp://HOST:PORT the hub also listens on, with CurveZMQ (port 0: free
-                        ports; what `scalemon hub --listen` defaults to)
-  SCALEMON_JOB_ID       the job id the ranks report (default: from SLURM's or torchrun's
-                        variables)
-  SCALEMON_HUB_ARGS     extra `scalemon hub` options for the hub rank 0 starts, e.g.
-                        "--linger 60 --lost-after 10"
-  SCALEMON_HANG_AFTER   seconds without a completed step before a job is called hung
-                        (default 10)
-  SCALEMON_NODE         the node name ranks, hubs and relays report (default: the host name)
-  SCALEMON_RUNTIME_DIR  node-local directory of the relays' sockets (default
-                        /tmp/scalemon-<uid>)
-  SCALEMON_METRICS      HOST:PORT where the job's hub serves OpenMetrics (/metrics; :PORT
-                        alone is 127.0.0.1, port 0 any free port; the URL: `jobs --json`)
-  SCALEMON_METRICS_FILE a file the hub writes the same metrics to every 5 s, for
-                        node_exporter's textfile collector
-  SCALEMON_ALERT_CMD    a command the hub runs with each alert (NaN loss, hang, straggler,
-                        memory, rank lost) as JSON on stdin; rate-limited, audited
-  SCALEMON_CUDA_DIRECT  0: the agent reads CUDA through torch instead of calling the CUDA
-                        runtime itself
-  SCALEMON_OPTIMIZER_TIMING_S
-                        seconds between the steps whose optimizer time the agent measures
-                        (default 0.5 on CUDA, 0 on CPU: every step); the steps between carry
-                        the last measured figure
-"""
-"""The epilog of `scalemon --help`: each variable scalemon reads, one entry each."""
-
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
                     argparse.RawDescriptionHelpFormatter):
@@ -143,7 +109,7 @@ def add_query_arguments(parser: argparse.ArgumentParser) -> None:
 
 def job_id(text: str) -> str:
     """An argparse `type`: a job id that is safe in file names."""
-    from scalemon.jobs import check_job_id
+    from scalemon.home.paths import check_job_id
 
     try:
         return check_job_id(text)

@@ -97,7 +97,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "step": (_OPT_INT, False),
     },
     # Written by the hub: a Flight Recorder dump it asked every rank for, and its analysis
-    # (`state`: "requested", then "analysed"; `report`: `scalemon.frtrace.analyse`'s result).
+    # (`state`: "requested", then "analysed"; `report`: `reports.frtrace.analyse`'s result).
     "fr_dump": {
         "directory": ((str,), True),
         "state": ((str,), True),
@@ -434,7 +434,7 @@ RPC_OPS = {
     "stop": {"reason": str, "user": str, "host": str},
     "state": {},
     "fetch": {"since": int, "limit": int},
-    # the hub's fold of its whole history (`scalemon.seed`), for a dashboard that attaches:
+    # the hub's fold of its whole history (`scalemon.link.seed`), for a dashboard that attaches:
     # {"seed": bytes, "seq": the record to follow from} or {"seed": null, "why": str}
     "seed": {},
     # rank `rank`'s latest records numbered below `before`, at most `limit`, oldest first
@@ -458,7 +458,7 @@ OP_ROLES: dict[str, tuple[str, ...]] = {
     "rank_records": ("watch", "control"),
     **{op: ("control",) for op in CONTROL_OPS},
 }
-"""The roles (`scalemon.keys.ROLES`) that may make each request (1.8). The hub knows a peer's
+"""The roles (`scalemon.home.keys.ROLES`) that may make each request (1.8). The hub knows a peer's
 role from its Curve key over tcp (`keys/authorized`), and from its uid over ipc (the owner's
 sockets: `control`); never from what the request says. `user` and `host` of `toggle` and
 `stop` are kept for older hubs and ignored."""

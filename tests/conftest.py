@@ -31,7 +31,9 @@ import pytest
 import zmq
 
 from scalemon import protocol
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +123,7 @@ def send_unless_refused(sock: zmq.Socket, data: bytes) -> bool:
 def hub_messages(hub: HubProcess, exits: int = 1, timeout: float = 20.0) -> list:
     """Every record of `hub`, decoded, once the `exit` messages of `exits` rank processes
     arrived (a rank's exit is its last message: nothing of it can still be on the way)."""
-    from scalemon.client import HubClient
+    from scalemon.link.client import HubClient
 
     client = HubClient(hub.address)
 

@@ -15,7 +15,7 @@ from conftest import hub_messages, wait_for
 from scalemon.agent.env import read_rank_env
 from scalemon.agent.run import Run
 from scalemon.agent.transport import Sender
-from scalemon.client import HubClient
+from scalemon.link.client import HubClient
 
 
 def test_rank_env_from_torchrun_slurm_and_single():
@@ -313,8 +313,8 @@ def test_sampled_optimizer_timing_carries_the_last_timed_figure_and_says_from_wh
     the window here, so every later step carries its figure and names it; a step whose
     optimizer did not run (GradScaler skipped it) carries nothing. The hub's rank shows the
     carried figure; the trace export draws the one timed step only."""
-    from scalemon import export
-    from scalemon.jobstate import JobState
+    from scalemon.reports import export
+    from scalemon.state.jobstate import JobState
 
     monkeypatch.setenv("SCALEMON_OPTIMIZER_TIMING_S", "1000")
     hub = start_hub("agentSample")
@@ -572,7 +572,7 @@ def test_agent_package_does_not_import_textual():
 
 
 def test_hub_side_does_not_import_torch():
-    code = ("import sys, scalemon.hub, scalemon.cli, scalemon.client; "
+    code = ("import sys, scalemon.hub, scalemon.cli.main, scalemon.link.client; "
             "assert 'torch' not in sys.modules, 'hub imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

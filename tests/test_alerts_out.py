@@ -15,11 +15,11 @@ import psutil
 import pytest
 
 from conftest import FakeRank, wait_for
-from scalemon.client import HubClient
-from scalemon.history import run_dir
+from scalemon.home.history import run_dir
 from scalemon.hub.alerts_out import ALERT_CMD_ENV, PER_MINUTE, STRAGGLER_STEPS, AlertsOut
-from scalemon.jobstate import JobState
+from scalemon.link.client import HubClient
 from scalemon.protocol import HUB_RANK, Message
+from scalemon.state.jobstate import JobState
 
 APPEND = "import sys\nwith open(sys.argv[1], 'a') as f:\n    f.write(sys.stdin.read())\n"
 HANG = ("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"

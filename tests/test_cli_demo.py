@@ -16,7 +16,7 @@ from test_tui_app import until
 from test_tui_snapshots import screen_text
 
 from conftest import job_processes, wait_for
-from scalemon import cli_demo as demo
+from scalemon.cli import demo as demo
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.screens.job_exit import JobExitScreen, last_lines
 from scalemon.tui.screens.overview import OverviewScreen

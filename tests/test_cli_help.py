@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCALEMON
-from scalemon.cli import build_parser
+from scalemon.cli.main import build_parser
 
 SOURCES = ("scalemon", "hub", "agent", "tui", "demo_train")
 

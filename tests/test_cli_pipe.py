@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from conftest import SCALEMON, FakeRank, wait_for
-from scalemon.cli import STDOUT_CLOSED
-from scalemon.client import HubClient
+from scalemon.cli.main import STDOUT_CLOSED
+from scalemon.link.client import HubClient
 
 JOB = "piped1"
 

@@ -14,7 +14,7 @@ import zmq
 
 from conftest import SCALEMON, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
+from scalemon.link.client import HubClient
 from scalemon.protocol import Message
 from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob

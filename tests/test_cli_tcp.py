@@ -16,8 +16,9 @@ from pathlib import Path
 import zmq
 
 from conftest import SCALEMON, FakeRank, free_port, wait_for
-from scalemon.jobs import JobFile, jobs_dir
-from scalemon.keys import user_keypair
+from scalemon.home.jobfile import JobFile
+from scalemon.home.keys import user_keypair
+from scalemon.home.paths import jobs_dir
 
 
 def scalemon(*args: str, home: Path, env: dict[str, str] | None = None,

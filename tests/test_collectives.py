@@ -12,21 +12,22 @@ from collections import deque
 import pytest
 
 from scalemon import protocol
-from scalemon.cli import format_snapshot
 from scalemon.collectives import (
-    ArrivalTracker,
     CollectiveStats,
     StatRow,
     bucket_text,
     buffer_bytes,
     bus_factor,
-    find_culprits,
     hist_quantile,
     size_bucket,
-    wait_for_graph,
 )
-from scalemon.jobstate import JobState
 from scalemon.protocol import Message
+from scalemon.reports.hangs import job_hang
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.reports.waitfor import find_culprits, wait_for_graph
+from scalemon.state.arrival import ArrivalTracker
+from scalemon.state.jobstate import JobState
 
 
 def msg(mtype: str, rank: int, seq: int, body: dict, t: float = 1000.0) -> Message:
@@ -208,7 +209,7 @@ def test_the_reducer_sums_collectives_and_measures_arrival_lateness():
         st.apply(hello(rank, 2))
     st.apply(msg("collectives", 0, 1, collectives_body(0, range(1, 11), 0.0, 0.004)))
     st.apply(msg("collectives", 1, 1, collectives_body(1, range(1, 11), 0.030, 0.002)))
-    out = st.to_json(now=1000.0)
+    out = snapshot_json(st, now=1000.0)
     (row,) = out["collectives"]
     assert (row["group"], row["op"], row["count"], row["bytes"]) == (
         "default_pg", "all_reduce", 10, 10 * (4 << 20))
@@ -244,8 +245,8 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
         st.apply(msg("heartbeat", rank, 3, {
             "phase": "allreduce", "dropped": 0, "groups": {"0": status}, "inflight": inflight,
             "stack": f'  File "train.py", line 1, in rank{rank}\n'}, t=1020.0))
-    assert st.hang(now=1005.0) is None  # not long enough
-    hang = st.to_json(now=1037.5)["hang"]
+    assert job_hang(st, now=1005.0) is None  # not long enough
+    hang = snapshot_json(st, now=1037.5)["hang"]
     assert hang["culprits"] == [1] and hang["waiting"] == [0, 2]
     assert (hang["group"], hang["op"], hang["seq"]) == ("default_pg [0,1,2]", "all_reduce", 10)
     assert hang["since_s"] == pytest.approx(37.5)
@@ -263,13 +264,13 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     assert hang["chains"] == [[0, 1], [2, 1]]
     assert hang["ranks"]["1"]["frame"] == "train.py:1 in rank1()"
     assert set(hang["stacks"]) == {"0", "1", "2"} and "rank1" in hang["stacks"]["1"]
-    text = format_snapshot(st.to_json(now=1037.5))  # `scalemon snapshot` for people
+    text = format_snapshot(snapshot_json(st, now=1037.5))  # `scalemon snapshot` for people
     assert "HUNG: rank 1 never issued all_reduce #10 of default_pg [0,1,2]" in text
     assert "  state HUNG  " in text.splitlines()[0]  # not "running"
     assert 'rank 1 stack:\n    File "train.py", line 1, in rank1' in text
     st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
                                                       "reason": "process 101 is gone"}))
-    hang = st.hang(now=1040.0)
+    hang = job_hang(st, now=1040.0)
     assert hang["culprits"] == [1] and hang["gone"] == [1]
     assert "rank 1: lost: process 101 is gone; never issued all_reduce #10" in hang["text"]
     assert "no stack: the rank is lost" in hang["stacks"]["1"]
@@ -470,7 +471,7 @@ def test_a_big_hang_stays_small_in_words_and_in_json():
         view.metrics.update(groups={"0": [99, 99] if late else [100, 99]},
                             inflight=None if late else [["0", 100, "all_reduce", 1.0, 64]],
                             stack='  File "train.py", line 3, in step\n')
-    hang = st.hang(now=50.0)
+    hang = job_hang(st, now=50.0)
     assert hang["culprits"] == list(range(n // 2))
     assert hang["text"] == (
         "ranks 0-2047 never issued all_reduce #100 of default_pg [0-4095] (in Python: "

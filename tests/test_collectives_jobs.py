@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, kill_tree, torchrun_cmd, wait_for
-from scalemon.client import HubClient
 from scalemon.collectives import bus_factor
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 
 pytestmark = pytest.mark.integration
 
@@ -168,7 +170,7 @@ def check_dashboard(home: Path, culprit_words: str) -> None:
 def check_dump(home: Path, nproc: int) -> None:
     """The dashboard's dump key: every rank writes its recorder, the hub analyses the
     directory (scalemon.frtrace) and records the outcome."""
-    from scalemon.control import Controller
+    from scalemon.link.control import Controller
 
     client = Controller(JobFile.read(jobs_dir(home) / f"{home.name}.json").hub_address())
     try:
@@ -212,7 +214,7 @@ def test_a_slowed_rank_arrives_last_and_is_named_the_straggler(home, tmp_path):
 
 def check_header_straggler(home: Path, state: dict) -> None:
     """The dashboard, folding the same history, names rank 1 first in its straggler line."""
-    from scalemon.history import history_path, read_messages
+    from scalemon.home.history import history_path, read_messages
     from scalemon.tui.model import DashboardData
     from scalemon.tui.views import overview as views
 

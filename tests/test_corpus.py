@@ -28,7 +28,10 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, hub_messages, kill_tree, wait_for
-from scalemon.jobs import HubAddress, JobFile, jobs_dir, node_name
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.settings import node_name
 
 CORPUS = REPO / "tests" / "corpus"
 JOBS: dict[str, tuple[str, tuple[str, ...], int]] = {  # name: script, its arguments, ranks
@@ -397,7 +400,7 @@ def test_values_the_agent_cannot_read_cost_that_value_never_the_monitor(start_hu
     """A step it cannot read is counted on, a loss or tokens it cannot read are left out, an
     unreadable scaler leaves the scale n/a; each said once; every step arrives."""
     from scalemon.agent.run import Run
-    from scalemon.client import HubClient
+    from scalemon.link.client import HubClient
 
     hub = start_hub("unreadable")
     with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
@@ -450,7 +453,8 @@ def test_an_optimizer_hook_that_fails_switches_the_monitor_off_loudly_not_the_st
 
 
 def test_a_disabled_scaler_reads_off_and_a_missing_one_n_a_in_rank_and_node_rows():
-    from scalemon import display, metrics
+    from scalemon import metrics
+    from scalemon.text import display
 
     scale = metrics.BY_NAME["loss_scale"]
     assert display.metric_text(scale, {"loss_scale": None, "scaler": "off"}) == "off"

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from conftest import kill_tree, torchrun_cmd, wait_for
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 
 JOB = "crash14"
 RANKS = 2

@@ -14,9 +14,9 @@ import zmq
 
 from conftest import send_unless_refused, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient, HubStream
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
-from scalemon.keys import (
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.keys import (
     KeyFileError,
     NoServerKey,
     authorized_file,
@@ -26,6 +26,8 @@ from scalemon.keys import (
     parse_authorized,
     user_keypair,
 )
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient, HubStream
 
 QUIET_S = 1.5  # how long a refused peer is watched for an answer that must not come
 

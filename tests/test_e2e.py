@@ -15,8 +15,10 @@ import pytest
 
 import scalemon
 from conftest import kill_tree, torchrun_cmd, wait_for
-from scalemon.client import HubClient, HubStream
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient, HubStream
 
 pytestmark = pytest.mark.integration
 

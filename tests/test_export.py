@@ -19,9 +19,10 @@ import pytest
 from test_e2e import job_env
 
 from conftest import torchrun_cmd, wait_for
-from scalemon import export
-from scalemon.jobs import JobFile, jobs_dir
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 from scalemon.protocol import HUB_RANK, Message
+from scalemon.reports import export
 
 RANK_NAME = re.compile(r"^rank (\d+) \((.+)\)$")
 

@@ -17,10 +17,11 @@ import pytest
 from test_tui_app import until
 
 from conftest import FakeRank, torchrun_cmd, wait_for
-from scalemon.cli import format_snapshot
-from scalemon.failures import clean_error, is_peer_loss
-from scalemon.jobstate import JobState
 from scalemon.protocol import Message
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.state.failures import clean_error, is_peer_loss
+from scalemon.state.jobstate import JobState
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import DashboardData
@@ -72,7 +73,7 @@ def test_the_rank_with_a_cause_of_its_own_is_first_even_when_a_peer_reported_ear
     assert failure["rank"] == 1 and failure["peer_loss"] == [0]
     assert failure["text"] == ("rank 1 failed first (step 29): InjectedCrash: --inject-crash "
                                "1:30; rank 0 failed only because a peer went away")
-    text = format_snapshot(st.to_json(now=101.0))
+    text = format_snapshot(snapshot_json(st, now=101.0))
     assert failure["text"] in text.splitlines()[1]
     assert "exited (exception), peer lost" in text
     # two ranks with causes of their own: the earlier one
@@ -192,7 +193,7 @@ def test_crashed_job_snapshot_names_the_first_rank_and_no_scalemon_frames(home: 
 
 def test_tcp_errors_name_the_address_typed_and_its_ports(home: Path) -> None:
     from conftest import free_port
-    from scalemon.keys import hub_keypair
+    from scalemon.home.keys import hub_keypair
 
     hub_keypair(home)  # a tcp client needs a server key (this home's hub key) to try at all
     port = free_port()
@@ -233,7 +234,7 @@ def _trainer_stderr_until(env: dict, text: str, steps: int = 400) -> tuple[str, 
 @pytest.mark.integration
 def test_a_dead_scalemon_hub_is_reported_within_seconds_naming_the_variable(home: Path) -> None:
     from conftest import free_port
-    from scalemon.keys import hub_keypair
+    from scalemon.home.keys import hub_keypair
 
     hub_keypair(home)  # the agent's server key for a tcp hub: this home's hub key
     address = f"tcp://127.0.0.1:{free_port()}"

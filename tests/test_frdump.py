@@ -1,4 +1,5 @@
-"""Flight Recorder dumps read by scalemon itself (scalemon/frtrace.py): dumps torch wrote in a
+"""Flight Recorder dumps read by scalemon itself (scalemon/reports/frtrace.py): dumps torch wrote
+in a
 real 2-rank gloo job (pickle and JSON), hangs and mismatches cut from them, the NCCL format
 built as torch writes it, damaged files and files that try to make the reader call something,
 and `scalemon dump --dir` on them."""
@@ -17,8 +18,8 @@ from typing import Any
 import pytest
 
 from conftest import REPO, free_port
-from scalemon import frtrace
-from scalemon.frtrace import DumpError
+from scalemon.reports import frtrace
+from scalemon.reports.frtrace import DumpError
 from scalemon.tui.views.hang import _dump_lines
 
 
@@ -358,7 +359,7 @@ def test_the_dump_panel_shows_the_analysis_as_tables_never_a_traceback(tmp_path)
                          "analysis": frtrace.report_text(report), "exit_code": None,
                          "report": report})
     text = "\n".join(t for t, _ in lines)
-    assert ("culprit: rank 3 never issued all_reduce #7 of default_pg [0-3]; ranks 0-2 wait "
+    assert ("culprit: rank 3 never issued all_reduce #7 of default_pg [0-3]; ranks 0,1,2 wait "
             "in all_reduce #7 of default_pg [0-3] for rank 3", "bold red") in lines
     assert "tp [2,3] (group name 1, 2 ranks)" in text and "Traceback" not in text
     assert "  ranks  last issued    last completed  role     note" in text
@@ -368,7 +369,7 @@ def test_the_dump_panel_shows_the_analysis_as_tables_never_a_traceback(tmp_path)
 
 def test_the_hub_says_why_each_rank_gave_nothing():
     from scalemon.hub.frdump import WAIT_S, job_context
-    from scalemon.jobstate import JobState, RankView
+    from scalemon.state.jobstate import JobState, RankView
 
     state = JobState(job="j", world_size=6)
     state.ranks = {r: RankView(rank=r) for r in range(5)}
@@ -414,7 +415,7 @@ def test_a_report_too_big_for_the_history_keeps_its_findings():
 
 
 def test_reading_dumps_imports_no_torch(real):
-    code = ("import sys; from scalemon.cli import main; "
+    code = ("import sys; from scalemon.cli.main import main; "
             f"assert main(['dump', '--dir', {str(real / 'pickle')!r}]) == 0; "
             "assert 'torch' not in sys.modules, 'scalemon dump imported torch'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

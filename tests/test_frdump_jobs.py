@@ -17,7 +17,8 @@ import pytest
 from test_collectives_jobs import job_env, snapshot
 
 from conftest import REPO, free_port, kill_tree, wait_for
-from scalemon.jobs import JobFile, jobs_dir
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 
 
 def start_job(home: Path, out: Path, nproc: int, mode: str) -> subprocess.Popen:
@@ -116,7 +117,7 @@ def check_dashboard_dump(home: Path, finding: str) -> None:
     from test_tui_app import until
     from test_tui_snapshots import screen_text
 
-    from scalemon.jobs import HubAddress
+    from scalemon.home.address import HubAddress
     from scalemon.tui.app import DashboardApp
     from scalemon.tui.feed import HubFeed
     from scalemon.tui.screens.hang import HangScreen

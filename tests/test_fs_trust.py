@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FakeRank, HubProcess, fill_disk, wait_for
-from scalemon.client import HubClient
+from scalemon.link.client import HubClient
 
 
 def cli(home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -180,15 +180,15 @@ def run_out_of_room(small_disk: Path, zctx, tmp_path: Path) -> tuple[LoggedHub, 
 
 
 def on_disk(home: Path) -> int:
-    from scalemon.history import HISTORY_FILE, read_records
-    from scalemon.jobs import run_dir
+    from scalemon.home.history import HISTORY_FILE, read_records
+    from scalemon.home.paths import run_dir
 
     return len(list(read_records(run_dir("jobF", home) / HISTORY_FILE)))
 
 
 def marker(home: Path) -> dict:
-    from scalemon.history import HISTORY_FILE, read_loss_marker
-    from scalemon.jobs import run_dir
+    from scalemon.home.history import HISTORY_FILE, read_loss_marker
+    from scalemon.home.paths import run_dir
 
     return read_loss_marker(run_dir("jobF", home) / HISTORY_FILE)
 

@@ -18,8 +18,8 @@ import pytest
 from test_collectives_jobs import hub_client, job_env, snapshot
 
 from conftest import REPO, free_port, kill_tree, wait_for
-from scalemon.cli import format_snapshot
-from scalemon.jobs import jobs_dir
+from scalemon.home.paths import jobs_dir
+from scalemon.reports.snapshot_text import format_snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -201,7 +201,8 @@ def check_dashboard(home: Path, needles: tuple[str, ...]) -> None:
     from test_tui_app import until
     from test_tui_snapshots import screen_text
 
-    from scalemon.jobs import HubAddress, JobFile
+    from scalemon.home.address import HubAddress
+    from scalemon.home.jobfile import JobFile
     from scalemon.tui.app import DashboardApp
     from scalemon.tui.feed import HubFeed
     from scalemon.tui.screens.hang import HangScreen

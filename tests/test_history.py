@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from scalemon import protocol
-from scalemon.history import HISTORY_FILE, History, history_path, read_messages, read_records
+from scalemon.home.history import HISTORY_FILE, History, history_path, read_messages, read_records
 
 
 def frames(n: int, start: int = 0, job: str = "j") -> list[bytes]:
@@ -68,7 +68,7 @@ def test_history_path_is_inside_the_jobs_run_directory(tmp_path):
 
 
 def test_the_history_file_is_named_in_one_module_and_read_without_the_hub(tmp_path):
-    """`scalemon snapshot` and the dashboard replay a history through scalemon.history, with
+    """`scalemon snapshot` and the dashboard replay a history through scalemon.home.history, with
     nothing of the hub's package imported."""
     import os
     import subprocess
@@ -80,7 +80,7 @@ def test_the_history_file_is_named_in_one_module_and_read_without_the_hub(tmp_pa
                for p in (REPO / folder).rglob("*.py")]
     naming = [p.relative_to(REPO).as_posix() for p in sources
               if '"history.smlog"' in p.read_text()]
-    assert naming == ["scalemon/history.py"]
+    assert naming == ["scalemon/home/history.py"]
 
     path = history_path("jobR", tmp_path)
     path.parent.mkdir(parents=True)
@@ -89,7 +89,7 @@ def test_the_history_file_is_named_in_one_module_and_read_without_the_hub(tmp_pa
     history.close()
     code = (
         "import sys\n"
-        "from scalemon import cli\n"
+        "from scalemon.cli import snapshot as cli\n"
         "from scalemon.tui.feed import HubFeed\n"
         "from scalemon.tui.model import DashboardData\n"
         "state = cli._offline_state('jobR')\n"

@@ -16,10 +16,11 @@ import zmq
 
 from conftest import FakeRank, hub_messages, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient, HubStream
-from scalemon.history import history_path, read_records
+from scalemon.home.history import history_path, read_records
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 from scalemon.hub.limits import REASON_CLASSES
-from scalemon.jobs import JobFile, jobs_dir
+from scalemon.link.client import HubClient, HubStream
 
 
 def hub_state(hub) -> dict:
@@ -329,7 +330,7 @@ def test_hub_of_a_job_whose_other_ranks_never_reported_exits_after_lingering(sta
 
 
 def test_stream_refuses_a_history_shorter_than_what_it_delivered(start_hub, zctx):
-    from scalemon.client import HistoryReset
+    from scalemon.link.client import HistoryReset
 
     hub = start_hub("jobN")
     rank = FakeRank(zctx, hub.address, "jobN", 0)
@@ -370,7 +371,7 @@ def free_ports(count: int) -> int:
 
 def test_tcp_endpoints_carry_an_agent_a_snapshot_and_a_stream(start_hub):
     from scalemon.agent.run import Run
-    from scalemon.jobs import HubAddress
+    from scalemon.home.address import HubAddress
 
     port = free_ports(3)
     address = f"tcp://127.0.0.1:{port}"

@@ -15,9 +15,11 @@ import zmq
 
 from conftest import FakeRank, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 from scalemon.hub.limits import REASON_CLASSES
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.link.client import HubClient
 
 
 def _low_fd_hub(home: Path, job: str, fds: int) -> tuple[subprocess.Popen, Path]:
@@ -231,7 +233,7 @@ def test_one_source_holding_authenticated_connections_cannot_crowd_out_others(
         hub = HubClient(HubAddress.for_directory(home / "run" / "jobS")).state()["hub"]
         cap, source_cap = hub["tcp_cap"], hub["tcp_source_cap"]
         assert 4 <= source_cap < cap < 60
-        from scalemon.keys import user_keypair
+        from scalemon.home.keys import user_keypair
 
         own = user_keypair(home)
         for _ in range(60):

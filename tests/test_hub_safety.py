@@ -14,7 +14,8 @@ import pytest
 
 from conftest import FakeRank, fill_disk, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
+from scalemon.link.client import HubClient
+from scalemon.reports.snapshot import snapshot_json
 
 
 def test_home_and_run_directories_are_created_for_this_user_only(short_tmp, monkeypatch):
@@ -63,7 +64,7 @@ def test_a_hub_killed_and_restarted_under_a_paused_reader_loses_and_renumbers_no
         start_hub, zctx, home):
     """Scenarios 1 and 2: what a reader saw (live, right before the kill) is on disk, and the
     next hub numbers on from it, so the reader's records stay the hub's, number for number."""
-    from scalemon.client import HubClient, HubStream
+    from scalemon.link.client import HubClient, HubStream
     from scalemon.protocol import decode
 
     hub = start_hub("jobK", "--lost-after", "60")
@@ -97,8 +98,8 @@ def test_a_recreated_history_under_the_same_name_makes_readers_start_over(start_
     the reader is told and starts over, instead of mixing two histories."""
     import shutil
 
-    from scalemon.client import HistoryReset, HubStream
-    from scalemon.jobs import run_dir
+    from scalemon.home.paths import run_dir
+    from scalemon.link.client import HistoryReset, HubStream
 
     hub = start_hub("jobR")
     rank = FakeRank(zctx, hub.address, "jobR", 0)
@@ -146,8 +147,8 @@ def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start
     """Scenario 3: one length prefix in the middle changed by 7. The records before and after
     it are kept (the damaged one is set aside), and hub.log, the snapshot and the history's
     readers are told."""
-    from scalemon.history import HISTORY_FILE, read_records
-    from scalemon.jobs import run_dir
+    from scalemon.home.history import HISTORY_FILE, read_records
+    from scalemon.home.paths import run_dir
 
     fill(start_hub, zctx, "jobC", 1211)  # 1212 records
     path = run_dir("jobC", home) / HISTORY_FILE
@@ -174,7 +175,7 @@ def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start
     assert "hub: history reopened damaged: 1211 intact records kept (605 of them after the " \
            "damage)" in text
     assert "damaged bytes in 1 stretch(es) moved to" in hub.log.read_text()  # its hub.log
-    from scalemon.history import read_messages
+    from scalemon.home.history import read_messages
     from scalemon.tui.model import DashboardData
     from scalemon.tui.views import overview as views
 
@@ -191,8 +192,8 @@ def test_reopening_a_damaged_history_keeps_every_intact_record_and_says_so(start
 def test_replay_validates_every_record_and_counts_what_it_skips(start_hub, zctx, home):
     """Scenario 4: a record of another job and one of a wrong schema in the history are not
     folded in when a hub (or `snapshot` without a hub) replays it; both say how many."""
-    from scalemon.history import HISTORY_FILE
-    from scalemon.jobs import run_dir
+    from scalemon.home.history import HISTORY_FILE
+    from scalemon.home.paths import run_dir
 
     fill(start_hub, zctx, "jobV", 10)
     path = run_dir("jobV", home) / HISTORY_FILE
@@ -248,7 +249,7 @@ def test_the_agent_says_once_when_its_hub_never_answers_or_goes_away(start_hub, 
     import logging
 
     from scalemon.agent.transport import Sender
-    from scalemon.jobs import HubAddress
+    from scalemon.home.address import HubAddress
 
     nowhere = HubAddress.parse(f"ipc:///tmp/smt-nohub-{os.getpid()}")
     with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
@@ -272,8 +273,8 @@ def test_a_full_disk_keeps_the_hub_up_says_so_and_loses_nothing_once_there_is_ro
     "history not being written: disk full" (snapshot and dashboards), retries, and writes
     every record once there is room."""
     from conftest import HubProcess
-    from scalemon.history import HISTORY_FILE, read_records
-    from scalemon.jobs import run_dir
+    from scalemon.home.history import HISTORY_FILE, read_records
+    from scalemon.home.paths import run_dir
 
     home = small_disk / "home"
     home.mkdir(mode=0o700)
@@ -306,7 +307,8 @@ def test_a_full_disk_keeps_the_hub_up_says_so_and_loses_nothing_once_there_is_ro
 
 
 def test_a_hub_started_on_a_full_disk_comes_up_and_says_so(small_disk, zctx):
-    from scalemon.jobs import HubAddress, run_dir
+    from scalemon.home.address import HubAddress
+    from scalemon.home.paths import run_dir
 
     home = small_disk / "home"
     (home / "run").mkdir(parents=True)
@@ -339,7 +341,8 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
     the same history, which then holds the whole run; once the job ended and the hub left,
     its job file says "finished", and snapshot tells that from a hub that died."""
     from conftest import kill_tree, torchrun_cmd
-    from scalemon.jobs import JobFile, jobs_dir
+    from scalemon.home.jobfile import JobFile
+    from scalemon.home.paths import jobs_dir
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SCALEMON_HOME": str(home),
            "SCALEMON_JOB_ID": "jobH", "SCALEMON_HUB_ARGS": "--linger 2"}
@@ -357,7 +360,7 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
                          and JobFile.read(job_file), timeout=90)
         # mid-job: the ranks were answered by this hub (they replace only a hub that went
         # silent, not one that never answered); they sync every second
-        from scalemon.history import history_path
+        from scalemon.home.history import history_path
         wait_for(lambda: history_path("jobH", home).stat().st_size > 0, timeout=20)
         time.sleep(1.5)
         os.kill(first.pid, signal.SIGKILL)
@@ -372,7 +375,7 @@ def test_a_dead_hub_is_replaced_on_the_same_history_and_an_ended_job_says_so(hom
     final = wait_for(lambda: (j := JobFile.read(job_file)).state != "running" and j,
                      timeout=30, interval=0.5)
     assert final.pid == second.pid and final.state == "finished"
-    from scalemon.jobs import pid_alive
+    from scalemon.home.jobfile import pid_alive
 
     # "finished" is written when the job ends; the hub then lingers (2 s here) and exits:
     # snapshot tells a gone hub only after that (before, it asks the lingering hub)
@@ -388,10 +391,10 @@ def test_words_are_whole_and_settings_named(monkeypatch):
     would train nothing is refused."""
     from scalemon.agent.autostart import hub_address
     from scalemon.agent.env import read_rank_env
-    from scalemon.cli import format_snapshot
-    from scalemon.client import HubUnreachable
     from scalemon.demo_train.train import parse_args
-    from scalemon.jobstate import JobState
+    from scalemon.link.client import HubUnreachable
+    from scalemon.reports.snapshot_text import format_snapshot
+    from scalemon.state.jobstate import JobState
     from scalemon.tui.feed import _short
 
     exc = HubUnreachable("no answer from the hub at tcp://node7:5555 within 2 s: is the job's "
@@ -402,7 +405,7 @@ def test_words_are_whole_and_settings_named(monkeypatch):
     for mtype, body in (("hello", {"host": "h", "pid": 1, "world_size": 1, "local_rank": 0}),
                         ("exit", {"reason": "finished", "exit_code": 0})):
         st.apply(protocol.decode(protocol.encode(mtype, "j", 0, 0, body, 1.0)))
-    row = format_snapshot(st.to_json(now=2.0)).splitlines()[2]
+    row = format_snapshot(snapshot_json(st, now=2.0)).splitlines()[2]
     assert row.endswith("finished") and "(finished)" not in row
 
     monkeypatch.setenv("SCALEMON_HUB", "garbage")

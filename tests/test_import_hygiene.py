@@ -20,7 +20,9 @@ from pathlib import Path
 import zmq
 
 from conftest import FakeRank, HubProcess, wait_for
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 
 OUTSIDE = Path(tempfile.gettempdir())
 """Where the commands run: outside the checkout, whose `scalemon/` folder would shadow an
@@ -74,8 +76,8 @@ def feed(zctx: zmq.Context, address: HubAddress, job: str, steps: int = 5) -> li
 def hub_has_steps(job: str, steps: int) -> bool:
     """The hub of `job` folded `steps` steps of both ranks (asked as `scalemon snapshot`
     would, in this process)."""
-    from scalemon.client import HubClient
-    from scalemon.jobs import resolve_hub
+    from scalemon.home.lookup import resolve_hub
+    from scalemon.link.client import HubClient
 
     _, address = resolve_hub(job)
     state = HubClient(address, timeout_s=5).state()["state"]
@@ -130,7 +132,7 @@ def test_the_hub_imports_no_training_stack_while_it_folds_a_job(zctx: zmq.Contex
 _ATTACH = """
 import asyncio, json, sys, time
 import scalemon.tui.attach as attach
-from scalemon.cli import main
+from scalemon.cli.main import main
 
 def headless(app):
     from scalemon.tui.widgets.rank_table import RankTable
@@ -186,7 +188,7 @@ def without(packages: str, code: str, *args: str) -> subprocess.CompletedProcess
 
 
 def test_demo_without_its_extra_says_what_to_install():
-    main = "from scalemon.cli import main\nsys.exit(main(sys.argv[2:]))"
+    main = "from scalemon.cli.main import main\nsys.exit(main(sys.argv[2:]))"
     for args in (["demo"], ["demo", "--preset", "small", "--ranks", "1"]):
         run = without("torch,triton", main, *args)
         assert run.returncode == 2, run.stderr[-3000:]

@@ -6,9 +6,11 @@ import math
 
 import pytest
 
-from scalemon import alerts
-from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, Message
+from scalemon.reports.hangs import job_hang
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.state import alerts
+from scalemon.state.jobstate import JobState
 
 
 def msg(mtype: str, rank: int, seq: int, body: dict, t: float = 1.0) -> Message:
@@ -104,7 +106,7 @@ def test_ranks_that_end_after_the_users_stop_are_stopped_not_lost_or_failed():
                                      "process 101 is gone without reporting an exit (killed?))")
     assert views[1].state_reason.startswith("stopped by user (") and views[1].exit_code == 143
     assert state.state == "stopped" and state.failed() == [] and state.first_failure() is None
-    as_json = state.to_json(now=2.0)
+    as_json = snapshot_json(state, now=2.0)
     assert as_json["state"] == "stopped" and as_json["stop"]["user"] == "ann"
     state.apply(hello(0, seq=0))  # the job id runs again: the old stop no longer holds
     state.apply(lost(0))
@@ -125,8 +127,8 @@ def test_crashed_lost_hung_and_stopped_are_distinct_job_states():
     assert gone.state == "lost" and gone.first_failure()["rank"] == 1
     hung = two_ranks()
     hung.apply(msg("step", 0, 1, {"step": 1}, t=10.0))
-    assert hung.to_json(now=11.0)["state"] == "running"
-    assert hung.to_json(now=10.0 + hung.hang_after_s + 1)["state"] == "hung"
+    assert snapshot_json(hung, now=11.0)["state"] == "running"
+    assert snapshot_json(hung, now=10.0 + hung.hang_after_s + 1)["state"] == "hung"
     assert hung.state == "running"  # the property knows no time; the JSON and hang() do
 
 
@@ -135,10 +137,10 @@ def test_a_job_whose_every_monitor_switched_off_is_not_called_hung():
     state.apply(msg("step", 0, 1, {"step": 1}, t=10.0))
     late = 10.0 + state.hang_after_s + 1
     state.apply(msg("monitor_off", 0, 2, {"reason": "log: boom", "step": 1}, t=10.5))
-    assert state.hang(now=late) is not None  # rank 1 still reports: its silence counts
+    assert job_hang(state, now=late) is not None  # rank 1 still reports: its silence counts
     state.apply(msg("monitor_off", 1, 1, {"reason": "log: boom", "step": 0}, t=10.5))
-    assert state.hang(now=late) is None
-    assert state.to_json(now=late)["state"] == "running"
+    assert job_hang(state, now=late) is None
+    assert snapshot_json(state, now=late)["state"] == "running"
 
 
 def test_a_script_that_ends_without_finish_has_not_failed():
@@ -161,12 +163,12 @@ def test_a_nan_loss_is_an_alert_on_the_very_message_that_carries_it():
     for n in range(1, 7):
         state.apply(step(0, n, n, loss=2.0))
         state.apply(step(1, n, n, loss=2.0))
-    assert state.to_json(now=7.0)["alerts"] == []
+    assert snapshot_json(state, now=7.0)["alerts"] == []
     state.apply(step(1, 7, 7, loss=float("nan")))
-    (alert,) = state.to_json(now=7.0)["alerts"]
+    (alert,) = snapshot_json(state, now=7.0)["alerts"]
     assert alert["kind"] == "loss_not_finite" and alert["ranks"] == [1]
     assert alert["since_step"] == 7 and alert["text"] == "loss is NaN on rank 1 since step 7"
-    assert state.to_json(now=7.0)["ranks"][1]["alerts"][0]["since_step"] == 7
+    assert snapshot_json(state, now=7.0)["ranks"][1]["alerts"][0]["since_step"] == 7
     state.apply(step(0, 7, 7, loss=float("inf")))
     state.apply(step(1, 8, 8, loss=float("nan")))
     (alert,) = state.alerts()
@@ -216,7 +218,7 @@ def test_a_restarted_rank_starts_without_alerts():
 
 
 def test_tokens_per_s_is_the_scripts_own_else_tokens_over_step_time():
-    from scalemon.fold import step_values
+    from scalemon.state.fold import step_values
 
     state = two_ranks()
     state.apply(step(0, 1, 1, tokens=512))  # the first step of a process has no step time

@@ -20,9 +20,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from conftest import FakeRank, free_port, send_unless_refused, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
-from scalemon.keys import KeyFileError, hub_keypair, parse_authorized, user_keypair
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.keys import KeyFileError, hub_keypair, parse_authorized, user_keypair
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 
 QUIET_S = 1.5  # how long a refused peer is watched for an answer that must not come
 

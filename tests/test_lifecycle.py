@@ -17,8 +17,10 @@ import pytest
 from test_cli_demo import demo_args
 
 from conftest import REPO, FakeRank, free_port, job_processes, kill_tree, torchrun_cmd, wait_for
-from scalemon import cli_demo as demo
-from scalemon.jobs import JobFile, jobs_dir, resolve_hub
+from scalemon.cli import demo as demo
+from scalemon.home.jobfile import JobFile
+from scalemon.home.lookup import resolve_hub
+from scalemon.home.paths import jobs_dir
 
 pytestmark = pytest.mark.integration
 

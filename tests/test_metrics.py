@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from scalemon import display, metrics, protocol
-from scalemon import fold as model
-from scalemon.cli import format_snapshot
-from scalemon.jobstate import JobState
+from scalemon import metrics, protocol
 from scalemon.metrics import BY_NAME, METRICS, fields_of
 from scalemon.protocol import Message
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.state import fold as model
+from scalemon.state.jobstate import JobState
+from scalemon.text import display
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.overview import COLUMNS, DETAIL_PANELS
@@ -75,7 +77,7 @@ def test_the_reducer_keeps_every_metric_under_its_name_and_the_json_shows_it():
     state.apply(Message("step", "j", 0, 3, 13.0, {"step": 2, "extra": {"lr": 0.002}}))
     view = state.ranks[0]
     assert set(view.metrics) == set(metrics.latest_of("step") + metrics.latest_of("heartbeat"))
-    out = state.to_json(now=20.0)
+    out = snapshot_json(state, now=20.0)
     rank = out["ranks"][0]
     for m in metrics.KEPT:
         if m.source == "heartbeat":
@@ -155,7 +157,7 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
     state = JobState()
     for msg in sim.run(20):
         state.apply(msg)
-    text = format_snapshot(state.to_json(now=sim.end_t(20)))
+    text = format_snapshot(snapshot_json(state, now=sim.end_t(20)))
     header = text.splitlines()[1]
     for c in display.rank_columns(dashboard=False):
         assert c.heading in header, c.heading
@@ -169,8 +171,8 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
 def test_snapshot_shows_the_tokens_per_s_the_dashboard_derives_from_tokens_alone():
     """A script that logs `tokens` but no rate of its own (nanoGPT with `log(tokens=...)`):
     the dashboard shows tokens / step time, and so must `scalemon snapshot` (it said n/a; its
-    node table reads the same `display.snapshot_values`)."""
-    from scalemon.cli import _rank_lines  # the table without the job's header
+    node table reads the same `snapshot_text.snapshot_values`)."""
+    from scalemon.reports.snapshot_text import _rank_lines  # the table without the job's header
 
     sim = SimJob(ranks=2)
     state = JobState()
@@ -178,7 +180,7 @@ def test_snapshot_shows_the_tokens_per_s_the_dashboard_derives_from_tokens_alone
         if msg.type == "step":
             msg.body.get("extra", {}).pop("tokens_per_s", None)
         state.apply(msg)
-    ranks = state.to_json(now=sim.end_t(6))["ranks"]
+    ranks = snapshot_json(state, now=sim.end_t(6))["ranks"]
     columns = [c for c in display.rank_columns(dashboard=False) if c.key != "state"]
     at = next(i for i, c in enumerate(columns) if c.heading == "tok/s")  # state goes last
     for rank in ranks:
@@ -211,10 +213,12 @@ metrics.METRICS = (*metrics.METRICS, Metric(
               overview=Overview("time", "probe", 3))))
 metrics.derive()
 
-from scalemon import display, protocol
-from scalemon.cli import format_snapshot
-from scalemon.export import plain
-from scalemon.fold import AGGREGATED, JobFold
+from scalemon import protocol
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.text import display
+from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.reports.export import plain
+from scalemon.state.fold import AGGREGATED, JobFold
 from scalemon.protocol import Message, ProtocolError
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.help import HELP
@@ -236,7 +240,7 @@ except ProtocolError as exc:
 fold = JobFold("j")
 for i, m in enumerate(messages):
     fold.apply(i, m)
-state = plain(fold.state.to_json(now=110.0))
+state = plain(snapshot_json(fold.state, now=110.0))
 assert state["ranks"][1]["probe_time_s"] == 0.002, state["ranks"][1]
 assert "probe_time_s" in AGGREGATED and len(fold.agg["probe_time_s"]) == 3
 x, _, _, mean = fold.tracks[0].series["probe_time_s"].arrays()

@@ -23,7 +23,7 @@ from cluster import node_env as cluster_env
 from cluster import relay_pid as node_relay_pid
 
 from conftest import REPO, free_port, kill_tree, wait_for
-from scalemon.jobs import JobFile
+from scalemon.home.jobfile import JobFile
 
 pytestmark = pytest.mark.integration
 
@@ -200,7 +200,7 @@ def test_killing_the_relay_leaves_training_alone_a_new_one_picks_up_and_the_gap_
 
 def test_the_login_node_says_which_hub_is_unreachable_and_what_to_check(
         cluster: dict[str, Path]) -> None:
-    from scalemon.keys import hub_keypair
+    from scalemon.home.keys import hub_keypair
 
     env = node_env(cluster["login"], "login")
     port = free_port()  # nothing listens there: the hub's node went away

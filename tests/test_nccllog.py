@@ -32,7 +32,7 @@ from scalemon.agent.nccllog import (
     short_hostname,
 )
 from scalemon.agent.warn import Warnings
-from scalemon.flagstate import log_count_text, log_counts_due
+from scalemon.state.flagstate import log_count_text, log_counts_due
 
 FAKE_JOB = REPO / "tests" / "jobs" / "fake_nccl_log.py"
 NCCL_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")

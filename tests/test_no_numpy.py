@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-MODULES = ("scalemon.cli", "scalemon.hub.main", "scalemon.hub.server", "scalemon.tui.app",
-           "scalemon.tui.attach", "scalemon.fold", "scalemon.series")
+MODULES = ("scalemon.cli.main", "scalemon.hub.main", "scalemon.hub.server", "scalemon.tui.app",
+           "scalemon.tui.attach", "scalemon.state.fold", "scalemon.state.series")
 HEAVY = ("numpy", "torch", "triton")
 
 PROBE = f"""

@@ -21,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, FakeRank, kill_tree, torchrun_cmd, wait_for
 from scalemon.collectives import CollectiveStats
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
 from scalemon.hub.openmetrics import RANK_GAUGES, families, parse_address
-from scalemon.jobs import JobFile, jobs_dir
-from scalemon.jobstate import JobState
+from scalemon.state.jobstate import JobState
 
 GROUP = "0"
 ISSUE_FAMILIES = {f"scalemon_{name}" for name in (

@@ -27,7 +27,7 @@ PACKAGE_DIRS = {"scalemon": "scalemon", "agent": "scalemon/agent", "hub": "scale
                 "tui": "scalemon/tui", "demo_train": "scalemon/demo_train"}
 MODULES = ["scalemon.tui.app", "scalemon.tui.screens.overview", "scalemon.tui.widgets.plot",
            "scalemon.agent", "scalemon.agent.run", "scalemon.hub.main",
-           "scalemon.demo_train.fused_adam", "scalemon.demo_train.train", "scalemon.cli"]
+           "scalemon.demo_train.fused_adam", "scalemon.demo_train.train", "scalemon.cli.main"]
 
 
 def source_modules() -> set[str]:

@@ -7,10 +7,12 @@ import re
 
 import pytest
 
-from scalemon import display, policy
-from scalemon.jobstate import JobState
+from scalemon import policy
 from scalemon.protocol import HUB_RANK, Message
-from scalemon.stragglers import stragglers_json
+from scalemon.reports import snapshot_text
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.reports.stragglers import stragglers_json
+from scalemon.state.jobstate import JobState
 from scalemon.tui.views import nodes as nodeview
 
 
@@ -59,11 +61,11 @@ def test_snapshot_and_dashboard_classify_ranks_alike():
     apply("exit", 4, {"reason": "finished", "exit_code": 0})
     expected = {0: "running", 1: "stuck", 2: "failed", 3: "lost", 4: "finished"}
     stuck_after = policy.stuck_after_s(0.1)
-    ranks = st.to_json(now=101.0)["ranks"]
-    snapshot = {r["rank"]: display._snapshot_worst(r, {}, 0.01, stuck_after) for r in ranks}
+    ranks = snapshot_json(st, now=101.0)["ranks"]
+    snapshot = {r["rank"]: snapshot_text._snapshot_worst(r, {}, 0.01, stuck_after) for r in ranks}
     dashboard = {r: nodeview.rank_status(v, False, stuck_after) for r, v in st.ranks.items()}
     assert snapshot == dashboard == expected
-    text = "\n".join(display.node_snapshot_lines(ranks))
+    text = "\n".join(snapshot_text.node_snapshot_lines(ranks))
     for host, status in (("h1", "stuck"), ("h2", "failed"), ("h3", "lost")):
         assert any(line.startswith(host) and f" {status} " in line for line in text.splitlines())
 
@@ -75,7 +77,7 @@ def test_snapshot_text_names_stragglers_by_the_dashboards_measure_before_any_col
               "step_time_s": 0.1, "compute_over_median_s": 0.05 if r == 3 else 0.0,
               "arrival_lateness_s": None, "phase": "forward", "phase_since_s": 0.1}
              for r in range(4)]
-    lines = display.node_snapshot_lines(ranks)
+    lines = snapshot_text.node_snapshot_lines(ranks)
     text = "\n".join(lines)
     assert "slowest ranks by compute time" in text and "a straggler from 10 ms" in text
     assert re.search(r"rank 3 +h1 +\+50\.0 ms  straggler", text), text

@@ -14,8 +14,10 @@ import pytest
 
 from conftest import wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir, relay_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir, relay_dir
+from scalemon.link.client import HubClient
 
 
 @pytest.fixture

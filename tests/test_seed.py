@@ -19,9 +19,10 @@ import zmq
 
 import scalemon
 from conftest import wait_for
-from scalemon import protocol, seed
-from scalemon.fold import SERIES_ALL_BELOW, JobFold
+from scalemon import protocol
+from scalemon.link import seed
 from scalemon.protocol import RANK_RECORDS_KEPT, Message
+from scalemon.state.fold import SERIES_ALL_BELOW, JobFold
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import FOLD_ATTRIBUTES, DashboardData
 from scalemon.tui.sim import SimJob
@@ -90,7 +91,7 @@ def watched(data: DashboardData, rank: int) -> bool:
 
 def send_all(zctx: zmq.Context, hub, frames: list[bytes]) -> int:
     """Send `frames` to the hub; returns its head once it stored them all."""
-    from scalemon.client import HubClient
+    from scalemon.link.client import HubClient
 
     push = zctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 5000)

@@ -13,7 +13,7 @@ from pathlib import Path
 import zmq
 
 from conftest import SCALEMON, FakeRank, wait_for
-from scalemon.client import HubClient
+from scalemon.link.client import HubClient
 
 
 def _strict(text: str) -> dict:

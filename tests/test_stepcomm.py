@@ -15,8 +15,9 @@ from test_collectives import FakeSource, entry, hello, msg, reader
 from test_collectives_jobs import job_env, snapshot
 
 from conftest import REPO, free_port, wait_for
-from scalemon.fold import JobFold
-from scalemon.history import history_path, read_messages
+from scalemon.home.history import history_path, read_messages
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.state.fold import JobFold
 
 PER_STEP = 3  # tests/jobs/step_allreduces.py
 
@@ -144,7 +145,7 @@ def test_the_reducer_fills_each_steps_all_reduce_where_the_step_had_none():
         rows = [[1, 3, 3, 0.010 * (rank + 1), 12288, 1000.0 + rank],
                 [2, 3, 3, 0.020 * (rank + 1), 12288, 1001.0 + rank]]
         fold.apply(next(seq), msg("collectives", rank, next(seq), steps_body(rows)))
-    ranks = {r["rank"]: r for r in fold.state.to_json(now=1002.0)["ranks"]}
+    ranks = {r["rank"]: r for r in snapshot_json(fold.state, now=1002.0)["ranks"]}
     assert ranks[1]["allreduce_time_s"] == pytest.approx(0.040)
     assert (ranks[1]["allreduce_count"], ranks[1]["allreduce_bytes"]) == (3, 12288)
     assert ranks[0]["allreduce_issue_t"] == 1001.0
@@ -158,7 +159,7 @@ def test_the_reducer_fills_each_steps_all_reduce_where_the_step_had_none():
 
 
 def test_a_big_jobs_rank_opened_later_gets_its_recorder_all_reduce_series():
-    from scalemon.display import AGGREGATE_AT
+    from scalemon.text.display import AGGREGATE_AT
 
     fold = JobFold()
     records = [hello(0, AGGREGATE_AT), msg("step", 0, 1, step_body(1)),

@@ -15,9 +15,10 @@ import psutil
 import pytest
 
 from conftest import FakeRank, kill_tree, torchrun_cmd, wait_for
-from scalemon.client import HubClient
-from scalemon.jobs import JobFile, jobs_dir
-from scalemon.summary import common_steps, quantile
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
+from scalemon.reports.summary import common_steps, quantile
 
 
 def strict_json(text: str) -> dict:
@@ -161,7 +162,7 @@ def test_summary_of_a_crashed_job_names_its_first_failure_and_its_straggler(home
 
 
 def test_summary_reads_every_page_of_a_long_history(start_hub, home, zctx):
-    from scalemon.client import PAGE
+    from scalemon.link.client import PAGE
 
     hub = start_hub("long")
     rank = FakeRank(zctx, hub.address, "long", 0)
@@ -278,8 +279,8 @@ def test_quantile_and_common_steps():
 
 
 def test_text_of_many_ranks_shows_the_slowest_and_says_so():
-    from scalemon.summary import RANK_LINES_MAX, RunRecords, summarize
-    from scalemon.summary_text import summary_text
+    from scalemon.reports.summary import RANK_LINES_MAX, RunRecords, summarize
+    from scalemon.reports.summary_text import summary_text
 
     ranks = range(3 * RANK_LINES_MAX)
     records = RunRecords(steps={r: {s: {"step_time_s": 0.01 + r * 1e-4, "loss": 1.0}
@@ -295,7 +296,7 @@ def test_text_of_many_ranks_shows_the_slowest_and_says_so():
 def test_summary_and_compare_into_a_closed_pipe_stop_quietly(start_hub, home, zctx):
     from test_cli_pipe import run_into_closed_pipe
 
-    from scalemon.cli import STDOUT_CLOSED
+    from scalemon.cli.main import STDOUT_CLOSED
 
     hub = start_hub("piped")
     rank = FakeRank(zctx, hub.address, "piped", 0)

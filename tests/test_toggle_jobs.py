@@ -17,9 +17,10 @@ from test_collectives_jobs import job_env, snapshot
 
 from conftest import HubProcess, kill_tree, torchrun_cmd, wait_for
 from scalemon import protocol
-from scalemon.client import HubClient
-from scalemon.control import ControlError, Controller, check_reachable
-from scalemon.jobs import JobFile, jobs_dir
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
+from scalemon.link.control import ControlError, Controller, check_reachable
 
 REFUSED = 3
 

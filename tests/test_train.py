@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_tree, torchrun_cmd, wait_for
-from scalemon.client import HubClient
-from scalemon.jobs import HubAddress, JobFile, jobs_dir
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
+from scalemon.home.paths import jobs_dir
+from scalemon.link.client import HubClient
 
 pytestmark = [pytest.mark.integration]
 

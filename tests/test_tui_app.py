@@ -15,10 +15,10 @@ import zmq
 from test_tui_snapshots import screen_text
 
 from conftest import wait_for
-from scalemon import display
-from scalemon.history import history_path, read_records
-from scalemon.jobs import HubAddress
+from scalemon.home.address import HubAddress
+from scalemon.home.history import history_path, read_records
 from scalemon.protocol import PROTOCOL_VERSION, version_text
+from scalemon.text import display
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.attach import make_app
 from scalemon.tui.feed import HubFeed

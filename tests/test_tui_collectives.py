@@ -13,6 +13,7 @@ from test_tui_snapshots import screen_text
 
 from scalemon import protocol
 from scalemon.protocol import Message
+from scalemon.reports.hangs import job_hang
 from scalemon.tui.app import NO_HUB, DashboardApp
 from scalemon.tui.attach import make_app
 from scalemon.tui.feed import HubFeed
@@ -285,6 +286,6 @@ def test_without_a_threshold_of_its_own_the_dashboard_takes_the_hubs(start_hub, 
 def test_simulated_hang_names_its_culprit(ranks):
     sim = SimJob(ranks=ranks, gpu=False, amp=False)
     data = folded(sim.run(10) + sim.hang(ranks - 1, 10))
-    hang = data.state.hang(sim.end_t(10) + 15.5)
+    hang = job_hang(data.state, sim.end_t(10) + 15.5)
     assert hang is not None and hang["culprits"] == [ranks - 1]
     assert hang["waiting"] == list(range(ranks - 1)) and hang["op"] == "all_reduce"

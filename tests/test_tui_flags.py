@@ -91,13 +91,13 @@ def test_flags_screen_shows_tiers_values_a_mismatch_and_the_audit():
             await until(pilot, lambda: "toggle NCCL_DEBUG=INFO: requested" in header(app))
             await open_flags(pilot, app)
             # the table's columns take their widths at a later layout pass than its first rows
-            await until(pilot, lambda: "MISMATCH 0-1: Ring · 2: Tree" in screen_text(app))
+            await until(pilot, lambda: "MISMATCH 0,1: Ring · 2: Tree" in screen_text(app))
             text = screen_text(app)
             assert line_with(text, "NCCL_DEBUG ", "live", "WARN")
             assert line_with(text, "TORCH_DISTRIBUTED_DEBUG", "live", "unset")
             assert line_with(text, "NCCL_P2P_DISABLE", "restart", "unset")
             assert line_with(text, "NCCL_PROTO", "new comm", "unset")
-            assert line_with(text, "NCCL_ALGO", "new comm", "MISMATCH 0-1: Ring · 2: Tree")
+            assert line_with(text, "NCCL_ALGO", "new comm", "MISMATCH 0,1: Ring · 2: Tree")
             assert "differ across ranks: NCCL_ALGO" in text
             assert line_with(text, "alice@login1", "NCCL_DEBUG=INFO", "live", "9", "requested",
                              "planned for step 9")

@@ -20,7 +20,7 @@ from test_tui_snapshots import screen_text
 
 from scalemon import protocol
 from scalemon.collectives import CollectiveStats, size_bucket
-from scalemon.jobs import JobFile
+from scalemon.home.jobfile import JobFile
 from scalemon.protocol import HUB_RANK, Message
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.model import DashboardData

@@ -10,14 +10,16 @@ from collections import deque
 
 import pytest
 
-from scalemon import display as fmt
 from scalemon import metrics
 from scalemon.protocol import Message
-from scalemon.series import Series
-from scalemon.tui.model import DashboardData, step_values
+from scalemon.reports.stragglers import ARRIVAL_BASIS, COMPUTE_BASIS
+from scalemon.state.fold import step_values
+from scalemon.state.series import Series
+from scalemon.text import display as fmt
+from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.nodes import bin_counts
-from scalemon.tui.views.overview import ARRIVAL_BASIS, COLUMNS, COMPUTE_BASIS, overview
+from scalemon.tui.views.overview import COLUMNS, overview
 from scalemon.tui.widgets.braille import (
     DOT_BITS,
     column_envelope,
@@ -244,6 +246,6 @@ def test_long_history_is_folded_in_chunks_and_only_visible_rows_are_formatted():
 def test_headless_modules_do_not_import_textual():
     code = ("import sys; import scalemon.tui.model, scalemon.tui.views.overview, "
             "scalemon.tui.feed, scalemon.tui.sim, scalemon.tui.widgets.braille, "
-            "scalemon.tui.views.collectives, scalemon.tui.views.hang, scalemon.cli; "
+            "scalemon.tui.views.collectives, scalemon.tui.views.hang, scalemon.cli.main; "
             "assert 'textual' not in sys.modules, 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

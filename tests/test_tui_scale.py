@@ -20,11 +20,13 @@ import pytest
 from test_tui_app import until
 from test_tui_snapshots import compare, screen_text
 
-from scalemon import display
-from scalemon.cli import format_snapshot
-from scalemon.display import AGGREGATE_AT, NO_HOST
-from scalemon.jobstate import JobState
 from scalemon.protocol import HUB_RANK, Message
+from scalemon.reports import snapshot_text
+from scalemon.reports.snapshot import snapshot_json
+from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.state.jobstate import JobState
+from scalemon.text import display
+from scalemon.text.display import AGGREGATE_AT, NO_HOST
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.gcpause import SLOW_S, FreezeSurvivors
 from scalemon.tui.model import DashboardData, LatenessMedians
@@ -212,12 +214,12 @@ def big_snapshot_state() -> dict:
     state = JobState()
     for msg in big_job_messages(sim):
         state.apply(msg)
-    return state.to_json(now=sim.end_t(STEPS) + 0.4)
+    return snapshot_json(state, now=sim.end_t(STEPS) + 0.4)
 
 
 def test_snapshot_text_of_a_big_job_has_a_line_per_node():
     ranks = big_snapshot_state()["ranks"]
-    lines = display.node_snapshot_lines(ranks)
+    lines = snapshot_text.node_snapshot_lines(ranks)
     node_lines = [line for line in lines if re.match(r"node\d+ ", line)]
     assert len(node_lines) == 128 and len(lines) < 128 + 40  # not a line per rank
     assert [line.split()[0] for line in node_lines[:3]] == ["node12", "node125", "node64"]
@@ -358,6 +360,7 @@ def test_node_overview_snapshot_120x40(big):
 
 
 def test_the_node_aggregation_does_not_import_textual():
-    code = ("import sys; import scalemon.tui.views.nodes, scalemon.tui.gcpause, scalemon.display; "
+    code = ("import sys; import scalemon.tui.views.nodes, scalemon.tui.gcpause, "
+            "scalemon.text.display; "
             "assert 'textual' not in sys.modules, 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -2,7 +2,7 @@
 
 Layers, from the wire up (only `widgets/`, `screens/` and the entry points import textual):
 
-* `model` (`DashboardData`: `scalemon.fold.JobFold`, the job state folded from the hub's
+* `model` (`DashboardData`: `scalemon.state.fold.JobFold`, the job state folded from the hub's
   records plus per-rank series and rates, behind one lock; it starts from the hub's own fold
   when it attaches), `views/` (what each screen draws, as plain data copied under that
   lock: `overview`, `nodes` (a row per node for jobs of thousands of ranks), `collectives`,
@@ -14,6 +14,6 @@ Layers, from the wire up (only `widgets/`, `screens/` and the entry points impor
 * `widgets/` (braille plot, rank and node tables, job header, lateness heat map, the slowest
   and failed ranks and the lateness histogram) and `screens/` (overview, a node's ranks, rank
   detail, collectives, hang, help, job picker), put together by `app.DashboardApp`;
-* entry points: `attach` (`scalemon attach`; `scalemon demo` is `scalemon/cli_demo.py`),
+* entry points: `attach` (`scalemon attach`; `scalemon demo` is `scalemon/cli/demo.py`),
   `screenshot` (`python -m scalemon.tui.screenshot`, the README picture).
 """

@@ -31,7 +31,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from scalemon.jobs import HubAddress, JobFile
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import JobFile
 from scalemon.tui.feed import Feed, HubFeed
 from scalemon.tui.gcpause import FreezeSurvivors
 from scalemon.tui.messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
@@ -248,7 +249,7 @@ class DashboardApp(App[None]):
         if code == 0:
             self.notify(f"the job finished (exit code 0){where}", timeout=15, markup=False)
             return
-        from scalemon.display import exit_text
+        from scalemon.text.display import exit_text
         from scalemon.tui.screens.job_exit import JobExitScreen
 
         self.push_screen(JobExitScreen(code, self.job_log), callback=lambda _: self.notify(

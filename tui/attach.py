@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from scalemon.client import hub_key_problem
-from scalemon.history import history_path
-from scalemon.jobs import HubAddress, JobLookupError, default_jobs, serving_jobs
-from scalemon.safe_text import clean
+from scalemon.home.address import HubAddress
+from scalemon.home.history import history_path
+from scalemon.home.lookup import JobLookupError, default_jobs, serving_jobs
+from scalemon.link.client import hub_key_problem
+from scalemon.text.safe import clean
 from scalemon.tui.app import DashboardApp, run_app
 from scalemon.tui.feed import HubFeed
 

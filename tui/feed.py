@@ -18,12 +18,15 @@ from pathlib import Path
 
 import zmq
 
-from scalemon import protocol, seed
-from scalemon.client import HistoryReset, HubStream, HubUnreachable
-from scalemon.history import ID_SUFFIX, history_path, read_messages
-from scalemon.jobs import HubAddress, JobLookupError, hub_gone_text, serving_jobs
+from scalemon import protocol
+from scalemon.home.address import HubAddress
+from scalemon.home.history import ID_SUFFIX, history_path, read_messages
+from scalemon.home.lookup import JobLookupError, hub_gone_text, serving_jobs
+from scalemon.link import seed
+from scalemon.link.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
-from scalemon.tui.model import DashboardData, record_key
+from scalemon.state.fold import record_key
+from scalemon.tui.model import DashboardData
 
 SEED_TIMEOUT_S = 30.0
 """Longest wait for the hub's fold (a big job's is megabytes, pickled on the hub's thread)."""

@@ -2,7 +2,7 @@
 
 The receiver thread calls `apply_batch` (or `load_seed`, the hub's own fold of the history up to
 some record, when it attaches); the UI thread reads through `views`, which copies what a
-redraw needs while holding `lock`. The fold itself (`scalemon.fold.JobFold`: the `JobState`
+redraw needs while holding `lock`. The fold itself (`scalemon.state.fold.JobFold`: the `JobState`
 reducer, per-rank series and rates, job-wide min/mean/max per step) is shared with the hub.
 """
 
@@ -14,17 +14,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from scalemon.collectives import hang_after_default
-from scalemon.fold import (  # noqa: F401 - the dashboard's names for the fold's parts
-    AGGREGATED,
-    JobFold,
-    RankTrack,
-    SeriesBackfill,
-    record_key,
-    step_values,
-)
-from scalemon.jobstate import JobState, RankView
+from scalemon import settings
 from scalemon.protocol import Message
+from scalemon.state.fold import (
+    JobFold,
+    SeriesBackfill,
+)
+from scalemon.state.jobstate import JobState, RankView
 
 FOLD_ATTRIBUTES = frozenset(JobFold().__dict__) - {
     "_job", "_cap", "_hang_after_s", "_world_size", "watched", "hang_after_given"}
@@ -109,7 +105,9 @@ class DashboardData(JobFold):
         """Watched ranks whose series start later than their records (rank -> first step)."""
         self._screen_idle = threading.Event()  # cleared while the screen is being drawn
         self._screen_idle.set()
-        super().__init__(job, cap, hang_after_default() if hang_after_s is None else hang_after_s)
+        if hang_after_s is None:
+            hang_after_s = settings.hang_after_s()
+        super().__init__(job, cap, hang_after_s)
 
     def clear(self) -> None:
         """Forget every record folded (under the lock, or before the data is shared)."""

@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scalemon.series import Series
+from scalemon.state.series import Series
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Any
 import zmq
 from textual.message import Message
 
-from scalemon.client import HubUnreachable
-from scalemon.control import ControlError, Controller
-from scalemon.jobs import HubAddress
+from scalemon.home.address import HubAddress
+from scalemon.link.client import HubUnreachable
+from scalemon.link.control import ControlError, Controller
 from scalemon.protocol import ProtocolError
 
 NO_HUB = "no hub: dumps need a live job"

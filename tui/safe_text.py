@@ -6,7 +6,7 @@ cells, `OptionList` prompts, `rich.table.Table` cells, the command palette), so 
 holding "[/__w/pytorch/.../pair.cc:553]" raises `MarkupError` there: such text goes in as
 `rich.text.Text`. Both only drop BEL, BS, VT, FF and CR from text and pass the other control
 characters on to the terminal as they are (an ESC starts an escape sequence there): `clean`
-(the one of `scalemon.safe_text`, which the CLI uses too) shows them as their escapes (ESC as
+(the one of `scalemon.text.safe`, which the CLI uses too) shows them as their escapes (ESC as
 the four characters `\\x1b`), drops CR and turns tabs into spaces; in a line that must stay one
 line (a table cell, a title) newlines become spaces.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from rich.style import Style
 from rich.text import Text
 
-from scalemon.safe_text import TAB, clean
+from scalemon.text.safe import TAB, clean
 
 __all__ = ["TAB", "clean", "plain"]
 

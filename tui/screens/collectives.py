@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
-from scalemon.display import NA
+from scalemon.text.display import NA
 from scalemon.tui.model import DashboardData
 from scalemon.tui.safe_text import plain
 from scalemon.tui.screens.base import DataScreen

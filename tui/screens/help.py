@@ -8,8 +8,9 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
-from scalemon import display, policy
-from scalemon.display import AGGREGATE_AT, KEY_METRICS, LATE, LOW_IS_WORSE
+from scalemon import policy
+from scalemon.text import display
+from scalemon.text.display import AGGREGATE_AT, KEY_METRICS, LATE, LOW_IS_WORSE
 from scalemon.tui.views.overview import COLUMNS
 
 HELP_TEMPLATE = """\

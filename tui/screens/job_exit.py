@@ -13,7 +13,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from scalemon.display import exit_text
+from scalemon.text.display import exit_text
 
 LAST_LINES = 15
 _TAIL_BYTES = 64 * 1024

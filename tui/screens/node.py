@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
-from scalemon.display import NO_HOST
+from scalemon.text.display import NO_HOST
 from scalemon.tui.messages import OpenRank, RedrawNeeded
 from scalemon.tui.model import DashboardData
 from scalemon.tui.safe_text import plain

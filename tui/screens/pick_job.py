@@ -10,7 +10,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from scalemon.jobs import JobFile
+from scalemon.home.jobfile import JobFile
 from scalemon.tui.safe_text import plain
 
 

@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scalemon import display, metrics
-from scalemon.display import LATE, NA
+from scalemon import metrics
+from scalemon.reports.groups import collectives_table, group_desc
+from scalemon.text import display
+from scalemon.text.display import LATE, NA
+from scalemon.text.ranks import rank_list
 from scalemon.tui.model import DashboardData
 
 BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gather/"
@@ -87,10 +90,11 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
     """The table, a heat map `heat_columns` wide, the ranking and the recorder health."""
     with data.lock:
         st = data.state
-        table = st.collectives_table()
+        table = collectives_table(st.groups, st.ranks.values())
         samples = {r: list(dq) for r, dq in st.arrival.heat.items()}  # converted unlocked
         health = [_health(data, r) for r in sorted(st.ranks)]
-        groups = [f"{st.group_desc(name)}: {len(g['ranks'])} ranks ({_span(g['ranks'])})"
+        groups = [f"{group_desc(st.groups, name)}: {len(g['ranks'])} ranks "
+                  f"({rank_list(g['ranks'], limit=8)})"
                   for name, g in sorted(st.groups.items())]
         bad = st.bad_collectives
     health.sort(key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))
@@ -158,17 +162,6 @@ def nbytes(value: int) -> str:
             break
         amount /= 1024
     return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
-
-
-def _span(ranks: list[int]) -> str:
-    """"0-7" for a contiguous run of ranks, else the first few."""
-    if not ranks:
-        return "none"
-    ordered = sorted(ranks)
-    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
-        return f"{ordered[0]}-{ordered[-1]}"
-    text = ",".join(str(r) for r in ordered[:8])
-    return text + (f",… (+{len(ordered) - 8})" if len(ordered) > 8 else "")
 
 
 # ---- the heat map --------------------------------------------------------------------------

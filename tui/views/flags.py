@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon.flags import FLAGS, LIVE, NEW_COMMUNICATOR, RESTART, tier_text
-from scalemon.flagstate import FlagState, log_count_text
+from scalemon.state.flagstate import FlagState, log_count_text
+from scalemon.text.ranks import rank_list
 from scalemon.tui.model import DashboardData
 
 AUDIT_ROWS = 10
@@ -107,20 +108,7 @@ def _row(name: str, tier: str, why: str, reported: dict[int, dict]) -> FlagRow:
 def values_text(by_value: dict[str, list[int]]) -> str:
     """Ranks grouped by value: `0-2,5: INFO · 3,4: unset` (most ranks first)."""
     groups = sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-    return " · ".join(f"{rank_span(ranks)}: {value}" for value, ranks in groups)
-
-
-def rank_span(ranks: list[int]) -> str:
-    """`0-3,5,7-9` for a sorted list of ranks."""
-    parts: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
+    return " · ".join(f"{rank_list(ranks)}: {value}" for value, ranks in groups)
 
 
 def assignment(name: str, value: str) -> str:

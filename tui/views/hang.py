@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from scalemon.display import NA
-from scalemon.frtrace import report_lines
+from scalemon.reports.frtrace import report_lines
+from scalemon.reports.groups import group_desc
+from scalemon.reports.hangs import job_hang
+from scalemon.text.display import NA
 from scalemon.tui.model import DashboardData
 
 MAX_GROUP_COLUMNS = 4
@@ -53,7 +55,7 @@ def judged_at(data: DashboardData, now: float) -> float:
 
 def current_hang(data: DashboardData, now: float) -> dict[str, Any] | None:
     """`JobState.hang` at `judged_at` (call under the lock)."""
-    return data.state.hang(judged_at(data, now))
+    return job_hang(data.state, judged_at(data, now))
 
 
 def hang_view(data: DashboardData, now: float | None = None) -> HangView:
@@ -62,12 +64,12 @@ def hang_view(data: DashboardData, now: float | None = None) -> HangView:
     with data.lock:
         st = data.state
         at = judged_at(data, now)
-        hang = st.hang(at)
+        hang = job_hang(st, at)
         dump = _dump_lines(st.fr_dumps[-1] if st.fr_dumps else None)
         if hang is None:
             return HangView(False, _no_hang_text(data, at), (), [], [], dump)
         offsets = {r: st.clock_offset(v) for r, v in st.ranks.items()}
-        labels = {name: st.group_desc(name) for name in st.groups}  # the heading has ranks
+        labels = {name: group_desc(st.groups, name) for name in st.groups}  # the heading has ranks
         hosts = {str(r): v.host for r, v in st.ranks.items()}
     groups = _group_columns(hang)
     headings = ("rank", "role", "state", "step", "phase", "stuck s", "frame",

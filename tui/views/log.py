@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from scalemon.flagstate import LogLine
+from scalemon.state.flagstate import LogLine
 from scalemon.tui.model import DashboardData
 
 SHOWN_MAX = 1000

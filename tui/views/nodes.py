@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from scalemon import display, policy
-from scalemon.display import LATE, NO_HOST, Column
-from scalemon.jobstate import RankView
+from scalemon import policy
 from scalemon.policy import NODE_STATES
+from scalemon.reports import snapshot_text
+from scalemon.state.jobstate import RankView
+from scalemon.text import display
+from scalemon.text.display import LATE, NO_HOST, Column
 from scalemon.tui.model import DashboardData
 
 NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
 """The node table: node, counts, worst state, step range, metric spreads (display.py)."""
-TOP_K = display.TOP_STRAGGLERS
+TOP_K = snapshot_text.TOP_STRAGGLERS
 """The slowest ranks always listed above the node table."""
 FAILED_SHOWN = 7
 """Lost or failed ranks listed above the node table; the others are counted ("+N more")."""

@@ -19,14 +19,17 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from scalemon import alerts as alerting
-from scalemon import display, metrics, policy
-from scalemon import stragglers as straggler_rule
-from scalemon.display import AGGREGATE_AT, NA, Column
-from scalemon.jobstate import JOB_ENDED_STATES, RankView
+from scalemon import metrics, policy
 from scalemon.metrics import Metric
-from scalemon.stragglers import ARRIVAL_BASIS, COMPUTE_BASIS, MEASURE_NAMES  # noqa: F401
-from scalemon.tui.model import ConnState, DashboardData, RankTrack
+from scalemon.reports import stragglers as straggler_rule
+from scalemon.reports.stragglers import MEASURE_NAMES
+from scalemon.state import alerts as alerting
+from scalemon.state.fold import RankTrack
+from scalemon.state.jobstate import JOB_ENDED_STATES, RankView
+from scalemon.text import display
+from scalemon.text.display import AGGREGATE_AT, NA, Column
+from scalemon.text.ranks import rank_list
+from scalemon.tui.model import ConnState, DashboardData
 from scalemon.tui.plotdata import Line, PlotSpec, scaled
 from scalemon.tui.safe_text import clean
 from scalemon.tui.views import nodes as nodeview
@@ -192,9 +195,9 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         if quiet > policy.stuck_after_s(median_step):
             job_state, state_text = "stalled", f"stalled: no step for {quiet:.0f} s"
     if lost:
-        state_text += f", lost ranks: {_rank_list(lost)}"
+        state_text += f", lost ranks: {rank_list(lost, limit=6)}"
     if exited:
-        state_text += f", exited: {_rank_list(exited)}"
+        state_text += f", exited: {rank_list(exited, limit=6)}"
     rates = [t.rates(now) for r, t in data.tracks.items()
              if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
     step_rates = [s for s, _ in rates if s is not None]
@@ -236,7 +239,7 @@ def _hub_down_text(data: DashboardData, now: float) -> str | None:
 
 def straggler_measure(data: DashboardData) -> tuple[dict[int, float], str]:
     """Each running rank's straggler measure in seconds, and its basis
-    (`scalemon.stragglers.measure`): its median arrival lateness (`DashboardData.lateness`),
+    (`scalemon.reports.stragglers.measure`): its median arrival lateness (`DashboardData.lateness`),
     else its compute time over the median rank's. Call under the lock."""
     views = data.state.ranks.values()
     return straggler_rule.measure(
@@ -248,7 +251,7 @@ def _stragglers(data: DashboardData, median_step: float | None,
                 measure: tuple[dict[int, float], str] | None = None
                 ) -> tuple[list[tuple[int, float]], str]:
     """Running ranks whose straggler measure (`straggler_measure`) is over
-    `scalemon.stragglers.straggler_bar`, largest first, and the basis."""
+    `scalemon.reports.stragglers.straggler_bar`, largest first, and the basis."""
     values, basis = measure if measure is not None else straggler_measure(data)
     return straggler_rule.stragglers(values, median_step), basis
 
@@ -438,11 +441,6 @@ def _why_empty(metric: Metric, view: RankView) -> str:
     if show.needs_gpu and view.device not in (None, "cpu"):
         return "no data yet"  # a GPU rank: the value comes with the next message
     return f"n/a: {show.na}"
-
-
-def _rank_list(ranks: list[int], limit: int = 6) -> str:
-    text = ", ".join(str(r) for r in sorted(ranks)[:limit])
-    return text + (f" (+{len(ranks) - limit})" if len(ranks) > limit else "")
 
 
 def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
-from scalemon import display
+from scalemon.text import display
 from scalemon.tui.views.overview import Summary
 
 STATE_STYLES = {

@@ -17,7 +17,7 @@ from textual.geometry import Size
 from textual.strip import Strip
 from textual.widget import Widget
 
-from scalemon.display import LATE, shown, unit
+from scalemon.text.display import LATE, shown, unit
 from scalemon.tui.messages import RedrawNeeded
 from scalemon.tui.views.collectives import Heat
 

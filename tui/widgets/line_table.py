@@ -23,7 +23,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from scalemon.display import NA, Column
+from scalemon.text.display import NA, Column
 from scalemon.tui.safe_text import clean
 
 PAD = 1  # blank cells on each side of a column

@@ -11,7 +11,7 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.message import Message
 
-from scalemon.display import NO_HOST
+from scalemon.text.display import NO_HOST
 from scalemon.tui.views.nodes import NODE_COLUMNS, NodeRow
 from scalemon.tui.widgets.line_table import PAD, LineTable
 

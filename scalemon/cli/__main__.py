@@ -1,0 +1,7 @@
+"""`python -m scalemon.cli` is the `scalemon` command."""
+
+import sys
+
+from scalemon.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""Finding a job's hub from what the user typed (nothing, a job id or an address): the job
+files of hubs that serve, checked before they are trusted, and why a job has no hub."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+from scalemon.home.address import HubAddress
+from scalemon.home.jobfile import STATE_WORDS, JobFile, pid_alive
+from scalemon.home.paths import jobs_dir
+from scalemon.home.safefs import (
+    NotOwnedError,
+    UnsafePathError,
+    check_dir,
+)
+from scalemon.settings import node_name
+
+log = logging.getLogger("scalemon")
+
+
+class JobLookupError(RuntimeError):
+    """No hub (or more than one) matches what the user asked for; the text says what to do."""
+
+
+def serving_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """Job files of hubs that serve, newest first: live jobs, and ended jobs whose hub still
+    lingers (`state` says which); stale files are removed when `clean`."""
+    found = []
+    directory = jobs_dir(home)
+    if not os.path.lexists(directory):
+        return []
+    trusted_dirs(directory)
+    for path in sorted(directory.glob("*.json")):
+        try:
+            jf = JobFile.read(path)
+            jf.check_trusted()
+        except UnsafePathError as exc:  # said, never used, never removed
+            log.warning("scalemon: not trusting a job file: %s", exc)
+            continue
+        except ValueError:  # half-written, or removed by its hub while we looked
+            with contextlib.suppress(OSError):
+                if clean and time.time() - path.stat().st_mtime > 60:
+                    path.unlink(missing_ok=True)
+            continue
+        if jf.serving():
+            found.append(jf)
+        elif clean:  # an ended job, or a hub that died: kept a week, so readers can tell
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > STALE_JOB_FILE_S:
+                    path.unlink(missing_ok=True)
+    return sorted(found, key=lambda j: j.started, reverse=True)
+
+
+def trusted_dirs(directory: Path) -> None:
+    """Raise JobLookupError unless `directory` (the job files') and the home above it are
+    this user's, not links (the home may be a link of this user's) and not writable by
+    others: job files there could point at another user's sockets."""
+    try:
+        home = directory.parent
+        info = os.lstat(home)
+        if stat.S_ISLNK(info.st_mode):
+            if info.st_uid != os.getuid():
+                raise NotOwnedError(f"{home} is a symbolic link of another user's "
+                                    f"({info.st_uid}): remove it, or set SCALEMON_HOME to a "
+                                    "private directory of yours")
+            info = os.stat(home)
+        from scalemon.home.safefs import check_stat
+
+        check_stat(home, info)
+        check_dir(directory, own_link=True)
+    except UnsafePathError as exc:
+        raise JobLookupError(f"not reading job files: {exc}") from None
+
+
+def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """Job files of live jobs (running, their hub serving), newest first; a hub that lingers
+    after its job ended is not live (`serving_jobs` has it)."""
+    return [jf for jf in serving_jobs(home, clean) if jf.state == "running"]
+
+
+def default_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
+    """What to attach to when the user names no job: the live jobs; with none, the ended
+    jobs whose hubs still serve them."""
+    serving = serving_jobs(home, clean)
+    return [jf for jf in serving if jf.state == "running"] or serving
+
+
+STALE_JOB_FILE_S = 7 * 24 * 3600.0
+
+
+def hub_gone_text(job: str, home: Path | None = None) -> str | None:
+    """Why a job has no live hub, from its job file: the job ended (and when), or its hub
+    died while the job ran; None without a job file."""
+    path = jobs_dir(home) / f"{job}.json"
+    try:
+        jf = JobFile.read(path)
+    except UnsafePathError as exc:
+        return f"its job file is not trusted: {exc}"
+    except ValueError:
+        return None
+    if jf.state != "running":
+        when = time.strftime("%Y-%m-%d %H:%M:%S",
+                             time.localtime(jf.hub_stopped or jf.ended or jf.started))
+        words = STATE_WORDS.get(jf.state, jf.state)
+        if jf.serving():
+            return f"the job {words}; its hub still serves it"
+        return f"the job {words} (its hub exited at {when})"
+    if jf.host == node_name() and not pid_alive(jf.pid):
+        return (f"its hub (pid {jf.pid}) died while the job was running: the job may still be "
+                "running unmonitored, or have ended since")
+    return None
+
+
+def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubAddress]:
+    """Turn what the user typed (nothing, a job id or an address) into (job, address)."""
+    if target and ("://" in target):
+        return target, HubAddress.parse(target)
+    serving = serving_jobs(home)
+    if target:
+        for jf in serving:
+            if jf.job == target:
+                return jf.job, jf.hub_address()
+        names = ", ".join(j.job for j in serving if j.state == "running") or "none"
+        raise JobLookupError(f"no live hub for job {target!r} (live jobs: {names})")
+    jobs = default_jobs(home, clean=False)
+    if not jobs:
+        where = jobs_dir(home)
+        raise JobLookupError(
+            f"no live scalemon hub found in {where}: start a job with --monitor, "
+            "or pass a job id or an address (ipc:///dir, tcp://host:port)"
+        )
+    if len(jobs) > 1:
+        lines = "\n".join(f"  {j.job}  ({j.state}, pid {j.pid}, world size {j.world_size})"
+                          for j in jobs)
+        what = ("several live jobs" if jobs[0].state == "running" else
+                "no live job, and several ended jobs whose hubs still serve them")
+        raise JobLookupError(f"{what}; name one:\n{lines}")
+    return jobs[0].job, jobs[0].hub_address()

@@ -1,0 +1,78 @@
+"""The seed: the hub's `JobFold` of its history up to some record, for a dashboard that attaches
+late, so that attaching costs what the fold holds (bounded) instead of the whole history.
+
+It is a pickle (the fold is a graph of the reducer's objects, shared deques included, and
+pickle keeps that graph as it is, in C), read back by an unpickler that builds only the
+fold's own classes and a few containers (`ALLOWED`): a seed cannot name any other callable,
+so it cannot run code, whoever wrote it. A seed of another `FORMAT` or scalemon version is
+refused (the dashboard then replays the history instead).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from array import _array_reconstructor, array
+from collections import deque
+from typing import Any
+
+import scalemon
+from scalemon.collectives import CollectiveStats, StatRow
+from scalemon.state.arrival import ArrivalTracker
+from scalemon.state.flagstate import FlagState, LogLine, RankFlags
+from scalemon.state.fold import JobFold, RankTrack, StepAcc
+from scalemon.state.jobstate import JobState, RankView
+from scalemon.state.series import Marks, Series
+
+FORMAT = 1
+MAX_SEED_BYTES = 48 << 20
+"""A larger seed is not offered (the dashboard replays instead): replies stay under the
+protocol's MAX_REPLY_BYTES."""
+
+_OWN = (JobFold, JobState, RankView, CollectiveStats, StatRow, ArrivalTracker, FlagState,
+        RankFlags, LogLine, RankTrack, StepAcc, Series, Marks)
+ALLOWED: dict[tuple[str, str], Any] = {
+    **{(cls.__module__, cls.__qualname__): cls for cls in _OWN},
+    ("collections", "deque"): deque,
+    ("array", "array"): array,
+    ("array", "_array_reconstructor"): _array_reconstructor,
+}
+"""Everything a seed may build, by (module, name)."""
+
+
+class SeedError(ValueError):
+    """A seed that cannot be used; the text says why."""
+
+
+def dump(fold: JobFold) -> bytes:
+    """The seed of `fold`."""
+    return pickle.dumps({"format": FORMAT, "scalemon": scalemon.__version__, "fold": fold},
+                        protocol=5)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = ALLOWED.get((module, name))
+        if found is None:
+            raise SeedError(f"the seed names {module}.{name}, which a seed may not hold")
+        return found
+
+
+def load(blob: bytes) -> JobFold:
+    """The fold a seed holds; raises SeedError (never another error) for one it cannot use."""
+    try:
+        payload = _Unpickler(io.BytesIO(blob)).load()
+    except SeedError:
+        raise
+    except Exception as exc:  # a damaged seed: any unpickling error
+        raise SeedError(f"unreadable seed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise SeedError(f"seed format {got!r}, this scalemon reads format {FORMAT}")
+    if payload.get("scalemon") != scalemon.__version__:
+        raise SeedError(f"the seed comes from scalemon {payload.get('scalemon')}, this is "
+                        f"{scalemon.__version__}")
+    fold = payload.get("fold")
+    if not isinstance(fold, JobFold):
+        raise SeedError(f"the seed holds a {type(fold).__name__}, not a JobFold")
+    return fold

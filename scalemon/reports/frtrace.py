@@ -1,0 +1,394 @@
+"""Flight Recorder dumps analysed by scalemon itself, without torch or optional packages; the
+dump files are read by `scalemon/reports/frread.py` (whose names this module also offers).
+
+`analyse` gives, per process group, each rank's last issued and completed collective, the
+collectives whose op, dtypes or sizes differ between ranks at the same sequence number, and the
+culprit by the rules of the live hang view (`scalemon.reports.waitfor.find_culprits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from scalemon.reports.frread import (
+    ANALYSIS_FILE,
+    CONTEXT_FILE,
+    DumpError,
+    Entry,
+    RankDump,
+    load_file,
+    read_context,
+    read_directory,
+)
+from scalemon.reports.waitfor import find_culprits
+from scalemon.text.ranks import rank_list, ranks_text, span_text
+
+__all__ = [  # with the reader's names that hub/, the CLI and the tests use
+    "ANALYSIS_FILE",
+    "CONTEXT_FILE",
+    "DumpError",
+    "RankDump",
+    "analyse",
+    "analyse_directory",
+    "finding_text",
+    "load_file",
+    "report_lines",
+    "report_text",
+]
+
+MAX_MISMATCHES = 8
+"""Mismatches listed per group (the first ones: later ones often follow from them)."""
+_SIZES_VARY = {"all_to_all", "alltoall", "alltoall_base", "all_to_all_single", "gather",
+               "scatter", "coalesced", "send", "recv"}
+"""Ops whose tensors may differ between ranks by design: only their op is compared."""
+
+
+# --- the analysis --------------------------------------------------------------------------
+
+def analyse(
+    dumps: dict[int, RankDump],
+    *,
+    members: dict[str, Iterable[int]] | None = None,
+    descs: dict[str, str] | None = None,
+    asked: Iterable[int] = (),
+    missing: dict[int, str] | None = None,
+    gone: Iterable[int] = (),
+    fallback: dict[int, dict[str, list[int]]] | None = None,
+    directory: str = "",
+) -> dict[str, Any]:
+    """The analysis of the ranks' dumps, as plain JSON-able values.
+
+    `members`/`descs`: the groups' global ranks and descriptions where the dumps lack them
+    (gloo's do); `asked`: the ranks asked for a dump; `missing`: rank -> why it gave none;
+    `gone`: ranks whose process is gone; `fallback`: rank -> group -> [issued, completed] from
+    the rank's last heartbeat, used for a rank without a dump."""
+    missing = dict(missing or {})
+    gone_set = set(gone)
+    groups = _members(dumps, members or {}, set(asked) | set(dumps) | set(missing))
+    desc = {**(descs or {}), **{g: s.desc for d in dumps.values()
+                                for g, s in d.groups.items() if s.desc}}
+    status: dict[int, dict[str, list[int]]] = {}
+    source: dict[int, str] = {}
+    for rank, dump in dumps.items():
+        status[rank] = {g: [s.issued, s.completed] for g, s in dump.groups.items()}
+        source[rank] = "dump"
+    for rank, seen in (fallback or {}).items():
+        if rank not in status and rank not in gone_set and seen:
+            status[rank] = {g: list(v) for g, v in seen.items()}
+            source[rank] = "heartbeat"
+    labels = _labels(groups, desc)
+    overall = _finding(find_culprits(status, groups, gone_set), labels, dumps)
+    waits_of = {r: w for w in (overall or {}).get("waits", ()) for r in w["ranks"]}
+    out_groups = []
+    for name, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        alone = {r: {name: s[name]} for r, s in status.items() if name in s}
+        finding = find_culprits(alone, {name: ranks}, gone_set)  # this group by itself
+        # a rank behind in this group that waits in another: a link of a chain, not its end
+        behind = {str(r): f"waits in {w['op'] or 'collective'} #{w['seq']} of {w['label']}"
+                  for r in (finding or {}).get("culprits", ())
+                  if (w := waits_of.get(r)) is not None and w["group"] != name}
+        out_groups.append({
+            "behind": behind,
+            "name": name, "label": labels[name], "ranks": list(ranks),
+            "status": {str(r): _rank_status(dumps.get(r), status, source, r, name, gone_set,
+                                            missing)
+                       for r in ranks},
+            "mismatches": _mismatches(dumps, name),
+            "finding": _finding(finding, labels, dumps),
+        })
+    versions = sorted({v for d in dumps.values() for v in d.versions})
+    return {
+        "directory": directory,
+        "versions": versions,
+        "asked": sorted(set(asked)),
+        "read": sorted(dumps),
+        "missing": {str(r): why for r, why in sorted(missing.items())},
+        "skipped_entries": sum(d.skipped for d in dumps.values()),
+        "groups": out_groups,
+        "gone": sorted(gone_set),
+        "culprit": overall,
+        "text": finding_text(overall, gone_set),
+    }
+
+
+def _members(dumps: dict[int, RankDump], given: dict[str, Iterable[int]],
+             known: set[int]) -> dict[str, tuple[int, ...]]:
+    """Each group's global ranks: from the dumps' pg_config (NCCL), else as given (the hub's
+    groups), else the ranks whose dumps mention it (all known ranks for the default group)."""
+    out: dict[str, set[int]] = {}
+    for name, ranks in given.items():
+        if ranks:
+            out[str(name)] = set(ranks)
+    mentioned: dict[str, set[int]] = {}
+    for rank, dump in dumps.items():
+        for name, seen in dump.groups.items():
+            if seen.config_ranks:
+                out[name] = set(seen.config_ranks)
+            mentioned.setdefault(name, set()).add(rank)
+            if seen.desc == "default_pg":
+                mentioned[name] |= known
+    for name, ranks in mentioned.items():
+        out.setdefault(name, ranks)
+    return {name: tuple(sorted(ranks)) for name, ranks in out.items() if ranks}
+
+
+def _labels(groups: dict[str, Any], desc: dict[str, str]) -> dict[str, str]:
+    """A group as people know it, as the live views name it (`JobState.group_label`): its
+    description, with its name where two groups share one, "group NAME" without a description,
+    then its ranks: "user_pg [0,1]", "group 1 [0,1]"."""
+    counts: dict[str, int] = {}
+    for name in groups:
+        d = desc.get(name, "")
+        counts[d] = counts.get(d, 0) + 1
+    out = {}
+    for name, ranks in groups.items():
+        d = desc.get(name, "")
+        if not d or d == "undefined":
+            short = f"group {name}"
+        else:
+            short = f"{d} ({name})" if counts[d] > 1 else d
+        out[name] = f"{short} {span_text(list(ranks))}" if ranks else short
+    return out
+
+
+def _rank_status(dump: RankDump | None, status: dict[int, dict[str, list[int]]],
+                 source: dict[int, str], rank: int, group: str, gone: set[int],
+                 missing: dict[int, str]) -> dict[str, Any]:
+    seen = status.get(rank, {}).get(group)
+    if seen is None:
+        why = missing.get(rank) or ("its process is gone" if rank in gone else
+                                    "its dump does not mention the group" if dump else
+                                    "no dump")
+        return {"last_issued": None, "last_completed": None, "issued_op": None,
+                "completed_op": None, "source": None, "note": why}
+    issued, completed = seen
+    return {"last_issued": issued, "last_completed": completed,
+            "issued_op": dump.op_at(group, issued) if dump and issued else None,
+            "completed_op": dump.op_at(group, completed) if dump and completed else None,
+            "source": source.get(rank), "note": _note(source.get(rank), missing.get(rank))}
+
+
+def _note(source: str | None, why: str | None) -> str | None:
+    if source == "heartbeat":
+        return "from its last heartbeat" + (f"; no dump: {why}" if why else "")
+    return why
+
+
+def _mismatches(dumps: dict[int, RankDump], group: str) -> dict[str, Any]:
+    """Collectives of `group` that differ between ranks at the same sequence number: the op,
+    else the dtypes, else the sizes (only the op for ops whose tensors may differ)."""
+    by_seq: dict[int, dict[int, list[Entry]]] = {}
+    for rank, dump in dumps.items():
+        for e in dump.entries:
+            if e.group == group and not e.is_p2p:
+                by_seq.setdefault(e.seq, {}).setdefault(rank, []).append(e)
+    found = []
+    for seq in sorted(by_seq):
+        ranks = by_seq[seq]
+        if len(ranks) < 2:
+            continue
+        what = None
+        for key, get in (("op", lambda es: [e.op for e in es]),
+                         ("dtypes", lambda es: [(e.input_dtypes, e.output_dtypes) for e in es]),
+                         ("sizes", lambda es: [(e.input_sizes, e.output_sizes) for e in es])):
+            if key != "op" and any(e.op in _SIZES_VARY for es in ranks.values() for e in es):
+                break
+            if len({repr(get(es)) for es in ranks.values()}) > 1:
+                what = key
+                break
+        if what:
+            found.append({"seq": seq, "field": what, "by_rank": {
+                str(r): "; ".join(e.signature() for e in es) for r, es in sorted(ranks.items())}})
+    return {"count": len(found), "first": found[:MAX_MISMATCHES]}
+
+
+RANKS_SHOWN = 16
+"""Parts of a rank list shown in a finding's text (`text.ranks.rank_list`)."""
+CHAINS_SHOWN = 16
+"""Wait-for chains kept in a report (each is a path to a culprit; the rest are alike)."""
+
+
+WAITS_SHOWN = 16
+"""Distinct waits (group, collective, awaited ranks) kept in a report's finding."""
+
+
+def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
+             dumps: dict[int, RankDump]) -> dict[str, Any] | None:
+    """`find_culprits`' finding as JSON-ready data, with the group's label and op: each
+    culprit's cause, what it never issued, the desyncs, the first wait-for chains, and the
+    waits grouped by what they wait in and for whom (at thousands of ranks one line each)."""
+    if not finding:
+        return None
+
+    def op_of(group: str, seq: int, ranks: Iterable[int]) -> str | None:
+        for rank in [*ranks, *dumps]:
+            dump = dumps.get(rank)
+            op = dump.op_at(group, seq) if dump else None
+            if op:
+                return op
+        return None
+
+    group, seq = finding["group"], finding["seq"]
+    waits: dict[tuple[str, int, tuple[int, ...]], list[int]] = {}
+    for rank, wait in sorted((finding.get("waits") or {}).items()):
+        waits.setdefault((wait["group"], wait["seq"], tuple(wait["for"])), []).append(rank)
+    grouped = [{"group": g, "seq": q, "label": labels.get(g, f"group {g}"),
+                "op": op_of(g, q, ranks), "ranks": ranks, "for": list(awaited)}
+               for (g, q, awaited), ranks in waits.items()]
+    missed: dict[str, list[str]] = {}
+    for wait in grouped:
+        what = f"{wait['op'] or 'collective'} #{wait['seq']} of {wait['label']}"
+        for rank in wait["for"]:
+            if what not in missed.setdefault(str(rank), []):
+                missed[str(rank)].append(what)
+    return {"group": group, "seq": seq, "culprits": finding["culprits"],
+            "waiting": finding["waiting"], "label": labels.get(group, f"group {group}"),
+            "op": op_of(group, seq, finding["waiting"]),
+            "causes": {str(r): c for r, c in (finding.get("causes") or {}).items()},
+            "never_issued": {r: m for r, m in missed.items()
+                             if int(r) in finding["culprits"]},
+            "waits": grouped[:WAITS_SHOWN], "waits_count": len(grouped),
+            "desync": finding.get("desync") or [],
+            "chains": (finding.get("chains") or [])[:CHAINS_SHOWN]}
+
+
+def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
+    """The finding in words, as the live hang view says it: each culprit with what it never
+    issued (or why it cannot), then what each waiting rank waits in and for whom."""
+    if not finding:
+        return "no culprit: every rank completed the collectives it issued"
+    what = f"{finding['op'] or 'collective'} #{finding['seq']} of {finding['label']}"
+    culprits = finding["culprits"]
+    causes, never = finding.get("causes") or {}, finding.get("never_issued") or {}
+    parts: list[str] = []
+    alike: dict[str, list[int]] = {}  # culprits in Python that missed the same collectives
+    for rank in culprits:
+        cause = (causes.get(str(rank)) or {}).get("cause")
+        if rank in gone or cause == "gone":
+            parts.append(f"rank {rank}: process gone")
+        elif cause in ("desync", "teardown", "deadlock"):
+            parts.append(f"rank {rank}: {cause}")
+        else:
+            alike.setdefault(" nor ".join(never.get(str(rank)) or [what]), []).append(rank)
+    parts[:0] = [f"{ranks_text(ranks, limit=RANKS_SHOWN)} never issued {missed}"
+                 for missed, ranks in alike.items()]
+    waits = finding.get("waits")
+    if waits is None:  # a report of an older scalemon: no waits of its own
+        waits = [{"ranks": finding["waiting"], "for": [], "op": finding["op"],
+                  "seq": finding["seq"], "label": finding["label"]}] if finding["waiting"] else []
+    for wait in waits:
+        ranks = [r for r in wait["ranks"] if r not in culprits]
+        if not ranks:
+            continue
+        verb = "waits" if len(ranks) == 1 else "wait"
+        awaited = f" for {ranks_text(wait['for'], limit=RANKS_SHOWN)}" if wait["for"] else ""
+        parts.append(f"{ranks_text(ranks, limit=RANKS_SHOWN)} {verb} in "
+                     f"{wait['op'] or 'collective'} "
+                     f"#{wait['seq']} of {wait['label']}{awaited}")
+    more = finding.get("waits_count", 0) - len(waits)
+    if more > 0:
+        parts.append(f"{more} more waits (scalemon dump --json lists them)")
+    if not culprits:
+        parts.append("every rank issued it: a network or communication-library problem, not "
+                     "a late rank")
+    return "; ".join(parts)
+
+
+def analyse_directory(directory: Path, context: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The analysis of the dumps in `directory`, with what the hub knew (`context`, else the
+    directory's context.json when there is one)."""
+    context = read_context(directory) if context is None else context
+    dumps, problems = read_directory(directory)
+    missing = {int(r): str(why) for r, why in (context.get("missing") or {}).items()}
+    for rank, why in problems.items():
+        if rank not in dumps:
+            missing[rank] = f"its dump could not be read: {why}"
+    fallback = {}
+    for rank, groups in (context.get("heartbeat") or {}).items():
+        if isinstance(groups, dict):
+            fallback[int(rank)] = {str(g): list(s) for g, s in groups.items()
+                                   if isinstance(s, list) and len(s) == 2}
+    report = analyse(
+        dumps, members=context.get("members") or {}, descs=context.get("descs") or {},
+        asked=context.get("asked") or (), missing=missing, gone=context.get("gone") or (),
+        fallback=fallback, directory=str(directory))
+    report["problems"] = {str(r): why for r, why in sorted(problems.items()) if r in dumps}
+    return report
+
+
+# --- the analysis for people ---------------------------------------------------------------
+
+def report_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The analysis as lines of (text, kind), kind "heading", "finding", "problem" or "":
+    the finding, the ranks that gave nothing, then a table per group."""
+    lines: list[tuple[str, str]] = []
+    read, asked = report.get("read") or [], report.get("asked") or []
+    versions = report.get("versions") or []
+    fmt = f"; format {', '.join(versions)}" if versions else ""
+    of = f" of {len(asked)} asked" if asked else ""
+    lines.append((f"dumps read from {len(read)} ranks{of}{fmt}", ""))
+    culprit = report.get("culprit")
+    lines.append((("culprit: " if culprit and culprit.get("culprits") else "") +
+                  str(report.get("text") or ""), "finding" if culprit else ""))
+    for rank, why in (report.get("missing") or {}).items():
+        lines.append((f"rank {rank} gave no dump: {why}", "problem"))
+    if report.get("skipped_entries"):
+        lines.append((f"{report['skipped_entries']} entries not understood were skipped", ""))
+    gone = set(report.get("gone") or ())
+    for group in report.get("groups") or ():
+        lines.append(("", ""))
+        lines.extend(_group_lines(group, gone))
+    return lines
+
+
+def _group_lines(group: dict[str, Any], gone: set[int]) -> list[tuple[str, str]]:
+    ranks = group.get("ranks") or []
+    finding = group.get("finding")
+    culprits = set(finding["culprits"]) if finding else set()
+    waiting = set(finding["waiting"]) if finding else set()
+    title = f"{group['label']} (group name {group['name']}, {len(ranks)} ranks)"
+    lines = [(title, "heading")]
+    if finding:
+        lines.append(("  " + finding_text(finding, gone), "finding"))
+    behind = group.get("behind") or {}
+    rows: dict[tuple[str, str, str, str], list[int]] = {}
+    for rank_text, s in (group.get("status") or {}).items():
+        rank = int(rank_text)
+        role = ("behind" if rank_text in behind else "culprit" if rank in culprits
+                else "waiting" if rank in waiting else "")
+        issued = _seq_text(s["last_issued"], s["issued_op"])
+        completed = _seq_text(s["last_completed"], s["completed_op"])
+        note = behind.get(rank_text) or s.get("note") or ""
+        rows.setdefault((role, issued, completed, note), []).append(rank)
+    table = [("ranks", "last issued", "last completed", "role", "note")]
+    order = {"culprit": 0, "behind": 1, "waiting": 2, "": 3}
+    for (role, issued, completed, note), members in sorted(
+            rows.items(), key=lambda kv: (order[kv[0][0]], min(kv[1]))):
+        table.append((rank_list(members, limit=RANKS_SHOWN), issued, completed, role or "-",
+                      note))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for i, row in enumerate(table):
+        text = "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
+        kind = "heading" if i == 0 else "problem" if row[3] == "culprit" else ""
+        lines.append(((text + "  " + row[4]).rstrip(), kind))
+    mismatches = group.get("mismatches") or {}
+    for m in mismatches.get("first") or ():
+        values = "; ".join(f"rank {r}: {v}" for r, v in m["by_rank"].items())
+        lines.append((f"  MISMATCH of {m['field']} at #{m['seq']}: {values}", "problem"))
+    more = (mismatches.get("count") or 0) - len(mismatches.get("first") or ())
+    if more > 0:
+        lines.append((f"  (+{more} more mismatches)", "problem"))
+    return lines
+
+
+def _seq_text(seq: int | None, op: str | None) -> str:
+    if seq is None:
+        return "-"
+    return f"#{seq}" + (f" {op}" if op else "")
+
+
+def report_text(report: dict[str, Any]) -> str:
+    """The analysis as plain text (the CLI's output, the history record's `analysis`)."""
+    return "\n".join(text for text, _ in report_lines(report))

@@ -1,0 +1,345 @@
+"""A hung job in words: the wait-for graph of `reports.waitfor` over a `JobState`'s ranks,
+each culprit with its cause, phase and top user frame, each waiting rank with what it waits in
+and for whom, groups by name and ranks (`job_hang`)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from scalemon.reports.groups import group_label
+from scalemon.reports.waitfor import wait_for_graph
+from scalemon.text.ranks import ranks_text
+
+if TYPE_CHECKING:
+    from scalemon.state.jobstate import JobState, RankView
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)', re.M)
+_NOT_USER = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "scalemon/agent/",
+             "/torch/")
+
+
+def user_frame(stack: str | None) -> str | None:
+    """The innermost frame of a Python stack (as `traceback.format_stack` writes it) in the
+    user's own code, not torch's, the standard library's or the agent's: "train.py:42 in
+    step()"; None without one."""
+    if not stack:
+        return None
+    frames = list(_FRAME.finditer(stack))
+    for m in reversed(frames):
+        path = m["file"]
+        if not any(part in path for part in _NOT_USER):
+            return f"{path.rsplit('/', 1)[-1]}:{m['line']} in {m['fn']}()"
+    return None
+
+
+FOR_SHOWN = 64
+"""Awaited ranks listed per waiting rank in the JSON at most (`for_count` has them all): half
+of 4096 ranks waiting for the other half must not make a snapshot of millions of numbers."""
+
+
+class HangReport:
+    """The hang of `st` at `now` from its ranks' latest heartbeats (`groups`, `inflight`,
+    `stack`, `phase`) and states."""
+
+    def __init__(self, st: JobState, now: float) -> None:
+        self.st = st
+        self.now = now
+        self._labels: dict[str, str] = {}
+        self._whoms: dict[int, str] = {}
+        self._frames: dict[int, str | None] = {}
+        views = st.ranks
+        self.finished = {r for r, v in views.items() if v.state == "finished"
+                         or (v.state == "exited" and v.exit_code == 0)}
+        self.gone = {r for r, v in views.items()
+                     if v.state in ("lost", "exited") and r not in self.finished}
+        status = {r: _status(v) for r, v in views.items()}
+        members = {name: tuple(g["ranks"]) for name, g in st.groups.items()}
+        inflight = {r: [i for i in v.metrics.get("inflight") or () if isinstance(i, list)]
+                    for r, v in views.items()}
+        self.finding = wait_for_graph(status, members, self.gone, finished=self.finished,
+                                      inflight=inflight) or {}
+        self.waits: dict[int, dict[str, Any]] = self.finding.get("waits", {})
+        self.causes: dict[int, dict[str, Any]] = self.finding.get("causes", {})
+        self._missed = self._never_issued()
+
+    # --- pieces ----------------------------------------------------------------------------
+    def label(self, group: str) -> str:
+        """`JobState.group_label`, once per group (thousands of ranks name the same)."""
+        text = self._labels.get(group)
+        if text is None:
+            text = self._labels[group] = group_label(self.st.groups, group)
+        return text
+
+    def what(self, group: str, seq: int | None, op: str | None) -> str:
+        """"all_reduce #16 of default_pg [0,1,2]"."""
+        return f"{op or 'collective'} #{seq} of {self.label(group)}"
+
+    def waited_s(self, rank: int) -> float | None:
+        """How long `rank` has waited in its collective (its issue time, on the hub's clock)."""
+        t = self.waits[rank].get("t")
+        if not isinstance(t, (int, float)):
+            return None
+        return self.now - (t + self.st.clock_offset(self.st.ranks[rank]))
+
+    def frame(self, rank: int) -> str | None:
+        """The rank's top user frame, from its stack (once per rank)."""
+        if rank not in self._frames:
+            view = self.st.ranks.get(rank)
+            self._frames[rank] = user_frame(view.metrics.get("stack")) if view else None
+        return self._frames[rank]
+
+    def never_issued(self, rank: int) -> list[str]:
+        """The collectives others wait in for `rank`, each once."""
+        return self._missed.get(rank, [])
+
+    def _never_issued(self) -> dict[int, list[str]]:
+        """Rank -> the collectives others wait in for it; one pass over the waits (the ranks
+        that wait in one collective share one list of whom they wait for)."""
+        missed: dict[int, list[str]] = {}
+        seen: set[tuple[Any, ...]] = set()
+        for waiter in sorted(self.waits):
+            w = self.waits[waiter]
+            key = (w["group"], w["seq"], w["op"], id(w["for"]))
+            if key in seen:
+                continue
+            seen.add(key)
+            text = self.what(w["group"], w["seq"], w["op"])
+            for rank in w["for"]:
+                texts = missed.setdefault(rank, [])
+                if text not in texts:
+                    texts.append(text)
+        return missed
+
+    def wait_text(self, rank: int) -> str:
+        """"waiting in all_gather #3 of user_pg [0,1] for rank 1 (12 s)"."""
+        w = self.waits[rank]
+        waited = self.waited_s(rank)
+        text = f"waiting in {self.what(w['group'], w['seq'], w['op'])}"
+        if w["for"]:
+            text += f" for {self._whom(w['for'])}"
+        return text + (f" ({waited:.0f} s)" if waited is not None else "")
+
+    def _whom(self, ranks: list[int]) -> str:
+        """`ranks_text` of a list of awaited ranks, once per list (waiting ranks share one)."""
+        key = id(ranks)
+        text = self._whoms.get(key)
+        if text is None:
+            text = self._whoms[key] = ranks_text(ranks)
+        return text
+
+    def cause_text(self, rank: int) -> str:
+        """Why `rank` holds the others up, in words (without "rank N: ")."""
+        cause = self.causes[rank]
+        kind = cause["cause"]
+        missed = " nor ".join(self.never_issued(rank))
+        if kind == "gone":
+            view = self.st.ranks[rank]
+            why = view.state_reason or "no exit reported"
+            return f"{view.state}: {why}" + (
+                f"; never issued {missed}" if missed else "")
+        if kind == "python":
+            frame = self.frame(rank)
+            where = f"python, {frame}" if frame else "python (no stack yet)"
+            return where + (f"; never issued {missed}" if missed else "")
+        if kind == "desync":
+            return self.desync_text(cause["group"], cause["seq"])
+        if kind == "teardown":
+            return (f"stuck in teardown: {self.wait_text(rank)}, which "
+                    f"{'has' if len(cause['for']) == 1 else 'have'} finished")
+        if kind == "deadlock":
+            verb = "waits" if len(cause["for"]) == 1 else "wait"
+            return (f"{self.wait_text(rank)}, which {verb} for it in turn: a deadlock "
+                    "(collectives of different groups issued in different orders)")
+        return (f"{self.wait_text(rank)}: every member issued it: a network or "
+                "communication-library problem, not a late rank")
+
+    def desync_text(self, group: str, seq: int) -> str:
+        """"rank 2 issued all_gather #5 of default_pg [0,1,2] while ranks 0,1 issued all_reduce
+        #5"."""
+        found = next(d for d in self.finding["desync"] if (d["group"], d["seq"]) == (group, seq))
+        kinds = found["issued"]
+        same_op = len({k["op"] for k in kinds}) == 1
+
+        def issued(k: dict[str, Any]) -> str:
+            size = f" of {k['bytes']} B" if same_op and k["bytes"] is not None else ""
+            return f"{k['op']}{size} #{seq}"
+
+        odd = "; ".join(f"{ranks_text(k['ranks'])} issued {issued(k)}"
+                        + (f" of {self.label(group)}" if i == 0 else "")
+                        for i, k in enumerate(kinds[1:]))
+        return f"{odd} while {ranks_text(kinds[0]['ranks'])} issued {issued(kinds[0])}"
+
+    # --- the whole ---------------------------------------------------------------------------
+    def text(self, since: float) -> str:
+        """The finding in one paragraph: culprits first, then who waits in what."""
+        if not self.finding:
+            return (f"no rank completed a step for {since:.0f} s; every rank completed the "
+                    "collectives it issued: look at the stacks")
+        parts: list[str] = []
+        alike: dict[tuple[str, str], list[int]] = {}  # python culprits that missed the same
+        for rank in self.finding["culprits"]:
+            kind = self.causes[rank]["cause"]
+            if kind == "desync":
+                text = self.desync_text(self.causes[rank]["group"], self.causes[rank]["seq"])
+            elif kind == "python":
+                alike.setdefault((kind, " nor ".join(self.never_issued(rank))), []).append(rank)
+                continue
+            else:
+                text = f"rank {rank}: {self.cause_text(rank)}"
+            if text not in parts:
+                parts.append(text)
+        parts[:0] = [self._python_sentence(ranks, missed) for (_, missed), ranks in alike.items()]
+        stuck = [r for r, c in self.causes.items() if c["cause"] == "stuck"]
+        if stuck:
+            w = self.waits[stuck[0]]
+            parts.append(f"every rank issued {self.what(w['group'], w['seq'], w['op'])}: a "
+                         "network or communication-library problem, not a late rank")
+        waiting = [r for r in self.finding["waiting"] if r not in stuck]
+        parts.extend(self._waiting_sentences(waiting))
+        return "; ".join(parts)
+
+    def _python_sentence(self, ranks: list[int], missed: str) -> str:
+        """"rank 1 never issued all_reduce #7 of default_pg [0,1,2] (in Python: train.py:42
+        in step())"; the frame where every one of `ranks` is at the same."""
+        frames = {self.frame(r) for r in ranks}
+        frame = frames.pop() if len(frames) == 1 else None
+        where = f"in Python: {frame}" if frame else "in Python"
+        if missed:
+            return f"{ranks_text(ranks)} never issued {missed} ({where})"
+        return f"{ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
+
+    def _waiting_sentences(self, waiting: list[int]) -> list[str]:
+        """"ranks 0,2 wait in all_reduce #10 of default_pg [0,1,2] for rank 1 (37 s)", ranks
+        that wait in the same collective for the same ranks together."""
+        together: dict[tuple[str, int, tuple[int, ...]], list[int]] = {}
+        for rank in waiting:
+            w = self.waits[rank]
+            together.setdefault((w["group"], w["seq"], tuple(w["for"])), []).append(rank)
+        out = []
+        for (group, seq, awaited), ranks in together.items():
+            op = self.waits[ranks[0]]["op"]
+            waited = [s for s in (self.waited_s(r) for r in ranks) if s is not None]
+            verb = "waits" if len(ranks) == 1 else "wait"
+            text = f"{ranks_text(ranks)} {verb} in {self.what(group, seq, op)}"
+            if awaited:
+                text += f" for {ranks_text(list(awaited))}"
+            out.append(text + (f" ({max(waited):.0f} s)" if waited else ""))
+        return out
+
+    def causes_json(self) -> list[dict[str, Any]]:
+        """Each culprit (and each rank stuck with everyone) with its cause in words."""
+        out = []
+        for rank in sorted(self.causes):
+            cause = self.causes[rank]
+            view = self.st.ranks.get(rank)
+            out.append({"rank": rank, "cause": cause["cause"],
+                        "culprit": cause["cause"] != "stuck",
+                        "phase": view.metrics.get("phase") if view else None,
+                        "frame": self.frame(rank),
+                        "text": f"rank {rank}: {self.cause_text(rank)}"})
+        return out
+
+    def waits_json(self) -> list[dict[str, Any]]:
+        """What each waiting rank waits in and for whom."""
+        out = []
+        for rank in sorted(self.waits):
+            w = self.waits[rank]
+            out.append({"rank": rank, "group": self.label(w["group"]),
+                        "group_name": w["group"],
+                        "seq": w["seq"], "op": w["op"], "for": w["for"][:FOR_SHOWN],
+                        "for_count": len(w["for"]),
+                        "waited_s": self.waited_s(rank),
+                        "culprit": rank in self.finding["culprits"],
+                        "text": f"rank {rank}: {self.wait_text(rank)}"})
+        return out
+
+    def desync_json(self) -> list[dict[str, Any]]:
+        return [{**d, "group": self.label(d["group"]), "group_name": d["group"],
+                 "text": self.desync_text(d["group"], d["seq"])}
+                for d in self.finding.get("desync", [])]
+
+    def rank_json(self, view: RankView) -> dict[str, Any]:
+        """A rank's whereabouts: state, step, phase, top user frame, groups, in flight."""
+        rank = view.rank
+        role = ("culprit" if rank in self.finding.get("culprits", ()) else
+                "waiting" if rank in self.waits else "")
+        if rank in self.causes and rank not in self.waits:
+            doing = self.cause_text(rank)
+        elif rank in self.waits:
+            doing = self.wait_text(rank)
+        else:
+            doing = None
+        groups = view.metrics.get("groups") or {}
+        return {
+            "state": view.state, "step": view.step, "phase": view.metrics.get("phase"),
+            "frame": self.frame(rank), "role": role, "doing": doing,
+            "stuck_s": self.now - view.last_step_t if view.last_step_t is not None else None,
+            "groups": {self.label(g): {"last_issued": s[0], "last_completed": s[1]}
+                       for g, s in groups.items() if isinstance(s, list) and len(s) == 2},
+            "inflight": view.metrics.get("inflight") or [],
+        }
+
+
+def _status(view: RankView) -> dict[str, list[int]]:
+    groups = view.metrics.get("groups") or {}
+    return {g: s for g, s in groups.items() if isinstance(s, list) and len(s) == 2}
+
+
+def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
+    """The hang of a running job `st` at `now`, or None: no rank completed a step for its
+    `hang_after_s` (`JobState.hang` checks first that the job runs). The wait-for graph: the
+    culprits at the ends of the chains (in Python, gone, desynchronised, stuck in teardown)
+    with their cause, phase and top user frame, what each waiting rank waits in and for whom,
+    each rank's stack."""
+    if st.last_step_t is None:
+        return None
+    since = now - st.last_step_t
+    if since < st.hang_after_s:
+        return None
+    running = [v for v in st.ranks.values() if v.state == "running"]
+    if running and all(v.monitor_off for v in running):
+        return None  # no rank reports steps any more: silence is no sign of a hang
+    report = HangReport(st, now)
+    finding = report.finding
+    group, seq = finding.get("group"), finding.get("seq")
+    first = [r for r, w in sorted(report.waits.items())
+             if (w["group"], w["seq"]) == (group, seq)]
+    op = next((report.waits[r]["op"] for r in first if report.waits[r]["op"]), None)
+    waited = [s for s in (report.waited_s(r) for r in first) if s is not None]
+    return {
+        "since_s": since,
+        "culprits": finding.get("culprits", []),
+        "waiting": finding.get("waiting", []),
+        "group": report.label(group) if group is not None else None,
+        "group_name": group,
+        "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
+        "gone": sorted(report.gone),
+        "text": report.text(since),
+        "causes": report.causes_json(),
+        "waits": report.waits_json(),
+        "chains": finding.get("chains", []),
+        "wait_for": {str(r): w["for"][:FOR_SHOWN] for r, w in sorted(report.waits.items())},
+        "desync": report.desync_json(),
+        "stacks": {str(r): stack_text(v) for r, v in sorted(st.ranks.items())},
+        "nccl_ras": {str(r): v for r, v in st.info.get("nccl_ras", {}).items()},
+        "ranks": {str(r): report.rank_json(v) for r, v in sorted(st.ranks.items())},
+    }
+
+
+def stack_text(view: RankView) -> str:
+    """A rank's Python stack as the hang shows it, or why there is none."""
+    if view.state in ("lost", "exited"):
+        return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
+    return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
+        "its training thread is stuck for a few seconds)"
+
+
+def job_hang(st: JobState, now: float | None = None) -> dict[str, Any] | None:
+    """The job's hang, or None: no rank completed a step for `hang_after_s` while the job
+    runs (`JobState.hang_possible`); who holds up whom, and why."""
+    if not st.hang_possible():
+        return None
+    return _analyse(st, time.time() if now is None else now)

@@ -1,0 +1,68 @@
+"""A job's state as JSON-ready data: what `scalemon snapshot --json` prints, what the hub's
+`state` request answers and what summaries start from (non-finite numbers stay floats here;
+`reports.export.strict_json` makes them null)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Any
+
+from scalemon import metrics
+from scalemon.reports import groups
+from scalemon.reports.hangs import job_hang
+from scalemon.reports.stragglers import stragglers_json
+from scalemon.state import alerts as alerting
+from scalemon.state.jobstate import JobState, RankView
+
+RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("json", True))
+"""The `RankView` fields `to_json` writes as they are, in declaration order."""
+
+
+
+
+def rank_json(view: RankView, now: float | None = None) -> dict[str, Any]:
+    """One rank: identity and state, then every metric under its own name."""
+    out = {name: getattr(view, name) for name in RANK_JSON_FIELDS}
+    out.update(view.metrics)
+    out["extra"] = dict(view.extra)
+    out["alerts"] = alerting.rank_alerts(view.rank, view.alerts)
+    for m in metrics.KEPT:
+        if m.source == "hub":
+            out[m.name] = view.value(m.name, now)
+    return out
+
+
+def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
+    """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
+    now = time.time() if now is None else now
+    hang = job_hang(st, now)
+    ranks = [{**rank_json(st.ranks[r], now), "flags": st.flags.values_of(r)}
+             for r in sorted(st.ranks)]
+    return {
+        "job": st.job,
+        "world_size": st.world_size,
+        "state": "hung" if hang else st.state,
+        "alerts": st.alerts(),
+        "stop": dict(st.stop) if st.stop else None,
+        "messages": st.messages,
+        "started_t": st.started_t,
+        "last_t": st.last_t,
+        "info": {k: {str(r): v for r, v in d.items()} for k, d in st.info.items()},
+        "ranks": ranks,
+        "stragglers": stragglers_json(ranks),  # the dashboard's rule (reports.stragglers)
+        "flags": st.flags.table(sorted(st.ranks)),
+        "toggles": st.flags.toggles_json(),
+        "log": {"lines": st.flags.log_total,
+                "last": [line.to_json() for line in list(st.flags.log)[-50:]]},
+        "groups": {groups.group_desc(st.groups, n): {
+            "name": n, "label": groups.group_label(st.groups, n), **g}
+            for n, g in st.groups.items()},
+        "collectives": groups.collectives_table(st.groups, st.ranks.values()),
+        "hang": hang,
+        "first_failure": st.first_failure(),
+        "hang_after_s": st.hang_after_s,
+        "fr_dumps": list(st.fr_dumps),
+        "hub_notes": list(st.hub_notes),
+        "relays": {node: dict(r) for node, r in sorted(st.relays.items())},
+    }

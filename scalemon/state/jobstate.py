@@ -1,0 +1,439 @@
+"""Fold a stream of protocol messages into the current state of a job.
+
+The hub and every dashboard run the same reducer over the same history, so they agree on what
+each rank is doing. Times are seconds, sizes bytes; a value that cannot exist (no GPU) is None.
+
+One model, three ways to carry it: the records are its input (the history); a `JobState`
+(inside the hub's `fold.JobFold`) is the model itself, handed whole to a dashboard that
+attaches as the pickled seed (`scalemon.link.seed`). What people read of it is made from it,
+never by it (`scalemon.reports`): its JSON (`reports.snapshot`, what `scalemon snapshot
+--json` prints), the collectives table (`reports.groups`), the hang (`reports.hangs`); the
+thresholds are `scalemon.policy`'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from scalemon import metrics
+from scalemon.collectives import CollectiveStats
+from scalemon.policy import HANG_AFTER_S
+from scalemon.protocol import HUB_RANK, Message
+from scalemon.state import alerts as alerting
+from scalemon.state.arrival import ArrivalTracker
+from scalemon.state.failures import first_line, is_peer_loss
+from scalemon.state.flagstate import FlagState
+from scalemon.state.stepcomm import check_step_comm, set_step_comm
+from scalemon.text.ranks import ranks_text
+
+STEP_FIELDS = metrics.latest_of("step")
+
+HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
+EXTRA_NAMES_MAX = 64
+"""A rank's `extra` keeps at most this many names (the first ones seen), so a script that
+logs a new name every step cannot grow the state without bound."""
+TERMINAL_STATES = ("exited", "finished", "stopped")
+"""Rank states of a process that ended and said so (or was stopped by its user)."""
+ENDED_RANK_STATES = (*TERMINAL_STATES, "lost")
+JOB_ENDED_STATES = ("finished", "stopped", "crashed", "lost")
+"""Job states of a job whose every rank ended: every rank finished; the user stopped it; a rank
+failed first with an error of its own; a rank failed first by vanishing without an exit."""
+STOPPED_BY_USER = "stopped by user"
+
+
+def _no_values() -> dict[str, Any]:
+    return dict.fromkeys(STEP_FIELDS + HEARTBEAT_FIELDS)
+
+
+_INTERNAL = {"json": False}
+"""A `RankView` field the reducer keeps for itself: not in `to_json`."""
+_OWN_JSON = {"json": False}
+"""A `RankView` field `to_json` writes its own way (metrics flat, extra, alerts)."""
+
+
+@dataclass
+class RankView:
+    """Everything known about one rank: identity, state, and in `metrics` the latest value of
+    every `step` and `heartbeat` metric of the table (None until known), in `extra` the last
+    value of each name the script passed to `log(**extra)`."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    restart_count: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    agent_version: str | None = None
+    torch_version: str | None = None
+    state: str = "running"
+    state_reason: str | None = None
+    exit_code: int | None = None
+    error: str | None = None
+    ended_t: float | None = None
+    """When the rank exited or was found lost (its own clock for an exit, the hub's for lost)."""
+    peer_loss: bool = False
+    """Exited with an error that reads like a peer's death (`failures.is_peer_loss`)."""
+    monitor_off: str | None = None
+    """Why this rank's agent switched itself off (`monitor_off` message); None while it runs."""
+    step: int | None = None
+    steps_received: int = 0
+    last_seen_t: float | None = None
+    last_seq: int | None = None
+    seq_seen: int = 0
+    seq_gaps: int = 0
+    metrics: dict[str, Any] = field(default_factory=_no_values, metadata=_OWN_JSON)
+    extra: dict[str, Any] = field(default_factory=dict, metadata=_OWN_JSON)
+    alerts: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=_OWN_JSON)
+    """Training-health alerts in force (`scalemon.state.alerts`), by kind."""
+    skip_streak: list[int] | None = field(default=None, repr=False, metadata=_INTERNAL)
+    """[first step, count] of the steps skipped in a row so far (None: the last was not)."""
+    last_step_t: float | None = None
+    compute_over_median_s: float | None = None
+    """How much longer than the median rank's this rank's compute time is (seconds, smoothed
+    over steps; a `JobFold` keeps it): the straggler measure before any collective is seen."""
+    lateness: deque[float] | None = field(default=None, repr=False, metadata=_INTERNAL)
+    collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False,
+                                         metadata=_INTERNAL)
+    comm_hook: bool = field(default=False, repr=False, metadata=_INTERNAL)
+    """This process's `step` messages carry the gloo comm hook's all-reduce figures: they win
+    over the recorder's (`collectives.steps`)."""
+    step_comm: list[Any] | None = field(default=None, repr=False, metadata=_INTERNAL)
+    """The latest step's all-reduce figures from the recorder (a `STEP_COMM_FIELDS` row)."""
+
+    def value(self, name: str, now: float | None = None) -> Any:
+        """The current value of metric `name` of the table (KeyError for other names): from
+        the messages, from `extra` for well-known extra names, or computed (`now` for ages)."""
+        metric = metrics.BY_NAME[name]
+        if metric.source == "extra":
+            if name == "tokens_per_s" and name not in self.extra:  # the script measures none
+                return metrics.tokens_per_s(self.metrics)
+            return self.extra.get(name)
+        if name == "heartbeat_age_s":  # a rank that ended sends none: no age to count
+            if self.last_seen_t is None or self.state in TERMINAL_STATES:
+                return None
+            return (time.time() if now is None else now) - self.last_seen_t
+        if name == "arrival_lateness_s":
+            return statistics.median(self.lateness) if self.lateness else None
+        return self.metrics[name]
+
+
+@dataclass
+class JobState:
+    """The reducer: `apply` each message in history order."""
+
+    job: str | None = None
+    world_size: int | None = None
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    messages: int = 0
+    started_t: float | None = None
+    last_t: float | None = None
+    last_step_t: float | None = None
+    hang_after_s: float = HANG_AFTER_S
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Process groups by name (the same on every rank): {"desc": str, "ranks": [int]}."""
+    arrival: ArrivalTracker = field(default_factory=ArrivalTracker, repr=False)
+    bad_collectives: int = 0
+    hosts: set[str] = field(default_factory=set, repr=False)
+    host_offsets: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)
+    """Each host's ranks' latest `clock_offset_s` (one clock per host)."""
+    fr_dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Flight Recorder dumps the hub asked for, newest last, with torch's analysis."""
+    hub_notes: list[dict[str, Any]] = field(default_factory=list)
+    """What the hub said about itself (history repaired, records skipped), newest last."""
+    flags: FlagState = field(default_factory=FlagState, repr=False)
+    """Flags in effect per rank, the toggles asked for, NCCL's and torch's log lines."""
+    relays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each node's relay as the hub last recorded it (state, counts, clock offset, gaps)."""
+    stop: dict[str, Any] | None = None
+    """The user's request to stop the job (`job_stop` record: t, reason, user, host), while
+    it holds: ranks that end after it are `stopped`, not failed."""
+
+    def __post_init__(self) -> None:
+        # message type -> handler, looked up once (subclasses may override `_on_<type>`)
+        self._handlers = {name[4:]: getattr(self, name) for name in dir(self)
+                          if name.startswith("_on_")}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the handler table (bound methods), made again on load."""
+        return {k: v for k, v in self.__dict__.items() if k != "_handlers"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def rank(self, rank: int) -> RankView:
+        """The view of `rank`, created on first sight."""
+        view = self.ranks.get(rank)
+        if view is None:
+            view = self.ranks[rank] = RankView(rank)
+        return view
+
+    def apply(self, msg: Message) -> RankView | None:
+        """Fold one message in; returns the rank view it changed (None for hub-level ones)."""
+        self.messages += 1
+        self.job = self.job or msg.job
+        t = msg.t
+        if self.started_t is None or t < self.started_t:
+            self.started_t = t
+        if self.last_t is None or t > self.last_t:
+            self.last_t = t
+        handler = self._handlers.get(msg.type)
+        if msg.rank == HUB_RANK:
+            return handler(msg) if handler else None
+        view = self.ranks.get(msg.rank) or self.rank(msg.rank)
+        if msg.type == "hello":  # a new agent process numbers from 0 again
+            view.last_seq, view.seq_seen = None, 0
+        view.seq_seen += 1
+        if view.last_seq is None or msg.seq > view.last_seq:
+            view.last_seq = msg.seq
+        # messages may arrive out of order (steps wait for the device), so count, not compare
+        view.seq_gaps = max(0, view.last_seq + 1 - view.seq_seen)
+        view.last_seen_t = t
+        if handler:
+            handler(msg, view)
+        return view
+
+    def _on_hello(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        if self.stop is not None and self.state in JOB_ENDED_STATES:
+            self.stop = None  # a new run of the job, after the stopped one
+        view.alerts, view.skip_streak = {}, None
+        view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
+        self.hosts.add(b["host"])
+        view.restart_count = b.get("restart_count")
+        view.device, view.backend = b.get("device"), b.get("backend")
+        view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
+        view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
+        view.ended_t, view.peer_loss, view.monitor_off = None, False, None
+        view.comm_hook, view.step_comm = False, None
+        self.world_size = max(self.world_size or 0, b["world_size"])
+        if b.get("config") is not None:
+            self.info.setdefault("config", {})[msg.rank] = b["config"]
+
+    def _on_step(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.step = b["step"]
+        view.steps_received += 1
+        view.last_step_t = msg.t
+        if self.last_step_t is None or msg.t > self.last_step_t:
+            self.last_step_t = msg.t
+        # absent fields -> None
+        view.metrics.update(zip(STEP_FIELDS, map(b.get, STEP_FIELDS), strict=True))
+        if b.get("allreduce_count") or b.get("allreduce_time_s") is not None:
+            view.comm_hook = True
+        elif view.step_comm is not None and not view.comm_hook:
+            set_step_comm(view.metrics, view.step_comm)  # the recorder's, of an earlier step
+        view.skip_streak = alerting.fold_step(view.alerts, view.skip_streak, b["step"], b, msg.t)
+        extra = b.get("extra")
+        if extra:
+            if len(view.extra) + len(extra) <= EXTRA_NAMES_MAX:
+                view.extra.update(extra)
+            else:  # only names already known, and new ones while there is room
+                for name, value in extra.items():
+                    if name in view.extra or len(view.extra) < EXTRA_NAMES_MAX:
+                        view.extra[name] = value
+        if view.state == "lost":
+            view.state, view.state_reason = "running", None
+
+    def _on_heartbeat(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.metrics.update(zip(HEARTBEAT_FIELDS, map(b.get, HEARTBEAT_FIELDS), strict=True))
+        offset = b.get("clock_offset_s")
+        if view.host is not None and isinstance(offset, (int, float)):
+            self.host_offsets.setdefault(view.host, {})[msg.rank] = offset
+        if view.state == "lost":
+            view.state, view.state_reason = "running", None
+
+    def _on_collectives(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        try:
+            for name, group in b["groups"].items():
+                if name not in self.groups:
+                    ranks = [int(r) for r in group["ranks"]]
+                    self.groups[name] = {"desc": str(group.get("desc") or ""), "ranks": ranks}
+                    self.arrival.set_group(name, ranks)
+            view.collectives.merge_wire(b["stats"])
+            offset = self.clock_offset(view)
+            arrival = self.arrival
+            for group, seq, t in b["issues"]:
+                arrival.issued(group, seq, msg.rank, t + offset)
+            if b.get("steps"):
+                self._step_comm(view, b["steps"])
+        except (KeyError, TypeError, ValueError):
+            self.bad_collectives += 1  # counted, shown; the rest of the history goes on
+        if view.lateness is None:
+            view.lateness = self.arrival.series(msg.rank)
+
+    @staticmethod
+    def _step_comm(view: RankView, rows: list[Any]) -> None:
+        """The recorder's per-step all-reduce figures: the latest step's become the rank's
+        `allreduce_*` values (until a newer one), as a step message of its own would; not
+        where the rank's step messages carry the comm hook's. ValueError for a bad row."""
+        for row in rows:
+            check_step_comm(row)
+        if view.comm_hook:
+            return
+        for row in rows:
+            step = row[0]
+            if view.step_comm is None or step >= view.step_comm[0]:
+                view.step_comm = row
+        if view.step_comm is not None:
+            set_step_comm(view.metrics, view.step_comm)
+
+    def _on_info(self, msg: Message, view: RankView) -> None:
+        self.info.setdefault(msg.body["key"], {})[msg.rank] = msg.body["value"]
+
+    def _on_exit(self, msg: Message, view: RankView) -> None:
+        b = msg.body
+        view.state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
+        view.state_reason = b["reason"]
+        if view.state == "exited" and self.stop is not None:
+            view.state, view.state_reason = "stopped", self.stop_text(b["reason"])
+        view.exit_code = b.get("exit_code")
+        view.error = b.get("error")
+        view.ended_t = msg.t
+        view.peer_loss = view.state == "exited" and is_peer_loss(view.error)
+        if b.get("dropped") is not None:
+            view.metrics["dropped"] = b["dropped"]
+
+    def _on_monitor_off(self, msg: Message, view: RankView) -> None:
+        view.monitor_off = msg.body["reason"]
+
+    def _on_flags(self, msg: Message, view: RankView) -> None:
+        self.flags.on_flags(msg)
+
+    def _on_toggle_result(self, msg: Message, view: RankView) -> None:
+        self.flags.on_toggle_result(msg)
+
+    def _on_log_lines(self, msg: Message, view: RankView) -> None:
+        self.flags.on_log_lines(msg)
+
+    def _on_toggle(self, msg: Message) -> None:
+        self.flags.on_toggle(msg)
+
+    def _on_relay(self, msg: Message) -> None:
+        b = msg.body
+        seen = self.relays.get(b["node"], {})
+        gaps = seen.get("gaps", 0) + (1 if b["state"] == "up" and seen else 0)
+        gap_total = seen.get("gap_total_s", 0.0) + (b.get("gap_s") or 0.0)
+        self.relays[b["node"]] = {**seen, **{k: v for k, v in b.items() if v is not None},
+                                  "t": msg.t, "gaps": gaps, "gap_total_s": gap_total}
+
+    def _on_hub_note(self, msg: Message) -> None:
+        self.hub_notes = [*self.hub_notes[-19:], {"t": msg.t, **msg.body}]
+
+    def _on_fr_dump(self, msg: Message) -> None:
+        b = dict(msg.body)
+        for i, old in enumerate(self.fr_dumps):
+            if old["directory"] == b["directory"]:
+                self.fr_dumps[i] = b
+                return
+        self.fr_dumps = [*self.fr_dumps[-4:], b]
+
+    def _on_rank_state(self, msg: Message) -> None:
+        b = msg.body
+        view = self.rank(b["target"])
+        view.state, view.state_reason = b["state"], b.get("reason")
+        if view.state in ("lost", "exited") and self.stop is not None:
+            view.state, view.state_reason = "stopped", self.stop_text(b.get("reason"))
+        if b.get("exit_code") is not None:
+            view.exit_code = b["exit_code"]
+        if view.state in ENDED_RANK_STATES and view.ended_t is None:
+            view.ended_t = msg.t
+        return None
+
+    def _on_job_stop(self, msg: Message) -> None:
+        self.stop = {"t": msg.t, "reason": msg.body.get("reason"),
+                     "user": msg.body.get("user"), "host": msg.body.get("host")}
+
+    def stop_text(self, how: str | None = None) -> str:
+        """"stopped by user (scalemon demo: q; process 4242 gone)": why a rank that ended
+        after the user's stop request is `stopped`, with what the rank or the hub saw."""
+        stop = self.stop or {}
+        who = f"{stop['user']}@{stop['host']}" if stop.get("user") and stop.get("host") else ""
+        details = [d for d in (stop.get("reason"), who, how) if d]
+        return STOPPED_BY_USER + (f" ({'; '.join(details)})" if details else "")
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The job's training-health alerts, one per kind over the ranks (`state.alerts`)."""
+        return alerting.job_alerts((r, v.alerts) for r, v in sorted(self.ranks.items())
+                                 if v.alerts)
+
+    def failed(self) -> list[RankView]:
+        """Ranks that failed (lost, or exited with a non-zero code or an error), in the order
+        that explains the job: ranks that failed for a reason of their own before those that
+        only lost a peer, each kind earliest first. A script that just ends without calling
+        `finish()` exits with no code and no error (its agent's atexit): not a failure."""
+        views = [v for v in self.ranks.values()
+                 if v.state == "lost" or (v.state == "exited" and (
+                     v.exit_code not in (0, None) or v.error or v.peer_loss))]
+        return sorted(views, key=lambda v: (v.peer_loss, v.ended_t or float("inf"), v.rank))
+
+    def first_failure(self) -> dict[str, Any] | None:
+        """The rank that failed first for a reason of its own (or, when every failed rank only
+        lost a peer, the earliest), with its error's first line and the ranks that failed only
+        because a peer went away; None while no rank failed."""
+        failed = self.failed()
+        if not failed:
+            return None
+        first = failed[0]
+        why = first_line(first.error) or first.state_reason or first.state
+        peer_loss = sorted(v.rank for v in failed[1:] if v.peer_loss)
+        return {
+            "rank": first.rank, "state": first.state, "exit_code": first.exit_code,
+            "step": first.step, "t": first.ended_t, "error": why, "peer_loss": peer_loss,
+            "text": failure_text(first.rank, first.step, why, peer_loss),
+        }
+
+    @property
+    def state(self) -> str:
+        """waiting (no rank yet), running, degraded (a rank failed, others run), restarting,
+        stopping (the user asked to stop it), or once every rank ended: finished, stopped (by
+        its user), crashed (the first failure is a rank's error) or lost (the first failure
+        is a rank that vanished without an exit). A hang is told by `hang()`, not here."""
+        views = list(self.ranks.values())
+        expected = self.world_size or len(views)
+        if not views:
+            return "waiting"
+        states = [v.state for v in views]
+        if len(views) >= expected and all(s in ENDED_RANK_STATES for s in states):
+            failed = self.failed()
+            if failed:
+                return "lost" if failed[0].state == "lost" else "crashed"
+            return "stopped" if "stopped" in states else "finished"
+        if "restarting" in states:
+            return "restarting"
+        if self.stop is not None:
+            return "stopping"
+        if any(s in ("lost", "exited") for s in states):
+            return "degraded"
+        return "running"
+
+    def clock_offset(self, view: RankView) -> float:
+        """Seconds to add to a time of `view`'s host clock to get the hub's: 0 while every rank
+        seen runs on one host (one clock), else the median of that host's ranks' estimates."""
+        if len(self.hosts) <= 1:
+            return 0.0
+        offsets = self.host_offsets.get(view.host or "")
+        return statistics.median(offsets.values()) if offsets else 0.0
+
+    def hang_possible(self) -> bool:
+        """True while the job could be hung: a step was completed and the job runs (not
+        waiting, restarting, stopping or ended); whether it is: `reports.hangs.job_hang`."""
+        return self.last_step_t is not None and self.state not in (
+            *JOB_ENDED_STATES, "waiting", "restarting", "stopping")
+
+
+def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:
+    """"rank 1 failed first (step 30): InjectedCrash: ...; rank 0 failed after losing a peer"."""
+    at = f" (step {step})" if step is not None else ""
+    text = f"rank {rank} failed first{at}: {why}"
+    if peer_loss:
+        text += f"; {ranks_text(peer_loss)} failed only because a peer went away"
+    return text
