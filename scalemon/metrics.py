@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,13 +443,22 @@ def render_docs(text: str) -> str:
 
     return _BLOCK.sub(block, text)
 
-def tokens_per_s(values: dict[str, Any]) -> float | None:
-    """`tokens / step_time_s` of a step's values (a step body, or a rank's latest metrics), the
-    rate of a script that gives `log(tokens=...)` but measures no rate of its own; else None."""
+def derived_values(values: Mapping[str, Any], own_rate: bool) -> dict[str, float]:
+    """The table's derived metrics of one step's values (a `step` body, or a snapshot's rank),
+    the one rule for them: `tokens_per_s` is `tokens / step_time_s` where the rank measures no
+    rate of its own (`own_rate` False: a derived figure is never mixed into a series of the
+    script's own), `compute_s` the step time less its all-reduce and optimizer time. A value
+    that cannot be derived is left out. The state folds them once per step
+    (`RankView.derived`); series and texts made from records or JSON apply the same rule."""
+    out: dict[str, float] = {}
     tokens, step_time = values.get("tokens"), values.get("step_time_s")
-    if type(tokens) is not int or type(step_time) is not float or not step_time > 0:
-        return None
-    return tokens / step_time
+    if not own_rate and type(tokens) is int and type(step_time) is float and step_time > 0:
+        out["tokens_per_s"] = tokens / step_time
+    if type(step_time) in (int, float):
+        busy = sum(float(v) for v in (values.get("allreduce_time_s"),
+                                      values.get("optimizer_time_s")) if type(v) in (int, float))
+        out["compute_s"] = max(0.0, step_time - busy)
+    return out
 
 
 

@@ -218,19 +218,24 @@ def test_a_restarted_rank_starts_without_alerts():
 
 
 def test_tokens_per_s_is_the_scripts_own_else_tokens_over_step_time():
+    from scalemon.metrics import derived_values
     from scalemon.state.fold import step_values
+
+    def values(body: dict, own_rate: bool) -> dict:
+        return step_values(body, derived_values(body, own_rate))
 
     state = two_ranks()
     state.apply(step(0, 1, 1, tokens=512))  # the first step of a process has no step time
     assert state.ranks[0].value("tokens_per_s") is None
     state.apply(step(0, 2, 2, tokens=512, step_time_s=0.25))
     assert state.ranks[0].value("tokens_per_s") == 2048.0
-    assert step_values({"step": 2, "tokens": 512, "step_time_s": 0.25},
-                       derive_rate=True)["tokens_per_s"] == 2048.0
-    assert "tokens_per_s" not in step_values({"step": 2, "tokens": 512, "step_time_s": 0.25})
+    assert values({"step": 2, "tokens": 512, "step_time_s": 0.25},
+                  own_rate=False)["tokens_per_s"] == 2048.0
+    assert "tokens_per_s" not in values({"step": 2, "tokens": 512, "step_time_s": 0.25},
+                                        own_rate=True)
     state.apply(step(0, 3, 3, tokens=512, step_time_s=0.25, extra={"tokens_per_s": 1000.0}))
     assert state.ranks[0].value("tokens_per_s") == 1000.0  # what the script measured wins
-    assert step_values({"step": 3, "tokens": 512, "step_time_s": 0.25,
-                        "extra": {"tokens_per_s": 1000.0}}, True)["tokens_per_s"] == 1000.0
+    assert values({"step": 3, "tokens": 512, "step_time_s": 0.25,
+                   "extra": {"tokens_per_s": 1000.0}}, own_rate=False)["tokens_per_s"] == 1000.0
     state.apply(step(0, 4, 4, tokens=512, step_time_s=0.25))  # a step it did not measure
     assert state.ranks[0].value("tokens_per_s") == 1000.0  # its last own value stands

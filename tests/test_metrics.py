@@ -217,7 +217,7 @@ from scalemon import protocol
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.text import display
 from scalemon.reports.snapshot_text import format_snapshot
-from scalemon.reports.export import plain
+from scalemon.reports.export import strict_json
 from scalemon.state.fold import AGGREGATED, JobFold
 from scalemon.protocol import Message, ProtocolError
 from scalemon.tui.model import DashboardData
@@ -240,7 +240,7 @@ except ProtocolError as exc:
 fold = JobFold("j")
 for i, m in enumerate(messages):
     fold.apply(i, m)
-state = plain(snapshot_json(fold.state, now=110.0))
+state = strict_json(snapshot_json(fold.state, now=110.0))
 assert state["ranks"][1]["probe_time_s"] == 0.002, state["ranks"][1]
 assert "probe_time_s" in AGGREGATED and len(fold.agg["probe_time_s"]) == 3
 x, _, _, mean = fold.tracks[0].series["probe_time_s"].arrays()

@@ -11,6 +11,7 @@ from collections import deque
 import pytest
 
 from scalemon import metrics
+from scalemon.metrics import derived_values
 from scalemon.protocol import Message
 from scalemon.reports.stragglers import ARRIVAL_BASIS, COMPUTE_BASIS
 from scalemon.state.fold import step_values
@@ -135,11 +136,13 @@ def test_formats_say_na_never_zero():
 
 
 def test_compute_time_is_clamped_and_missing_values_are_left_out():
-    v = step_values({"step": 1, "step_time_s": 0.1, "allreduce_time_s": 0.2,
-                     "optimizer_time_s": 0.01, "loss": None, "tokens": 100})
+    body = {"step": 1, "step_time_s": 0.1, "allreduce_time_s": 0.2, "optimizer_time_s": 0.01,
+            "loss": None, "tokens": 100}
+    v = step_values(body, derived_values(body, own_rate=True))
     assert v["compute_s"] == 0.0 and v["step_time_s"] == pytest.approx(0.1)
     assert "loss" not in v and "mem_allocated_bytes" not in v and "tokens_per_s" not in v
-    with_extra = step_values({"step": 2, "extra": {"tokens_per_s": 5e4, "lr": 1e-3}})
+    body = {"step": 2, "extra": {"tokens_per_s": 5e4, "lr": 1e-3}}
+    with_extra = step_values(body, derived_values(body, own_rate=True))
     assert with_extra == {"tokens_per_s": 5e4}  # the table's extras; `lr` is plotted apart
 
 

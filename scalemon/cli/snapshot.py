@@ -70,9 +70,9 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
     if args.json:  # strict JSON: NaN and infinities as null (docs/protocol.md 9.3)
-        from scalemon.reports.export import plain
+        from scalemon.reports.export import strict_json
 
-        print(json.dumps(plain(out), indent=1, allow_nan=False))
+        print(json.dumps(strict_json(out), indent=1, allow_nan=False))
     else:
         print(format_snapshot(out))
     return 0

@@ -17,7 +17,7 @@ from scalemon import __version__, protocol
 from scalemon.home.lookup import JobLookupError, hub_gone_text, resolve_hub
 from scalemon.options import add_hub_timeout
 from scalemon.protocol import Message
-from scalemon.reports.export import plain
+from scalemon.reports.export import strict_json
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.summary import RunRecords, compare, loss_series, run_records, summarize
 from scalemon.reports.summary_text import compare_text, summary_text
@@ -108,7 +108,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(plain(value), indent=1, allow_nan=False))
+    print(json.dumps(strict_json(value), indent=1, allow_nan=False))
 
 
 def _fail(command: str, text: str) -> int:

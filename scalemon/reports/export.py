@@ -57,7 +57,7 @@ def tid_of(rank: int, lane: int) -> int:
 
 
 # --- JSON lines -----------------------------------------------------------------------------
-def plain(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """`value` as strict JSON data: non-finite floats (NaN, ±inf) null, bytes hex strings,
     map keys strings, tuples lists."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -65,9 +65,9 @@ def plain(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [strict_json(v) for v in value]
     return value
 
 
@@ -75,8 +75,8 @@ def jsonl_lines(records: Iterable[tuple[int, Message]]) -> Iterator[str]:
     """One JSON object per history record (keys `JSONL_FIELDS`), without the newline."""
     for number, msg in records:
         yield json.dumps({"record": number, "type": msg.type, "job": msg.job, "rank": msg.rank,
-                          "seq": msg.seq, "t": plain(msg.t), "v": version_text(msg.version),
-                          "body": plain(msg.body)}, allow_nan=False, separators=(",", ":"))
+                          "seq": msg.seq, "t": strict_json(msg.t), "v": version_text(msg.version),
+                          "body": strict_json(msg.body)}, allow_nan=False, separators=(",", ":"))
 
 
 # --- the trace ------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class _Slices:
 def _steps(msg: Message, off: float, slices: _Slices, comm_hook: set[int]) -> None:
     b = msg.body
     end = msg.t + off
-    args = {k: plain(b.get(k)) for k in ("step", "loss", "tokens", "step_time_s",
+    args = {k: strict_json(b.get(k)) for k in ("step", "loss", "tokens", "step_time_s",
                                          "optimizer_time_s", "allreduce_time_s",
                                          "allreduce_count", "allreduce_bytes")}
     step_time = _number(b.get("step_time_s"))
@@ -223,7 +223,7 @@ def trace(records: Iterable[tuple[int, Message]], job: str | None = None) -> dic
     for rank, t, name, args in instants:
         events.append({"ph": "i", "s": "t", "name": name, "cat": "rank", "pid": pid_of(rank),
                        "tid": tid_of(rank, LANE_STEPS), "ts": _us(t - origin),
-                       "args": plain(args)})
+                       "args": strict_json(args)})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"job": job or next((m.job for m in messages), None),
                           "origin_unix_s": origin, "generator": "scalemon export"}}
@@ -279,7 +279,7 @@ def _place(slices: _Slices, origin: float, events: list[dict[str, Any]]
             prev_end = ts + dur
             events.append({"ph": "X", "name": name, "cat": LANE_NAMES.get(lane, "collective"),
                            "pid": pid_of(rank), "tid": tid_of(rank, lane), "ts": ts,
-                           "dur": dur, "args": plain(args)})
+                           "dur": dur, "args": strict_json(args)})
             if flow is not None:
                 placed.setdefault(flow, {})[rank] = (ts, dur, tid_of(rank, lane))
     return placed

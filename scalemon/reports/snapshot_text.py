@@ -86,11 +86,11 @@ def _snapshot_worst(rank: dict[str, Any], late: dict[int, float], bar: float,
 
 def snapshot_values(rank: Mapping[str, Any]) -> dict[str, Any]:
     """A snapshot rank's values by metric name, as the dashboard reads them: its messages'
-    fields and its `extra`, and tokens/s derived from `tokens / step_time_s` where the
-    script gave tokens but no rate of its own (`metrics.tokens_per_s`)."""
+    fields and its `extra`, and the derived metrics by the state's rule
+    (`metrics.derived_values`: tokens/s where the script gave tokens but no rate)."""
     values = {**rank, **(rank.get("extra") or {})}
-    if values.get("tokens_per_s") is None:
-        values["tokens_per_s"] = metrics.tokens_per_s(values)
+    derived = metrics.derived_values(values, own_rate=values.get("tokens_per_s") is not None)
+    values.update((name, v) for name, v in derived.items() if values.get(name) is None)
     return values
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon.metrics import derived_values
 from scalemon.protocol import Message
 from scalemon.reports import stragglers
 from scalemon.state.fold import step_values
@@ -69,7 +70,7 @@ def run_records(messages: Iterable[Message]) -> RunRecords:
                     seen[name] = float(value)
     for rank, by_step in sorted(bodies.items()):
         derive = rank not in own_rate  # as the dashboard: never mixed with the script's own
-        out.steps[rank] = {s: step_values(b, derive_rate=derive)
+        out.steps[rank] = {s: step_values(b, derived_values(b, own_rate=not derive))
                            for s, (_, b) in sorted(by_step.items())}
         out.step_t[rank] = {s: t for s, (t, _) in sorted(by_step.items())}
     return out

@@ -139,23 +139,16 @@ def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]
     return out
 
 
-def step_values(body: dict[str, Any], derive_rate: bool = False) -> dict[str, float]:
+def step_values(body: dict[str, Any], derived: dict[str, float]) -> dict[str, float]:
     """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
-    with the well-known extras and the dashboard's `compute_s`; absent ones left out.
-    `derive_rate`: the rank never sent a `tokens_per_s` of its own, so `tokens / step_time_s`
-    stands for it (never mixed into a series of the script's own measurements)."""
+    with the well-known extras; absent ones left out; then the step's `derived` metrics
+    (`metrics.derived_values`: compute time, tokens/s where the rank measures none)."""
     out = _numbers(body, STEP_PLOTTED)
     extra = body.get("extra")
     if extra:
         out.update(_numbers(extra, EXTRA_PLOTTED))
-    if derive_rate and "tokens_per_s" not in out:
-        rate = metrics.tokens_per_s(body)
-        if rate is not None:
-            out["tokens_per_s"] = rate
-    step_time = out.get("step_time_s")
-    if step_time is not None:
-        busy = out.get("allreduce_time_s", 0.0) + out.get("optimizer_time_s", 0.0)
-        out["compute_s"] = max(0.0, step_time - busy)
+    for name, value in derived.items():
+        out.setdefault(name, value)
     return out
 
 
@@ -287,7 +280,7 @@ class JobFold:
     def _on_step(self, msg: Message, view: RankView) -> None:
         track = self.track(msg.rank)
         step = msg.body["step"]
-        values = step_values(msg.body, derive_rate="tokens_per_s" not in view.extra)
+        values = step_values(msg.body, view.derived)  # derived once, by the state
         if self.keeps_series(msg.rank):
             track.add_step_series(msg.body, values)
         if msg.body.get("skipped"):
@@ -400,14 +393,15 @@ class JobFold:
         first: int | None = None
         step: int | None = None
         view = self.state.ranks.get(rank)
-        derive_rate = view is None or "tokens_per_s" not in view.extra
+        own_rate = view is not None and "tokens_per_s" in view.extra
         for msg in messages or ():
             if msg.rank != rank:
                 continue
             if msg.type == "step":
                 step = msg.body["step"]
                 first = step if first is None else min(first, step)
-                track.add_step_series(msg.body, step_values(msg.body, derive_rate))
+                derived = metrics.derived_values(msg.body, own_rate)
+                track.add_step_series(msg.body, step_values(msg.body, derived))
             elif msg.type == "heartbeat":
                 track.add_heartbeat_series(msg.body, step)
             elif msg.type == "collectives" and view is not None and not view.comm_hook:

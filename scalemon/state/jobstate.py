@@ -104,14 +104,17 @@ class RankView:
     over the recorder's (`collectives.steps`)."""
     step_comm: list[Any] | None = field(default=None, repr=False, metadata=_INTERNAL)
     """The latest step's all-reduce figures from the recorder (a `STEP_COMM_FIELDS` row)."""
+    derived: dict[str, float] = field(default_factory=dict, repr=False, metadata=_INTERNAL)
+    """The table's derived metrics of the latest step (`metrics.derived_values`: tokens/s
+    where the script measures none, compute time), computed once as the step is folded."""
 
     def value(self, name: str, now: float | None = None) -> Any:
         """The current value of metric `name` of the table (KeyError for other names): from
         the messages, from `extra` for well-known extra names, or computed (`now` for ages)."""
         metric = metrics.BY_NAME[name]
         if metric.source == "extra":
-            if name == "tokens_per_s" and name not in self.extra:  # the script measures none
-                return metrics.tokens_per_s(self.metrics)
+            if name not in self.extra and name in self.derived:  # the script measures none
+                return self.derived[name]
             return self.extra.get(name)
         if name == "heartbeat_age_s":  # a rank that ended sends none: no age to count
             if self.last_seen_t is None or self.state in TERMINAL_STATES:
@@ -238,6 +241,7 @@ class JobState:
                 for name, value in extra.items():
                     if name in view.extra or len(view.extra) < EXTRA_NAMES_MAX:
                         view.extra[name] = value
+        view.derived = metrics.derived_values(b, own_rate="tokens_per_s" in view.extra)
         if view.state == "lost":
             view.state, view.state_reason = "running", None
 
