@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from scalemon.protocol import check_job_id
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
                     argparse.RawDescriptionHelpFormatter):
@@ -109,8 +111,6 @@ def add_query_arguments(parser: argparse.ArgumentParser) -> None:
 
 def job_id(text: str) -> str:
     """An argparse `type`: a job id that is safe in file names."""
-    from scalemon.home.paths import check_job_id
-
     try:
         return check_job_id(text)
     except ValueError as exc:

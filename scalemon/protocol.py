@@ -15,6 +15,7 @@ tables for people writing their own clients.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,21 @@ null when none had one), their summed bytes, the first one's issue time (Unix s,
 RANK_STATES = ("running", "lost", "exited", "finished")
 HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
+
+
+_JOB_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def check_job_id(job: str) -> str:
+    """Return `job` if it is a job id: 1-100 letters, digits, `.`, `_` or `-`, starting with a
+    letter or digit (safe in file names: a hub's run directory is named after it); else raise
+    ValueError."""
+    if not _JOB_ID_OK.match(job):
+        raise ValueError(
+            f"job id {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return job
 
 
 class ProtocolError(ValueError):

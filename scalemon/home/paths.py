@@ -17,12 +17,10 @@ import hashlib
 import re
 from pathlib import Path
 
-from scalemon.home.safefs import (
-    private_dir,
-)
+from scalemon.home.safefs import private_dir
+from scalemon.protocol import check_job_id
 from scalemon.settings import node_name, runtime_dir, scalemon_home
 
-_JOB_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -37,14 +35,6 @@ def relay_dir(job: str, node: str | None = None) -> Path:
     return private_dir(path)
 
 
-def check_job_id(job: str) -> str:
-    """Return `job` if it is safe to use in file names, else raise ValueError."""
-    if not _JOB_ID_OK.match(job):
-        raise ValueError(
-            f"job id {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return job
 
 
 def run_dir(job: str, home: Path | None = None) -> Path:
