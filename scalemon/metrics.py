@@ -112,11 +112,6 @@ class Metric:
         """True when the reducer keeps the metric's min/mean/max over ranks per step."""
         return self.show is not None and self.show.overview is not None
 
-    @property
-    def on_wire(self) -> bool:
-        """True for fields of the `step` and `heartbeat` messages."""
-        return self.source in ("step", "heartbeat")
-
 
 _NO_GPU = "no GPU on this rank"
 _NO_NVML = "no GPU or NVML on this rank"

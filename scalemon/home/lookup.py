@@ -77,12 +77,6 @@ def trusted_dirs(directory: Path) -> None:
         raise JobLookupError(f"not reading job files: {exc}") from None
 
 
-def live_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
-    """Job files of live jobs (running, their hub serving), newest first; a hub that lingers
-    after its job ended is not live (`serving_jobs` has it)."""
-    return [jf for jf in serving_jobs(home, clean) if jf.state == "running"]
-
-
 def default_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
     """What to attach to when the user names no job: the live jobs; with none, the ended
     jobs whose hubs still serve them."""
