@@ -1,7 +1,9 @@
 """Fused Adam/AdamW in Triton: one kernel launch per ``step()`` for every parameter.
 
-The optimizer (``FusedAdamW``) and its state live here; the kernels in ``adam_kernel.py``; the
-device tables they read, and when they are rewritten, in ``adam_plan.py``.
+The optimizer (``FusedAdamW``) lives here; its per-param state (master weights, moment dtypes,
+bytes per parameter, with the bf16 modes' table) in ``adam_state.py``; the kernels in
+``adam_kernel.py``; the device tables they read, and when they are rewritten, in
+``adam_plan.py``.
 
 Host side: a constant number of torch ops per step
 --------------------------------------------------
@@ -48,28 +50,6 @@ hyperparameters between replays only through ``sync_hyperparameters()`` (or use 
 updated in place), and do not replace params or state after capturing. Without
 ``capturable=True`` a step under capture raises, as torch's optimizers do.
 
-bf16 params: bytes per parameter and master weights
----------------------------------------------------
-Per group, ``master_weights`` (None = automatic = "fp32" for half params) and ``moment_dtype``
-("fp32" or "bf16"; None = fp32 when there is a master, else the param's dtype):
-
-=========================================  =========  ======================================
-bf16 params with                           B/param    master
-=========================================  =========  ======================================
-master "fp32", moments fp32 (default)      28         fp32 copy (exact fp32 AdamW)
-master "lo16", moments fp32                26         exact fp32 (param + low 16 bits)
-master "fp32", moments bf16                20         fp32 copy
-master "lo16", moments bf16                18         exact fp32 (param + low 16 bits)
-master False, moments bf16 (pure bf16)     14         none (torch's bf16 ``fused=True``)
-=========================================  =========  ======================================
-
-(read g, p or master, m, v; write p, master, m, v.) ``"lo16"`` keeps only the low 16 bits of
-the fp32 master (state ``master_lo16``, int16): the param is the fp32 master rounded to nearest
-with ties away from zero, so param and low bits together give back the fp32 master exactly
-(``join_lo16``/``split_lo16``); the update is computed on it, as with a full master. bf16
-moments are rounded to nearest even. ``bench/bf16_accuracy.py`` compares these modes with fp32
-AdamW over a training run of the demo model.
-
 Differences from torch: under GradScaler the grads are unscaled inside the kernel but not
 written back; float64 and complex params, sparse grads and non-dense layouts are refused; a
 float lr that changes (a scheduler) costs one small async host-to-device copy at the next step;
@@ -88,10 +68,20 @@ import torch.optim.optimizer as _torch_optimizer
 
 from . import adam_plan
 from .adam_kernel import block_for, interpreted
-from .adam_plan import CODES, Plan, check_device, check_tensor, poke, same_dense_layout
+from .adam_plan import CODES, Plan, check_device, check_tensor, poke
+from .adam_state import (
+    FP32_MASTER,
+    LO16_MASTER,
+    bytes_per_param,
+    check_modes,
+    ensure_state,
+    join_lo16,
+    master_kind,
+    split_lo16,
+)
 from .flat_buffers import FlatBuffers
 
-__all__ = [
+__all__ = [  # bytes_per_param, join_lo16 and split_lo16 are adam_state.py's
     "FusedAdamW",
     "bytes_per_param",
     "interpreted",
@@ -101,8 +91,6 @@ __all__ = [
 ]
 
 _FLAG_AMSGRAD, _FLAG_MAXIMIZE, _FLAG_DECOUPLED = 1, 2, 4
-_NO_MASTER, _FP32_MASTER, _LO16_MASTER = 0, 1, 2
-_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def launch_count() -> int:
@@ -110,66 +98,9 @@ def launch_count() -> int:
     return adam_plan.LAUNCH_COUNT
 
 
-def bytes_per_param(param: torch.dtype, master: str | None, moments: torch.dtype) -> int:
-    """Bytes one step moves per parameter: read grad, param or master, m, v; write them back
-    (master "fp32": the rounded param too; "lo16": param and low word; None: the param)."""
-    p, s = _itemsize(param), _itemsize(moments)
-    weights = {None: 2 * p, "fp32": 4 + 4 + p, "lo16": 4 * 2}[master]
-    return p + weights + 4 * s
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _capturing(device: torch.device) -> bool:
     """True while a CUDA graph is being captured on the current stream of ``device``."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _as_step(step: Any, device: torch.device) -> torch.Tensor:
-    """A float32 0-d step tensor on ``device`` (torch keeps it on CPU unless fused)."""
-    if not torch.is_tensor(step):
-        return torch.tensor(float(step), dtype=torch.float32, device=device)
-    if step.dtype == torch.float32 and step.device == device and step.dim() == 0:
-        return step
-    return step.detach().reshape(()).to(device=device, dtype=torch.float32, copy=True)
-
-
-def _like(t: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` if it already matches p's device/layout and ``dtype``, else a converted copy."""
-    if (
-        t.device == p.device
-        and t.dtype == dtype
-        and t.shape == p.shape
-        and same_dense_layout(t, p)
-    ):
-        return t
-    out = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-    return out.copy_(t.detach().reshape(p.shape))
-
-
-def _signed16(x: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 65536) as the int16 with the same bits."""
-    return torch.where(x >= 0x8000, x - 0x10000, x).to(torch.int16)
-
-
-def split_lo16(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bf16 param, int16 low word) of an fp32 master, as the kernel stores them: the param
-    is rounded to nearest with ties away from zero; ``join_lo16`` gives the master back."""
-    bits = master.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    hi = torch.where(master.isnan(), (bits >> 16) | 0x40, (bits + 0x8000) >> 16) & 0xFFFF
-    return _signed16(hi).view(torch.bfloat16), _signed16(bits & 0xFFFF)
-
-
-def join_lo16(param: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The exact fp32 master held by a bf16 param and its int16 low word."""
-    hi = param.detach().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    low = lo.detach().contiguous().to(torch.int64) & 0xFFFF
-    bits = (((hi - (low >= 0x8000).long()) & 0xFFFF) << 16) | low
-    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
-    return bits.to(torch.int32).view(torch.float32).reshape(param.shape)
 
 
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -185,7 +116,7 @@ class FusedAdamW(torch.optim.Optimizer):
     ``master_weights`` (None = automatic = "fp32" for half params; True = "fp32"; "lo16" =
     the low 16 bits of an fp32 master next to bf16 params; False = none) and ``moment_dtype``
     (None = fp32 with a master, else the param's dtype; "fp32"; "bf16") choose the bytes moved
-    per parameter (module docstring). ``capturable=True`` lets ``step()`` be captured in a CUDA
+    per parameter (adam_state.py). ``capturable=True`` lets ``step()`` be captured in a CUDA
     graph. Loading a torch state: missing masters are created from the params; saved state
     keeps its dtype until the first step converts it to what the group asks for. Works with
     ``torch.amp.GradScaler`` (grads are unscaled in the kernel and a step with ``found_inf``
@@ -224,7 +155,7 @@ class FusedAdamW(torch.optim.Optimizer):
             "moment_dtype": moment_dtype,
             "capturable": capturable,
         }
-        _check_modes(defaults)
+        check_modes(defaults)
         self._plan: Plan | None = None
         self._graph_plans: list[Plan] = []
         self._epoch = 0
@@ -242,7 +173,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 group.setdefault(key, self.defaults[key])
             if self.defaults["decoupled_weight_decay"]:
                 group["decoupled_weight_decay"] = True
-            _check_modes(group)
+            check_modes(group)
         self.invalidate_tables()
 
     def invalidate_tables(self) -> None:
@@ -253,12 +184,14 @@ class FusedAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, and invalidates the cached tables."""
         super().add_param_group(param_group)
-        _check_modes(self.param_groups[-1])
+        check_modes(self.param_groups[-1])
         if self._flat is not None:
             group = self.param_groups[-1]
             self._flat.adopt(group["params"])
-            for p in group["params"]:  # every param is stepped (its grad is never None), so
-                self._ensure_state(p, group)  # its state exists from the start, as after a step
+            # every param is stepped (its grad is never None), so its state exists from the
+            # start, as after a step
+            for p in group["params"]:
+                ensure_state(self.state[p], p, group)
         self.invalidate_tables()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -495,15 +428,15 @@ class FusedAdamW(torch.optim.Optimizer):
     def _row(self, gi: int, group: dict, p: torch.Tensor, refs: list[torch.Tensor]) -> list[int]:
         """One int64 table row for param ``p`` (initialising or fixing its state); the
         tensors it names are appended to ``refs``."""
-        st = self._ensure_state(p, group)
-        kind = _master_kind(p, group)
+        st = ensure_state(self.state[p], p, group)
+        kind = master_kind(p, group)
         flags = (
             _FLAG_AMSGRAD * bool(group["amsgrad"])
             + _FLAG_MAXIMIZE * bool(group["maximize"])
             + _FLAG_DECOUPLED * bool(group["decoupled_weight_decay"])
         )
         vmax = st.get("max_exp_avg_sq") if group["amsgrad"] else None
-        master = st.get({_FP32_MASTER: "master_param", _LO16_MASTER: "master_lo16"}.get(kind))
+        master = st.get({FP32_MASTER: "master_param", LO16_MASTER: "master_lo16"}.get(kind))
         lr = group["lr"] if _lr_by_pointer(group["lr"], p.device) else None
         named = (p, st["exp_avg"], st["exp_avg_sq"], vmax, master, st["step"], lr)
         refs.extend(t for t in named if t is not None)
@@ -519,69 +452,6 @@ class FusedAdamW(torch.optim.Optimizer):
             kind,
             0,
         ]
-
-    def _ensure_state(self, p: torch.Tensor, group: dict) -> dict[str, Any]:
-        """Create state lazily, or bring a loaded one to the layout the kernel expects."""
-        st = self.state[p]
-        kind = _master_kind(p, group)
-        sdtype = _moment_dtype(p, group, kind)
-        st["step"] = _as_step(st.get("step", 0.0), p.device)
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        for k in keys:
-            st[k] = _like(st[k], p, sdtype) if k in st else torch.zeros_like(p, dtype=sdtype)
-        _ensure_master(p, st, kind)
-        return st
-
-
-def _ensure_master(p: torch.Tensor, st: dict[str, Any], kind: int) -> None:
-    """Give ``st`` the master the group asks for, converting one it has (exactly)."""
-    master, lo = st.pop("master_param", None), st.pop("master_lo16", None)
-    if kind == _FP32_MASTER:
-        if master is None:  # a torch checkpoint has none: start from the param
-            master = join_lo16(p, lo) if lo is not None else p
-        st["master_param"] = _like(master, p, torch.float32)
-    elif kind == _LO16_MASTER:
-        if lo is not None and master is None:
-            st["master_lo16"] = _like(lo, p, torch.int16)
-        elif master is None:  # the param is the master: low bits zero
-            st["master_lo16"] = torch.zeros_like(p, dtype=torch.int16)
-        else:  # split a full master: the param becomes its high word
-            hi, low = split_lo16(master)
-            with torch.no_grad():
-                p.copy_(hi.reshape(p.shape))
-            st["master_lo16"] = _like(low.reshape(p.shape), p, torch.int16)
-
-
-def _master_kind(p: torch.Tensor, group: dict) -> int:
-    """The master a param gets: none for fp32 params or ``master_weights=False``."""
-    mode = group["master_weights"]
-    if p.dtype == torch.float32 or mode is False:
-        return _NO_MASTER
-    if mode == "lo16":
-        if p.dtype != torch.bfloat16:
-            raise ValueError(f"master_weights='lo16' needs bfloat16 params, got {p.dtype}")
-        return _LO16_MASTER
-    return _FP32_MASTER
-
-
-def _moment_dtype(p: torch.Tensor, group: dict, kind: int) -> torch.dtype:
-    """exp_avg/exp_avg_sq dtype: the group's, else fp32 with a master, else the param's."""
-    if group["moment_dtype"] is not None:
-        return _MOMENT_DTYPES[group["moment_dtype"]]
-    return torch.float32 if kind != _NO_MASTER else p.dtype
-
-
-def _check_modes(group: dict) -> None:
-    """Refuse unknown ``master_weights``/``moment_dtype`` values."""
-    if group["master_weights"] not in (None, True, False, "fp32", "lo16"):
-        raise ValueError(
-            f"master_weights must be None, True, False, 'fp32' or 'lo16', "
-            f"got {group['master_weights']!r}"
-        )
-    if group["moment_dtype"] not in (None, *_MOMENT_DTYPES):
-        raise ValueError(
-            f"moment_dtype must be None, 'fp32' or 'bf16', got {group['moment_dtype']!r}"
-        )
 
 
 def _lr_by_pointer(lr: Any, device: torch.device) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalemon.demo_train import train
+from scalemon.demo_train import train, train_loop, train_setup, train_stats
 from scalemon.demo_train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -32,23 +32,23 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def trainer(corpus: Path, *flags: str) -> train.Trainer:
+def trainer(corpus: Path, *flags: str) -> train_setup.Trainer:
     args = train.parse_args(["--preset", "tiny", "--data", str(corpus), "--batch-size", "4",
                              "--device", "cpu", *flags])
-    return train.build(args, CPU)
+    return train_setup.build(args, CPU)
 
 
-def steps(t: train.Trainer, n: int) -> list[float]:
+def steps(t: train_setup.Trainer, n: int) -> list[float]:
     out = []
     for _ in range(n):
         step = t.data.batches_served + 1
-        loss = train.forward_backward(t, step)
-        train.optimizer_step(t)
+        loss = train_loop.forward_backward(t, step)
+        train_loop.optimizer_step(t)
         out.append(loss.item())
     return out
 
 
-def grads(t: train.Trainer) -> dict[str, torch.Tensor]:
+def grads(t: train_setup.Trainer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in t.model.named_parameters()}
 
 
@@ -104,8 +104,8 @@ def test_printed_estimate_is_the_formula(corpus, capsys) -> None:
 def test_grad_accum_gives_the_gradients_of_the_full_batch(corpus) -> None:
     full = trainer(corpus)
     accum = trainer(corpus, "--batch-size", "1", "--grad-accum", "4")
-    loss_full = train.forward_backward(full, 1)
-    loss_accum = train.forward_backward(accum, 1)
+    loss_full = train_loop.forward_backward(full, 1)
+    loss_accum = train_loop.forward_backward(accum, 1)
     assert loss_accum.item() == pytest.approx(loss_full.item(), rel=1e-6)
     g_full, g_accum = grads(full), grads(accum)
     for name, g in g_full.items():
@@ -116,8 +116,8 @@ def test_activation_checkpointing_gives_the_same_gradients(corpus) -> None:
     plain = trainer(corpus)
     ckpt = trainer(corpus, "--activation-checkpointing")
     assert ckpt.model.activation_checkpointing
-    train.forward_backward(plain, 1)
-    train.forward_backward(ckpt, 1)
+    train_loop.forward_backward(plain, 1)
+    train_loop.forward_backward(ckpt, 1)
     g_plain, g_ckpt = grads(plain), grads(ckpt)
     for name, g in g_plain.items():
         torch.testing.assert_close(g_ckpt[name], g, rtol=0, atol=0, msg=name)
@@ -362,9 +362,9 @@ def test_host_values_are_read_only_on_logged_steps(corpus, monkeypatch, capsys) 
         reads.append(loss.item())
         return reads[-1]
 
-    monkeypatch.setattr(train, "read_loss", counting_read)
+    monkeypatch.setattr(train_loop, "read_loss", counting_read)
     t.monitor = FakeMonitor()
-    assert train.train(t) == 0
+    assert train_loop.train(t) == 0
     printed = [line for line in capsys.readouterr().out.splitlines()
                if line.startswith("step ")]
     assert len(reads) == 3  # steps 4, 8 and the last one, 10
@@ -385,7 +385,7 @@ def test_log_every_defaults_to_1_on_cpu_and_10_on_cuda(corpus) -> None:
         cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
         tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         try:
-            assert train.build(args, cuda).log_every == 10
+            assert train_setup.build(args, cuda).log_every == 10
         finally:  # build() turned TF32 on (--tf32 on) for this whole test process
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
@@ -403,9 +403,9 @@ def test_tokens_per_s_is_timed_between_syncs_so_waiting_for_the_device_counts(
         time.sleep(wait_s)
         return loss.item()
 
-    monkeypatch.setattr(train, "read_loss", slow_read)
+    monkeypatch.setattr(train_loop, "read_loss", slow_read)
     t.monitor = FakeMonitor()
-    train.train(t)
+    train_loop.train(t)
     rates = [extra["tokens_per_s"] for _, extra in t.monitor.logged if extra]
     assert len(rates) == 2
     most = t.tokens_per_step * 2 / wait_s  # 2 steps per interval, each with one wait
@@ -413,13 +413,13 @@ def test_tokens_per_s_is_timed_between_syncs_so_waiting_for_the_device_counts(
 
 
 def test_sync_clock_leaves_sleeps_and_warm_up_out() -> None:
-    clock = train.SyncClock(step=0, now=100.0)
+    clock = train_stats.SyncClock(step=0, now=100.0)
     assert clock.lap(10, 105.0) == (10, 5.0)  # warm-up interval
     clock.pause(1.0)  # a --step-delay sleep
     assert clock.lap(20, 108.0) == (10, 2.0)
     assert clock.lap(30, 110.0) == (10, 2.0)
     assert clock.tokens_per_s(100) == pytest.approx(100 * 20 / 4.0)  # the first one left out
-    assert train.SyncClock(0, 0.0).tokens_per_s(100) is None
+    assert train_stats.SyncClock(0, 0.0).tokens_per_s(100) is None
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""The demo trainer's loop: one step (forward and backward over the micro-batches, the
+optimizer step through the loss scaler), the host reads on logged steps, the periodic and
+SIGTERM checkpoints; it runs a `Trainer` that train_setup.py built."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .checkpoint import TermSignal
+from .parallel import any_rank, gradient_sync
+from .precision import autocast
+from .train_setup import Trainer, print0
+from .train_stats import SyncClock, finish
+
+
+def forward_backward(t: Trainer, step: int) -> torch.Tensor:
+    """Gradients of one step's batch, over --grad-accum micro-batches with the gradient
+    all-reduce on the last only; returns the step's mean loss (detached)."""
+    device, accum = t.env.device, t.args.grad_accum
+    x, y = t.data.next_batch()  # batch_size * grad_accum sequences, cut into micro-batches
+    if device.type == "cuda":  # from pinned memory the copies below do not wait for the GPU
+        x, y = x.pin_memory(), y.pin_memory()
+    total = torch.zeros((), device=device)
+    for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+        last = i == accum - 1
+        with gradient_sync(t.module, enabled=last):
+            with autocast(t.amp, device):
+                _, loss = t.module(xb.to(device, non_blocking=True),
+                                   yb.to(device, non_blocking=True))
+            loss = loss / accum
+            scaled = t.scaler.scale(loss) if t.scaler is not None else loss
+            if last:
+                scaled = t.faults.overflow(step, scaled)
+                t.faults.before_backward()
+            scaled.backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(t: Trainer) -> None:
+    """Update the weights (through the loss scaler, which skips a step with inf/NaN
+    gradients and lowers the scale) and clear the gradients."""
+    if t.scaler is not None:
+        t.scaler.step(t.optimizer)
+        t.scaler.update()
+    else:
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+
+
+def train(t: Trainer) -> int:
+    """The loop; returns the exit code (non-zero after saving on SIGTERM).
+
+    Host values (the loss, the loss scale) are read only on logged steps, every --log-every:
+    each read waits for the GPU, so reading every step would sync every step (nanoGPT's log
+    interval). tokens/s and MFU are measured between those reads, on every rank, and go to the
+    monitor with the logged step; the monitor gets the loss of every step without a sync."""
+    args, env = t.args, t.env
+    stats: dict[str, list] = {"steps": [], "step_times_s": [], "losses": [], "loss_scales": [],
+                              "agent_totals_s": []}  # finish() adds the clock's intervals
+    scale = t.scaler.get_scale() if t.scaler is not None and env.rank == 0 else None
+    clock = SyncClock(t.start_step, time.perf_counter())
+    if t.start_step >= args.max_steps:
+        print0(env, f"nothing to train: resumed at step {t.start_step}, --max-steps is "
+                    f"{args.max_steps}")
+    for step in range(t.start_step + 1, args.max_steps + 1):
+        t0 = time.perf_counter()
+        t.faults.before_step(step, t.monitor)
+        t.faults.desync(step, t.group, env.rank)
+        loss = forward_backward(t, step)
+        optimizer_step(t)
+        logged = step % t.log_every == 0 or step == args.max_steps
+        measured: dict[str, float] = {}
+        if logged:
+            value = read_loss(loss)  # a sync point
+            steps, seconds = clock.lap(step, time.perf_counter())
+            tokens_per_s = t.tokens_per_step * steps / seconds
+            measured["tokens_per_s"] = tokens_per_s
+            if t.peak_flops is not None:
+                measured["mfu"] = t.flops_per_token * tokens_per_s / t.peak_flops
+        if t.monitor is not None:
+            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step, **measured)
+            stats["agent_totals_s"].append(t.monitor.agent_time_total_s)  # for bench/
+        if logged and env.rank == 0:
+            print(f"step {step} loss {value:.4f}", flush=True)
+            scale = report_loss_scale(t, step, scale)
+            stats["steps"].append(step)
+            stats["losses"].append(value)
+            stats["loss_scales"].append(scale)
+        if args.step_delay:
+            slept = time.perf_counter()
+            time.sleep(args.step_delay)
+            clock.pause(time.perf_counter() - slept)
+        stats["step_times_s"].append(time.perf_counter() - t0)
+        if t.ckpt is not None:
+            stop = any_rank(t.term.received, t.group)
+            due = args.ckpt_every > 0 and step % args.ckpt_every == 0
+            if (due or stop or step == args.max_steps) and t.ckpt.last_saved != step:
+                t.ckpt.save(step, t.state, "SIGTERM" if stop else "periodic")
+            if stop:
+                print0(env, f"SIGTERM: stopped after step {step} with a checkpoint")
+                finish(t, stats, clock, TermSignal.EXIT_CODE)
+                return TermSignal.EXIT_CODE
+    finish(t, stats, clock, 0)
+    return 0
+
+
+def read_loss(loss: torch.Tensor) -> float:
+    """The step's loss on the host: a sync point (it waits for the GPU to finish the step)."""
+    return loss.item()
+
+
+def report_loss_scale(t: Trainer, step: int, previous: float | None) -> float | None:
+    """Print when the AMP loss scale went down since the last logged step (steps with inf/NaN
+    gradients were skipped); returns the scale now. Reading it is a sync: logged steps only."""
+    if t.scaler is None:
+        return None
+    scale = t.scaler.get_scale()
+    if previous is not None and scale < previous:
+        if t.log_every == 1:
+            print(f"amp: step {step} skipped (inf/NaN gradients), loss scale {previous:g} -> "
+                  f"{scale:g}", flush=True)
+        else:
+            print(f"amp: loss scale {previous:g} -> {scale:g} by step {step}: steps with inf/NaN "
+                  "gradients were skipped", flush=True)
+    return scale
+
+
