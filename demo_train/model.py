@@ -7,7 +7,6 @@ needs no tokenizer and no downloads.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, replace
 
@@ -186,24 +185,6 @@ class GPT(nn.Module):
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         return 6 * self.num_params() + 12 * L * H * Q * T
 
-    def configure_optimizers(
-        self,
-        weight_decay: float,
-        learning_rate: float,
-        betas: tuple[float, float],
-        device_type: str,
-    ) -> torch.optim.AdamW:
-        """AdamW with weight decay on 2D+ tensors (matmuls, embeddings) only."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        fused_ok = "fused" in inspect.signature(torch.optim.AdamW).parameters
-        extra = {"fused": True} if fused_ok and device_type == "cuda" else {}
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
 
 # -----------------------------------------------------------------------------
