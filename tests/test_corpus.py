@@ -311,7 +311,8 @@ def test_the_dashboard_shows_monitor_off_and_a_disabled_loss_scale(corpus):
     with the reason in the rank's detail; `off`, not n/a, as a disabled scaler's loss scale."""
     from scalemon.tui.app import DashboardApp
     from scalemon.tui.feed import HubFeed
-    from scalemon.tui.views.overview import COLUMNS, MONITOR_OFF, rank_detail
+    from scalemon.tui.views.rank_detail import rank_detail
+    from scalemon.tui.views.rows import COLUMNS, MONITOR_OFF
     from scalemon.tui.widgets.rank_table import RankTable
 
     home, outcomes = corpus

@@ -25,7 +25,8 @@ from scalemon.state.jobstate import JobState
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import DashboardData
-from scalemon.tui.views.overview import overview, rank_detail
+from scalemon.tui.views.overview import overview
+from scalemon.tui.views.rank_detail import rank_detail
 from scalemon.tui.widgets.header import JobHeader
 
 GLOO_PEER_ERROR = (

@@ -19,7 +19,8 @@ from scalemon.state.jobstate import JobState
 from scalemon.text import display
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views.overview import COLUMNS, DETAIL_PANELS
+from scalemon.tui.views.rank_detail import DETAIL_PANELS
+from scalemon.tui.views.rows import COLUMNS
 
 UNIT_SUFFIX = {"s": "_s", "bytes": "_bytes", "%": "_pct", "W": "_w", "°C": "_c",
                "s (Unix)": "_t"}
@@ -222,7 +223,8 @@ from scalemon.state.fold import AGGREGATED, JobFold
 from scalemon.protocol import Message, ProtocolError
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.help import HELP
-from scalemon.tui.views.overview import overview, rank_detail
+from scalemon.tui.views.overview import overview
+from scalemon.tui.views.rank_detail import rank_detail
 
 def step(rank, n, probe):
     body = {"step": n, "loss": 1.0, "step_time_s": 0.1, "probe_time_s": probe}
@@ -258,7 +260,7 @@ data = DashboardData()
 data.apply_messages(messages)
 view = overview(data, now=110.0)
 assert "probe" in [line.label for line in view.plots["time"].lines]
-columns = __import__("importlib").import_module("scalemon.tui.views.overview").COLUMNS
+columns = __import__("importlib").import_module("scalemon.tui.views.rows").COLUMNS
 assert "probe ms" in [c.heading for c in columns]
 assert view.rows[1].cells[[c.key for c in display.rank_columns()].index("probe_time_s")] == "2.0"
 detail = rank_detail(data, 0, now=110.0)

@@ -188,7 +188,7 @@ def test_a_big_jobs_rank_gets_its_series_from_the_hub_when_shown_then_live(
 
 def test_a_rank_with_more_records_than_the_hub_indexes_says_from_which_step_its_plots_go(
         start_hub, zctx) -> None:
-    from scalemon.tui.views.overview import rank_detail
+    from scalemon.tui.views.rank_detail import rank_detail
 
     ranks = SERIES_ALL_BELOW
     hub = start_hub("bigtrim", "--lost-after", "600")

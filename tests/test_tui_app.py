@@ -28,7 +28,8 @@ from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import simulated_app
 from scalemon.tui.sim import SimJob
-from scalemon.tui.views.overview import COLUMNS, rank_detail
+from scalemon.tui.views.rank_detail import rank_detail
+from scalemon.tui.views.rows import COLUMNS
 from scalemon.tui.widgets.header import JobHeader
 from scalemon.tui.widgets.plot import LinePlot
 from scalemon.tui.widgets.rank_table import RankTable
@@ -369,7 +370,7 @@ def test_the_cursor_row_comes_into_view_when_moved_before_the_new_rows_are_laid_
     size, or it is clamped to the old one (the top) and the last row is never shown."""
     from textual.app import App, ComposeResult
 
-    from scalemon.tui.views.overview import Row
+    from scalemon.tui.views.rows import Row
 
     class TableOnly(App[None]):
         def compose(self) -> ComposeResult:

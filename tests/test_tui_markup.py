@@ -24,7 +24,7 @@ from scalemon.home.jobfile import JobFile
 from scalemon.protocol import HUB_RANK, Message
 from scalemon.tui.app import DashboardApp
 from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean, plain
+from scalemon.tui.safe_text import clean, literal_text
 from scalemon.tui.screens.collectives import CollectivesScreen
 from scalemon.tui.screens.flags import FlagsScreen, ToggleDialog
 from scalemon.tui.screens.hang import HangScreen
@@ -294,4 +294,4 @@ def test_clean_makes_control_characters_visible_and_keeps_the_rest():
     assert clean("\x1b]52;c;aGVsbG8=\x07") == "\\x1b]52;c;aGVsbG8=\\x07"  # OSC 52
     assert clean("a\u202eb") == "a\\u202eb"
     assert clean("x\ty\nz", one_line=True) == "x   y z"
-    assert plain("[/x]\x1b", style="bold").plain == "[/x]\\x1b"
+    assert literal_text("[/x]\x1b", style="bold").plain == "[/x]\\x1b"

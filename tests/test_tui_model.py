@@ -20,7 +20,8 @@ from scalemon.text import display as fmt
 from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.nodes import bin_counts
-from scalemon.tui.views.overview import COLUMNS, overview
+from scalemon.tui.views.overview import overview
+from scalemon.tui.views.rows import COLUMNS
 from scalemon.tui.widgets.braille import (
     DOT_BITS,
     column_envelope,
@@ -248,6 +249,7 @@ def test_long_history_is_folded_in_chunks_and_only_visible_rows_are_formatted():
 
 def test_headless_modules_do_not_import_textual():
     code = ("import sys; import scalemon.tui.model, scalemon.tui.views.overview, "
+            "scalemon.tui.views.rank_detail, "
             "scalemon.tui.feed, scalemon.tui.sim, scalemon.tui.widgets.braille, "
             "scalemon.tui.views.collectives, scalemon.tui.views.hang, scalemon.cli.main; "
             "assert 'textual' not in sys.modules, 'textual imported'")

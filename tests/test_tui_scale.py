@@ -36,7 +36,8 @@ from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import settle, simulated_app
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.nodes import NODE_COLUMNS
-from scalemon.tui.views.overview import COLUMNS, overview
+from scalemon.tui.views.overview import overview
+from scalemon.tui.views.rows import COLUMNS
 from scalemon.tui.widgets.node_table import NodeTable
 from scalemon.tui.widgets.rank_table import RankTable
 from scalemon.tui.widgets.watch import HistogramPanel, TextPanel
@@ -257,13 +258,13 @@ def test_the_overview_of_a_big_job_shows_nodes_and_drills_down_to_a_rank(big):
             assert node_table(app).display and not screen.query_one(RankTable).display
             assert screen.query_one(RankTable).rows == {}  # no rank row built
             await until(pilot, lambda: node_table(app).has_focus)  # focus follows a paint
-            slowest = screen.query_one("#slowest", TextPanel).plain()
+            slowest = screen.query_one("#slowest", TextPanel).shown_text()
             assert re.search(rf"{STRAGGLER} +node64 +\+2\d\.\d ms", slowest)
-            failed = screen.query_one("#failed", TextPanel).plain()
+            failed = screen.query_one("#failed", TextPanel).shown_text()
             assert "lost or failed ranks  2" in failed
             for rank in LOST:
                 assert re.search(rf"{rank} +{sim.host(rank)} +lost", failed)
-            assert "late ms, 1022 ranks" in screen.query_one(HistogramPanel).plain()
+            assert "late ms, 1022 ranks" in screen.query_one(HistogramPanel).shown_text()
             await until(pilot, lambda: "node125" in screen_text(app))  # painted
             assert not re.search(r"^ +517 +running", screen_text(app), re.M)
 
@@ -337,7 +338,7 @@ def test_host_names_are_shown_as_typed():
             await until(pilot, lambda: len(node_table(app).rows) == 2)
             text = screen_text(app)
             assert "[b]n1[/b]\\x1b" in text and "[b]n0[/b]\\x1b" in text  # in the table and panels
-            assert "lost ([/red] gone)" in app.screen.query_one("#failed", TextPanel).plain()
+            assert "lost ([/red] gone)" in app.screen.query_one("#failed", TextPanel).shown_text()
             await pilot.press("enter")  # node1 first: its rank 9 is lost
             await until(pilot, lambda: isinstance(app.screen, NodeScreen)
                         and len(app.screen.query_one(RankTable).rows) == 8)

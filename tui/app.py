@@ -33,12 +33,13 @@ from textual.worker import get_current_worker
 
 from scalemon.home.address import HubAddress
 from scalemon.home.jobfile import JobFile
-from scalemon.tui.feed import Feed, HubFeed
-from scalemon.tui.gcpause import FreezeSurvivors
-from scalemon.tui.messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.pacer import TICK_S, RedrawPacer
-from scalemon.tui.requests import (
+
+from .feed import Feed, HubFeed
+from .gcpause import FreezeSurvivors
+from .messages import DumpRequested, OpenNode, OpenRank, RedrawNeeded
+from .model import DashboardData
+from .pacer import TICK_S, RedrawPacer
+from .requests import (
     NO_HUB,
     DumpAnswer,
     ToggleAnswer,
@@ -47,19 +48,19 @@ from scalemon.tui.requests import (
     ask_toggle,
     toggle_on_hub,
 )
-from scalemon.tui.safe_text import clean
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.screens.collectives import CollectivesScreen
-from scalemon.tui.screens.flags import FlagsScreen, ToggleRequested
-from scalemon.tui.screens.hang import HangScreen
-from scalemon.tui.screens.help import HelpScreen
-from scalemon.tui.screens.log import LogScreen
-from scalemon.tui.screens.node import NodeScreen
-from scalemon.tui.screens.overview import OverviewScreen
-from scalemon.tui.screens.pick_job import PickJobScreen
-from scalemon.tui.screens.rank_detail import RankDetailScreen
-from scalemon.tui.views import overview as views
-from scalemon.tui.views.hang import current_hang
+from .safe_text import clean
+from .screens.base import DataScreen
+from .screens.collectives import CollectivesScreen
+from .screens.flags import FlagsScreen, ToggleRequested
+from .screens.hang import HangScreen
+from .screens.help import HelpScreen
+from .screens.log import LogScreen
+from .screens.node import NodeScreen
+from .screens.overview import OverviewScreen
+from .screens.pick_job import PickJobScreen
+from .screens.rank_detail import RankDetailScreen
+from .views.hang import current_hang
+from .views.overview import lines_per_rank
 
 SIDE_SCREENS = (CollectivesScreen, HangScreen, RankDetailScreen, FlagsScreen, LogScreen)
 """Screens that `c`, `h`, `f` and `L` replace instead of stacking another one on."""
@@ -132,7 +133,7 @@ class DashboardApp(App[None]):
         return self.pacer.redraws
 
     @property
-    def _plots_version(self) -> int:
+    def plots_version(self) -> int:
         """The data version the plots were last drawn at (tui/screenshot.py waits for it)."""
         return self.pacer.plots_version
 
@@ -250,7 +251,8 @@ class DashboardApp(App[None]):
             self.notify(f"the job finished (exit code 0){where}", timeout=15, markup=False)
             return
         from scalemon.text.display import exit_text
-        from scalemon.tui.screens.job_exit import JobExitScreen
+
+        from .screens.job_exit import JobExitScreen
 
         self.push_screen(JobExitScreen(code, self.job_log), callback=lambda _: self.notify(
             f"the job ended: {exit_text(code)}{where}", severity="error", timeout=30,
@@ -368,7 +370,7 @@ class DashboardApp(App[None]):
     def action_toggle_lines(self) -> None:
         """Loss and memory plots: one line per rank <-> mean with a min..max band."""
         with self.data.lock:
-            per_rank = views.lines_per_rank(self.data)
+            per_rank = lines_per_rank(self.data)
             self.data.loss_mode = "band" if per_rank else "ranks"
         self.redraw_now()
 

@@ -13,8 +13,9 @@ from scalemon.home.history import history_path
 from scalemon.home.lookup import JobLookupError, default_jobs, serving_jobs
 from scalemon.link.client import hub_key_problem
 from scalemon.text.safe import clean
-from scalemon.tui.app import DashboardApp, run_app
-from scalemon.tui.feed import HubFeed
+
+from .app import DashboardApp, run_app
+from .feed import HubFeed
 
 
 def make_app(target: str | None, home: Path | None = None, stats_path: Path | None = None,

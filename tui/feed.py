@@ -26,7 +26,8 @@ from scalemon.link import seed
 from scalemon.link.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
 from scalemon.state.fold import record_key
-from scalemon.tui.model import DashboardData
+
+from .model import DashboardData
 
 SEED_TIMEOUT_S = 30.0
 """Longest wait for the hub's fold (a big job's is megabytes, pickled on the hub's thread)."""

@@ -17,9 +17,11 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from scalemon.tui.app import DashboardApp
-from scalemon.tui.model import DashboardData
-from scalemon.tui.sim import SimJob
+from textual.pilot import Pilot
+
+from .app import DashboardApp
+from .model import DashboardData
+from .sim import SimJob
 
 REPO_DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -42,13 +44,13 @@ def simulated_app(ranks: int = 8, gpu: bool = True, steps: int = 300,
     return DashboardApp(data=data, clock=lambda: now)
 
 
-async def settle(pilot: object, app: DashboardApp) -> None:
+async def settle(pilot: Pilot[None], app: DashboardApp) -> None:
     """Let the app draw once with its plots."""
     for _ in range(30):
-        await pilot.pause(0.1)  # type: ignore[attr-defined]
-        if app.redraws and app._plots_version == app.data.version:
+        await pilot.pause(0.1)
+        if app.redraws and app.plots_version == app.data.version:
             break
-    await pilot.pause(0.2)  # type: ignore[attr-defined]
+    await pilot.pause(0.2)
 
 
 async def capture(app: DashboardApp, size: tuple[int, int], rank: int | None,

@@ -1,1 +1,2 @@
-"""Screens of the dashboard: overview, rank detail, collectives, hang, help, job picker."""
+"""Screens of the dashboard: overview, a node's ranks, rank detail, collectives, hang, flags,
+log, help, job picker and the job's exit."""

@@ -6,8 +6,8 @@ from abc import abstractmethod
 
 from textual.screen import Screen
 
-from scalemon.tui.messages import RedrawNeeded
-from scalemon.tui.model import DashboardData
+from ..messages import RedrawNeeded
+from ..model import DashboardData
 
 
 class DataScreen(Screen[None]):
@@ -22,4 +22,4 @@ class DataScreen(Screen[None]):
     @abstractmethod
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from `data` at time `now` (plots only when `plots`); runs under no lock:
-        take what is needed through `scalemon.tui.views.overview`."""
+        take what is needed through the screen's view in `tui/views/`."""

@@ -11,17 +11,18 @@ from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
 from scalemon.text.display import NA
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import plain
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.collectives import (
+
+from ..model import DashboardData
+from ..safe_text import literal_text
+from ..views.collectives import (
     BUSBW_HELP,
     HEALTH_HEADINGS,
     TABLE_HEADINGS,
     Collectives,
     collectives,
 )
-from scalemon.tui.widgets.heatmap import HeatMap
+from ..widgets.heatmap import HeatMap
+from .base import DataScreen
 
 RANKING_ROWS = 32
 """Ranks listed by lateness at most (those whose recorder lost entries are listed too)."""
@@ -73,15 +74,15 @@ def _table(view: Collectives) -> Table | Text:
         return Text("no collectives yet: the agents send what the Flight Recorder saw about "
                     "once a second (torch >= 2.11; NCCL, or gloo)", style="dim")
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=False,
-                  title=plain("; ".join(view.groups), style="dim"), title_justify="left")
+                  title=literal_text("; ".join(view.groups), style="dim"), title_justify="left")
     for heading in TABLE_HEADINGS:
         table.add_column(heading, justify="right" if heading in RIGHT else "left",
                          no_wrap=heading != "note")
     for row in view.rows:
         style = "bold" if row.total else ("dim" if row.size else "")
-        cells = [plain(c, style="dim" if c == NA else style) for c in row.cells]
+        cells = [literal_text(c, style="dim" if c == NA else style) for c in row.cells]
         if row.size:
-            cells[3] = plain("  " + row.cells[3], style=style)
+            cells[3] = literal_text("  " + row.cells[3], style=style)
         table.add_row(*cells)
     return table
 
@@ -95,7 +96,7 @@ def _ranks(view: Collectives) -> Text | Table:
                          no_wrap=True)
     shown = [h for i, h in enumerate(view.health) if i < RANKING_ROWS or h.lost]
     for h in shown:
-        cells = [Text(str(h.rank)), *(plain(c) for c in h.cells)]
+        cells = [Text(str(h.rank)), *(literal_text(c) for c in h.cells)]
         cells[2].stylize("yellow")
         if h.lost:
             cells[6].stylize("bold red")

@@ -18,10 +18,10 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from scalemon.flags import FLAGS, FlagError, check, parse_assignment, tier_text
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean, plain
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.flags import (
+
+from ..model import DashboardData
+from ..safe_text import clean, literal_text
+from ..views.flags import (
     AUDIT_HEADINGS,
     STATE_STYLES,
     TIER_STYLES,
@@ -31,6 +31,7 @@ from scalemon.tui.views.flags import (
     flags_view,
     values_text,
 )
+from .base import DataScreen
 
 TITLE = "flags  ·  Enter/t: change  ·  R: change with a restart  ·  Esc back"
 NAMES = tuple(FLAGS)
@@ -70,8 +71,8 @@ class ToggleDialog(ModalScreen[tuple[str, str] | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(plain(self.title_text, style="bold"), id="toggle-title")
-            yield Static(plain(self.notes, style="dim"), id="toggle-notes")
+            yield Static(literal_text(self.title_text, style="bold"), id="toggle-title")
+            yield Static(literal_text(self.notes, style="dim"), id="toggle-notes")
             yield Input(self.text, placeholder="NAME=VALUE (NAME= unsets it)",
                         select_on_focus=False, id="toggle-input")
             yield Static(id="toggle-error")
@@ -173,7 +174,7 @@ class FlagsScreen(DataScreen):
             status.update(Text("no change asked from this dashboard yet", style="dim"))
         else:
             text, ok = self.status
-            status.update(plain(text, style="green" if ok else "bold red"))
+            status.update(literal_text(text, style="green" if ok else "bold red"))
 
     def show_status(self, text: str, ok: bool) -> None:
         """What became of a toggle request (the app's answer, or the local check's)."""
@@ -235,14 +236,15 @@ class FlagsScreen(DataScreen):
 
 def _cells(row: FlagRow) -> tuple[Text, Text, Text]:
     bad = "bold red" if row.mismatch else ""
-    name = plain(row.name, style=bad, one_line=True)
+    name = literal_text(row.name, style=bad, one_line=True)
     tier = Text(tier_text(row.tier), style=TIER_STYLES.get(row.tier, ""))
     if row.mismatch:
-        value = plain("MISMATCH " + row.value, style="bold red", one_line=True)
+        value = literal_text("MISMATCH " + row.value, style="bold red", one_line=True)
     elif row.value == "?":
         value = Text("not reported", style="dim")
     else:
-        value = plain(row.value, style="dim" if row.value == UNSET else "bold", one_line=True)
+        value = literal_text(row.value, style="dim" if row.value == UNSET else "bold",
+                             one_line=True)
     return name, tier, value
 
 
@@ -285,7 +287,7 @@ def _audit(view: FlagsView) -> Table | Text:
                          justify="right" if heading.endswith("step") else "left")
     for row in view.audit:
         style = STATE_STYLES.get(row.state, "")
-        cells = [plain(c) for c in row.cells]
+        cells = [literal_text(c) for c in row.cells]
         cells[6].stylize(style)
         if style.endswith("red"):
             cells[7].stylize(style)

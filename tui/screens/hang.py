@@ -10,11 +10,11 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
-from scalemon.tui.messages import DumpRequested
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean, plain
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.hang import HangView, hang_view
+from ..messages import DumpRequested
+from ..model import DashboardData
+from ..safe_text import clean, literal_text
+from ..views.hang import HangView, hang_view
+from .base import DataScreen
 
 ROLE_STYLES = {"culprit": "bold red", "waiting": "yellow", "": ""}
 TABLE_ROWS = 64
@@ -65,7 +65,7 @@ class HangScreen(DataScreen):
         headline = self.query_one("#hang-text", Static)
         if view.hung:
             title.update("JOB HUNG  ·  d: Flight Recorder dump  ·  Esc back")
-            headline.update(plain(view.text, style="bold red"))
+            headline.update(literal_text(view.text, style="bold red"))
             if plots or self.view is None:  # hundreds of rows: at the plots' pace
                 self.query_one("#hang-why", Static).update(_why(view))
                 self.query_one("#hang-ranks", Static).update(_table(view))
@@ -76,7 +76,7 @@ class HangScreen(DataScreen):
         else:
             title.update("hang view  ·  d: Flight Recorder dump  ·  Esc back")
             last = "; below: the last hang seen" if self.view is not None else ""
-            headline.update(plain(view.text + last, style="bold green"))
+            headline.update(literal_text(view.text + last, style="bold green"))
         self.query_one("#hang-dump", Static).update(self._dump_text(view))
         if view.hung:
             self.view = view
@@ -107,11 +107,11 @@ def _table(view: HangView) -> Table:
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
     for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
         lines = heading.split("\n")  # each line shown as typed
-        title = Text("\n").join(plain(line, one_line=True) for line in lines)
+        title = Text("\n").join(literal_text(line, one_line=True) for line in lines)
         table.add_column(title, no_wrap=heading != "in flight")
     for row in view.rows[:TABLE_ROWS]:
         style = ROLE_STYLES[row.role]
-        table.add_row(*(plain(c, style=style) for c in row.cells))
+        table.add_row(*(literal_text(c, style=style) for c in row.cells))
     rest = view.rows[TABLE_ROWS:]
     if rest:
         waiting = sum(r.role == "waiting" for r in rest)

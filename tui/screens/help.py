@@ -11,7 +11,8 @@ from textual.widgets import Markdown
 from scalemon import policy
 from scalemon.text import display
 from scalemon.text.display import AGGREGATE_AT, KEY_METRICS, LATE, LOW_IS_WORSE
-from scalemon.tui.views.overview import COLUMNS
+
+from ..views.rows import COLUMNS
 
 HELP_TEMPLATE = """\
 # scalemon dashboard

@@ -9,11 +9,10 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Input, Static
 
-from scalemon.tui.messages import RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import clean
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.log import (
+from ..messages import RedrawNeeded
+from ..model import DashboardData
+from ..safe_text import clean
+from ..views.log import (
     EMPTY_HELP,
     QUERY_HELP,
     LogFilter,
@@ -21,6 +20,7 @@ from scalemon.tui.views.log import (
     log_view,
     parse_filter,
 )
+from .base import DataScreen
 
 TITLE = "log  ·  /: filter  ·  Enter: back to the lines  ·  Esc back"
 SOURCE_STYLES = {"nccl": "cyan", "stderr": "magenta"}

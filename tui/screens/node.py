@@ -8,14 +8,15 @@ from textual.binding import Binding
 from textual.widgets import Footer, Static
 
 from scalemon.text.display import NO_HOST
-from scalemon.tui.messages import OpenRank, RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.safe_text import plain
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.nodes import node_ranks
-from scalemon.tui.views.overview import overview
-from scalemon.tui.widgets.header import JobHeader
-from scalemon.tui.widgets.rank_table import RankTable
+
+from ..messages import OpenRank, RedrawNeeded
+from ..model import DashboardData
+from ..safe_text import literal_text
+from ..views.nodes import node_ranks
+from ..views.overview import overview
+from ..widgets.header import JobHeader
+from ..widgets.rank_table import RankTable
+from .base import DataScreen
 
 
 class NodeScreen(DataScreen):
@@ -50,7 +51,7 @@ class NodeScreen(DataScreen):
         title = (f"node {self.host or NO_HOST}  ·  {len(ranks)} ranks  ·  "
                  "Enter: a rank's detail  ·  Esc back")
         # Text, never markup: a host name is what a rank sent
-        self.query_one("#node-title", Static).update(plain(title, one_line=True))
+        self.query_one("#node-title", Static).update(literal_text(title, one_line=True))
         table.show_rows(view.rank_ids, view.rows)
 
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:

@@ -12,21 +12,21 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
-from scalemon.tui.messages import OpenNode, OpenRank, RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.nodes import NodeView
-from scalemon.tui.views.overview import overview
-from scalemon.tui.widgets.header import JobHeader
-from scalemon.tui.widgets.node_table import NodeTable
-from scalemon.tui.widgets.plot import LinePlot
-from scalemon.tui.widgets.rank_table import RankTable
-from scalemon.tui.widgets.watch import (
+from ..messages import OpenNode, OpenRank, RedrawNeeded
+from ..model import DashboardData
+from ..views.nodes import NodeView
+from ..views.overview import overview
+from ..widgets.header import JobHeader
+from ..widgets.node_table import NodeTable
+from ..widgets.plot import LinePlot
+from ..widgets.rank_table import RankTable
+from ..widgets.watch import (
     HistogramPanel,
     TextPanel,
     failed_text,
     slowest_text,
 )
+from .base import DataScreen
 
 PLOTS = ("loss", "scale", "time", "memory")
 MODES = ("auto", "ranks", "nodes")

@@ -11,7 +11,8 @@ from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
 from scalemon.home.jobfile import JobFile
-from scalemon.tui.safe_text import plain
+
+from ..safe_text import literal_text
 
 
 class PickJobScreen(Screen[str]):
@@ -30,7 +31,7 @@ class PickJobScreen(Screen[str]):
     def compose(self) -> ComposeResult:
         yield Static(f"{len(self.jobs)} live jobs: pick one (↑/↓, Enter)", id="pick-title")
         # Text: a str prompt is read as markup, and a host name is none
-        yield OptionList(*(Option(plain(_label(j), one_line=True), id=j.job)
+        yield OptionList(*(Option(literal_text(_label(j), one_line=True), id=j.job)
                            for j in self.jobs))
         yield Footer()
 

@@ -10,13 +10,13 @@ from textual.containers import Grid, VerticalScroll
 from textual.events import Resize
 from textual.widgets import Footer, Static
 
-from scalemon.tui.messages import RedrawNeeded
-from scalemon.tui.model import DashboardData
-from scalemon.tui.plotdata import PlotSpec
-from scalemon.tui.safe_text import plain
-from scalemon.tui.screens.base import DataScreen
-from scalemon.tui.views.overview import DETAIL_PANELS, rank_detail
-from scalemon.tui.widgets.plot import LinePlot
+from ..messages import RedrawNeeded
+from ..model import DashboardData
+from ..plotdata import PlotSpec
+from ..safe_text import literal_text
+from ..views.rank_detail import DETAIL_PANELS, rank_detail
+from ..widgets.plot import LinePlot
+from .base import DataScreen
 
 KEYS = "Esc back, ←/→ prev/next rank"
 """The title's keys: those the footer shows for BINDINGS (`,` and `.` also step)."""
@@ -75,7 +75,7 @@ class RankDetailScreen(DataScreen):
         # Text, never markup: facts hold what ranks sent (errors, log() extras, config), and a
         # "[/x]" in them must show as typed, not stop the dashboard with a MarkupError
         facts = detail.facts
-        title.update(plain(f"rank {self.rank}  ·  {facts[0][1]}  ·  {KEYS}", one_line=True))
+        title.update(literal_text(f"rank {self.rank}  ·  {facts[0][1]}  ·  {KEYS}", one_line=True))
         table = Table.grid(padding=(0, 2), expand=True)
         half = (len(facts) + 1) // 2
         for _ in range(2):
@@ -84,7 +84,7 @@ class RankDetailScreen(DataScreen):
         for i in range(half):
             left = facts[i]
             right = facts[half + i] if half + i < len(facts) else ("", "")
-            table.add_row(*(plain(cell) for cell in (*left, *right)))
+            table.add_row(*(literal_text(cell) for cell in (*left, *right)))
         self.query_one("#facts", Static).update(table)
         if plots:
             for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):

@@ -15,7 +15,8 @@ from scalemon.reports.groups import collectives_table, group_desc
 from scalemon.text import display
 from scalemon.text.display import LATE, NA
 from scalemon.text.ranks import rank_list
-from scalemon.tui.model import DashboardData
+
+from ..model import DashboardData
 
 BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gather/"
               "reduce_scatter/all_to_all (n-1)/n, broadcast/reduce 1; S = whole buffer, "

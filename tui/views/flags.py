@@ -15,7 +15,8 @@ from typing import Any
 from scalemon.flags import FLAGS, LIVE, NEW_COMMUNICATOR, RESTART, tier_text
 from scalemon.state.flagstate import FlagState, log_count_text
 from scalemon.text.ranks import rank_list
-from scalemon.tui.model import DashboardData
+
+from ..model import DashboardData
 
 AUDIT_ROWS = 10
 """Toggles the screen lists (the newest)."""

@@ -15,7 +15,8 @@ from scalemon.reports.frtrace import report_lines
 from scalemon.reports.groups import group_desc
 from scalemon.reports.hangs import job_hang
 from scalemon.text.display import NA
-from scalemon.tui.model import DashboardData
+
+from ..model import DashboardData
 
 MAX_GROUP_COLUMNS = 4
 NO_DUMP = "a rank that writes no dump is a finding in itself"

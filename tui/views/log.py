@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 
 from scalemon.state.flagstate import LogLine
-from scalemon.tui.model import DashboardData
+
+from ..model import DashboardData
 
 SHOWN_MAX = 1000
 """Matching lines drawn at most (the newest)."""

@@ -22,7 +22,8 @@ from scalemon.reports import snapshot_text
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
 from scalemon.text.display import LATE, NO_HOST, Column
-from scalemon.tui.model import DashboardData
+
+from ..model import DashboardData
 
 NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
 """The node table: node, counts, worst state, step range, metric spreads (display.py)."""
@@ -122,7 +123,7 @@ def node_view(data: DashboardData, measure: dict[int, float], what: str,
               values_of: Callable[[RankView], Mapping[str, Any]],
               visible: tuple[int, int] | None = None) -> NodeView:
     """The node overview (call under the data's lock): `measure` is each running rank's
-    straggler measure in seconds (`views.straggler_measure`; `what` names it, "late ms"),
+    straggler measure in seconds (`views.header.straggler_measure`; `what` names it, "late ms"),
     `values_of` a rank's metric values by name; rows only for the nodes at positions
     `visible` (all when None)."""
     bar = policy.straggler_bar(median_step)

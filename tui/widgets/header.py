@@ -6,7 +6,8 @@ from rich.text import Text
 from textual.widget import Widget
 
 from scalemon.text import display
-from scalemon.tui.views.overview import Summary
+
+from ..views.header import Summary
 
 STATE_STYLES = {
     "running": "bold green",

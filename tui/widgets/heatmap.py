@@ -18,8 +18,9 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from scalemon.text.display import LATE, shown, unit
-from scalemon.tui.messages import RedrawNeeded
-from scalemon.tui.views.collectives import Heat
+
+from ..messages import RedrawNeeded
+from ..views.collectives import Heat
 
 SHADES = ("#264653", "#2a6f73", "#2a9d8f", "#8ab17d", "#e9c46a", "#f4a261", "#e76f51",
           "#d62828")

@@ -24,7 +24,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from scalemon.text.display import NA, Column
-from scalemon.tui.safe_text import clean
+
+from ..safe_text import clean
 
 PAD = 1  # blank cells on each side of a column
 ROW_STYLES = {

@@ -12,8 +12,9 @@ from textual.binding import Binding
 from textual.message import Message
 
 from scalemon.text.display import NO_HOST
-from scalemon.tui.views.nodes import NODE_COLUMNS, NodeRow
-from scalemon.tui.widgets.line_table import PAD, LineTable
+
+from ..views.nodes import NODE_COLUMNS, NodeRow
+from .line_table import PAD, LineTable
 
 
 class NodeTable(LineTable["str | None"]):

@@ -14,9 +14,9 @@ from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
-from scalemon.tui.plotdata import PlotSpec
-from scalemon.tui.safe_text import clean
-from scalemon.tui.widgets.braille import data_range, pixel_columns, rasterize, tick
+from ..plotdata import PlotSpec
+from ..safe_text import clean
+from .braille import data_range, pixel_columns, rasterize, tick
 
 PALETTE = ("#4fc3f7", "#ffb74d", "#81c784", "#e57373", "#ba68c8", "#fff176", "#90a4ae",
            "#f06292")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.message import Message
 
-from scalemon.tui.views.overview import COLUMNS, Row
-from scalemon.tui.widgets.line_table import LineTable
+from ..views.rows import COLUMNS, Row
+from .line_table import LineTable
 
 
 class RankTable(LineTable[int]):

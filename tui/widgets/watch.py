@@ -9,9 +9,9 @@ import math
 from rich.text import Text
 from textual.widget import Widget
 
-from scalemon.tui.safe_text import clean
-from scalemon.tui.views.nodes import FAILED_SHOWN, Histogram, Watch, WatchedRank
-from scalemon.tui.widgets.heatmap import SHADES
+from ..safe_text import clean
+from ..views.nodes import FAILED_SHOWN, Histogram, Watch, WatchedRank
+from .heatmap import SHADES
 
 HOST_WIDTH = 14
 """Columns of a host name in the rank lists (longer ones are cut)."""
@@ -97,7 +97,7 @@ class TextPanel(Widget):
             self._text = text
             self.refresh()
 
-    def plain(self) -> str:
+    def shown_text(self) -> str:
         """The text shown (tests)."""
         return self._text.plain
 

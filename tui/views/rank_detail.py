@@ -1,0 +1,123 @@
+"""What the rank detail screen draws (`RankDetail`): one rank's facts and every series it
+sends, a plot per panel of the metrics table and one per numeric extra value it logs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from scalemon import metrics
+from scalemon.metrics import Metric
+from scalemon.state import alerts as alerting
+from scalemon.state.fold import RankTrack
+from scalemon.state.jobstate import RankView
+from scalemon.text import display
+from scalemon.text.display import NA
+
+from ..model import DashboardData
+from ..plotdata import Line, PlotSpec
+
+DETAIL_PANELS: tuple[tuple[str, tuple[Metric, ...]], ...] = tuple(metrics.plot_panels())
+"""The rank detail's plot panels from the table: (title, metrics), before the extra values."""
+FETCHING = "fetching rank {rank}'s series from the hub…"
+"""What a big job's rank's plots say until its earlier records came (`DashboardData.show_rank`)."""
+
+
+@dataclass
+class RankDetail:
+    """What the rank detail screen draws."""
+
+    rank: int
+    facts: list[tuple[str, str]]
+    plots: list[PlotSpec]  # one per DETAIL_PANELS entry
+    extra_plots: dict[str, PlotSpec]  # numeric log(**extra) values by name
+
+
+def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> RankDetail | None:
+    """Facts and every series of one rank (the table's plot panels, then one plot per numeric
+    extra value the script logs); None when the rank is unknown."""
+    now = time.time() if now is None else now
+    with data.lock:
+        view = data.state.ranks.get(rank)
+        if view is None:
+            return None
+        track = data.tracks.get(rank)
+        series = track.series if track is not None else {}
+        fetching = data.needs_backfill(rank)  # a big job's rank: its series come from the hub
+        plots = []
+        for title, group in DETAIL_PANELS:
+            show = group[0].show
+            assert show is not None
+            lines = [line for i, m in enumerate(group) if (line := Line.from_series(
+                m.show.plot if m.show else m.name, series.get(m.name), color=i,
+                scale=m.show.scale if m.show else 1.0))]
+            spec = PlotSpec(title, unit=show.unit, lines=lines, log=show.log,
+                            empty=FETCHING.format(rank=rank) if fetching
+                            else _why_empty(group[0], view))
+            if group[0].name == "loss_scale" and track is not None:
+                spec.marks, spec.marks_label = track.skipped.array(), "skipped step"
+            plots.append(spec)
+        extras = track.extras if track is not None else {}
+        extra_plots = {
+            name: PlotSpec(f"{name} (log extra)",
+                           lines=[line] if (line := Line.from_series(name, extras[name])) else [])
+            for name in sorted(extras)}
+        facts = _facts(data, view, now, track)
+    return RankDetail(rank, facts, plots, extra_plots)
+
+
+def _why_empty(metric: Metric, view: RankView) -> str:
+    show = metric.show
+    if show is None or not show.na:
+        return "no data yet"
+    if show.needs_gpu and view.device not in (None, "cpu"):
+        return "no data yet"  # a GPU rank: the value comes with the next message
+    return f"n/a: {show.na}"
+
+
+def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
+           ) -> list[tuple[str, str]]:
+    steps_s, tokens_s = track.rates(now) if track is not None else (None, None)
+    m = v.metrics
+    facts = [
+        ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")
+         + _failure_note(data, v)),
+        ("host / pid", f"{v.host or NA} / {_opt(v.pid)}"),
+        ("device / backend", f"{v.device or NA} / {v.backend or NA}"),
+        ("scalemon / torch", f"{v.agent_version or NA} / {v.torch_version or NA}"),
+        ("step", _opt(v.step)),
+        ("steps/s  tokens/s", f"{display.num(steps_s, 2)}  {display.si(tokens_s)}"),
+        ("loss", display.num(m["loss"])),
+        ("phase", f"{m['phase'] or NA} for {display.age(m['phase_since_s'])} s"),
+        ("collectives issued / done", f"{_opt(m['collectives_issued'])} / "
+                                      f"{_opt(m['collectives_completed'])}"),
+        ("heartbeat age s", display.age(v.value("heartbeat_age_s", now))),
+        ("skipped steps", _opt(m["skipped_steps"])),
+        ("dropped / seq gaps", f"{_opt(m['dropped'])} / {v.seq_gaps}"),
+        ("restarts", _opt(v.restart_count)),
+        ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
+    ]
+    if v.monitor_off:
+        facts.insert(1, ("monitor off", f"{v.monitor_off} (no steps since)"))
+    facts.extend(("ALERT", a["text"]) for a in alerting.rank_alerts(v.rank, v.alerts))
+    if v.rank in data.partial_series:
+        facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
+                               "big job's rank's latest records for them (all in its history)"))
+    if v.extra:
+        facts.append(("log extra", display.flat_text(v.extra)))
+    for key, by_rank in sorted(data.state.info.items()):
+        if v.rank in by_rank:
+            facts.append((f"info {key}", display.flat_text(by_rank[v.rank])))
+    return facts
+
+
+def _failure_note(data: DashboardData, v: RankView) -> str:
+    """", the first rank to fail" or ", only because a peer went away" for failed ranks."""
+    if v.peer_loss:
+        return ", only because a peer went away"
+    failure = data.state.first_failure()
+    return ", the first rank to fail" if failure and failure["rank"] == v.rank else ""
+
+
+def _opt(value: object) -> str:
+    return NA if value is None else str(value)
