@@ -3,7 +3,6 @@ other nodes of a job that spans several, starting each node's relay on its local
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from scalemon import settings
 from scalemon.home.address import HubAddress
 from scalemon.home.paths import relay_dir, run_dir
+from scalemon.home.pidlock import is_locked
 from scalemon.home.safefs import private_dir
 from scalemon.settings import scalemon_home
 
@@ -49,16 +49,7 @@ def hub_address(env: RankEnv, configured: str | None = None) -> HubAddress:
 
 def hub_is_running(directory: Path, lock: str = "hub.lock") -> bool:
     """True when a hub (or, with lock="relay.lock", a relay) holds this directory's lock."""
-    lock_path = directory / lock
-    if not lock_path.exists():
-        return False
-    with open(lock_path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
+    return is_locked(directory / lock)
 
 
 def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
@@ -83,7 +74,7 @@ def start_relay_if_needed(env: RankEnv, directory: Path) -> int | None:
     """Start this node's relay for the job in its own session; returns its pid or None."""
     if hub_is_running(directory, "relay.lock") or _still_starting(directory / "relay.log"):
         return None
-    cmd = [sys.executable, "-m", "scalemon.hub.relay", "--job", env.job,
+    cmd = [sys.executable, "-m", "scalemon.relay", "--job", env.job,
            "--home", str(scalemon_home())]
     pid = _spawn(cmd, directory / "relay.log")
     log.info("scalemon: started relay pid %d for job %s on this node", pid, env.job)

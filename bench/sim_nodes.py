@@ -88,7 +88,7 @@ class Node:
     def __init__(self, ctx: zmq.Context, plan: Plan, name: str, first_rank: int) -> None:
         from scalemon.home.address import HubAddress
         from scalemon.home.paths import relay_dir
-        from scalemon.hub.relay import Relay
+        from scalemon.relay.forward import Relay
 
         self.name = name
         self.relay = Relay(plan.job, relay_dir(plan.job, name), home=Path(plan.home),

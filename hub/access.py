@@ -13,6 +13,7 @@ import functools
 import os
 import pwd
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -33,6 +34,11 @@ class Peer:
     key: bytes | None = None  # the Curve public key (z85), tcp only
     fd: int | None = None  # the connection's descriptor (tcp), to cut it
     asker: str = ""  # `via` without what changes from one process to the next (the pid)
+
+    def who(self) -> dict[str, Any]:
+        """The audit's fields naming this peer."""
+        return {"user": self.user, "client_host": self.host, "role": self.role,
+                "via": self.via}
 
 
 def _property(frame: zmq.Frame, name: str | int) -> str | int | None:

@@ -8,7 +8,7 @@ import time
 from scalemon.home.jobfile import pid_alive
 from scalemon.state.jobstate import JobState, RankView
 
-from .relays import RelayBook
+from .relay_book import RelayBook
 
 RELAY_SILENT_S = 3.0
 """A lost rank's reason names its node's relay once that has not reported for this long."""

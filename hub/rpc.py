@@ -1,6 +1,9 @@
 """The hub's requests: the rpc and control sockets' op table (ping, sync, relay, command,
-stop, toggle, state, seed, rank_records, fetch), each op checked against the asker's role; a
-mixin of `Hub` (hub/server.py), beside `HubIngest` whose `_record` and `_reject` it uses."""
+stop, toggle, state, seed, rank_records, fetch), each op checked against the asker's role
+(`Requests`, owned by `Hub` in hub/server.py beside the `Intake` whose `record` and `reject` it
+uses; what they share is the `HubCore` of hub/core.py). The requests own what only they
+steer: the toggles, the commands queued for the ranks and a Flight Recorder dump under way.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +12,21 @@ import logging
 import os
 import time
 from array import array
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from scalemon import protocol
-from scalemon.home.history import History
 from scalemon.link import seed
 from scalemon.protocol import ProtocolError
 from scalemon.reports.snapshot import snapshot_json
-from scalemon.state.fold import JobFold
-from scalemon.state.jobstate import JobState
 
-from .access import Peer, PeerBook, ipc_peer, may, refusal
-from .audit import Audit
+from .access import Peer, ipc_peer, may, refusal
+from .core import HubCore
 from .frdump import FrDump
+from .ingest import Intake
 from .limits import check_name, clip
-from .relays import RelayBook
 from .sockets import FanOut
 from .toggles import ToggleRefused, Toggles
 
@@ -40,30 +40,26 @@ MAX_TOGGLE_VALUE = 1024
 """A toggle's value or a stop's reason may be this long."""
 
 
-class HubRpc:
-    """Answers requests: `_serve_rpc` reads a socket's requests and replies to each."""
+class Requests:
+    """Answers requests: `serve` reads a socket's requests and replies to each; `advance`
+    writes what the toggles and a dump under way have to say. `stats()` is the hub's counters
+    (the `state` reply)."""
 
-    job: str
-    run_dir: Path
-    history: History
-    fold: JobFold
-    state: JobState
-    audit: Audit
-    toggles: Toggles
-    relays: RelayBook
-    peers: PeerBook | None
-    _host: str
-    _tcp_ports: dict[zmq.Socket, int]
-    _feed: FanOut | None
-    _commands: dict[int, list[dict[str, Any]]]
-    _dump: FrDump | None
-    _pending_dump_record: bool
-    _seed_cache: tuple[int, float, dict[str, Any]] | None
-    _rank_records: dict[int, array]
-    _ranks_trimmed: set[int]
+    def __init__(self, core: HubCore, intake: Intake,
+                 stats: Callable[[], dict[str, Any]]) -> None:
+        self.core = core
+        self.intake = intake
+        self.stats = stats
+        self.toggles = Toggles(core.run_dir, core.state, core.audit)
+        self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
+        self._dump: FrDump | None = None
+        self._pending_dump_record = False
+        self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
 
-    def _serve_rpc(self, rpc: zmq.Socket) -> None:
-        port = self._tcp_ports.get(rpc)
+    def serve(self, rpc: zmq.Socket) -> None:
+        """Answer the requests waiting on `rpc` (at most 100 a turn)."""
+        core = self.core
+        port = core.tcp_ports.get(rpc)
         for _ in range(100):
             try:
                 frames = rpc.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -71,21 +67,21 @@ class HubRpc:
                 return
             envelope, last = [f.bytes for f in frames[:-1]], frames[-1]
             payload = last.bytes
-            peer = self._tcp_peer(last) if port else ipc_peer(last, self._host)
+            peer = core.tcp_peer(last) if port else ipc_peer(last, core.host)
             op = "?"
             try:
                 if port and peer.role is not None:  # whatever it asks: cut if it loses access
-                    self.peers.learn(peer, port)
+                    core.peers.learn(peer, port)
                 op, args = protocol.decode_request(payload)
                 if not may(peer, op):
                     self._refuse_request(peer, op, args, port)
                 reply = protocol.encode_reply(**self._answer(op, args, peer),
-                                              history=self.history.identity)
+                                              history=core.history.identity)
             except ToggleRefused as exc:  # a reasoned refusal, not a bad frame
                 log.warning("toggle %s", exc)
                 reply = protocol.encode_reply(ok=False, error=str(exc))
             except ProtocolError as exc:
-                self._reject(exc, len(payload))
+                self.intake.reject(exc, len(payload))
                 reply = protocol.encode_reply(ok=False, error=str(exc))
             except Exception as exc:  # a request must never take the hub down
                 log.exception("request failed")
@@ -106,37 +102,38 @@ class HubRpc:
         text = refusal(peer, op)
         log.warning("%s %s", op, text)
         if op == "toggle":
-            self.toggles.refuse(args["name"], args["value"], self._who(peer), text)
+            self.toggles.refuse(args["name"], args["value"], peer.who(), text)
         else:
-            self._refused(peer, op, text)
+            self.core.refused(peer, op, text)
         if peer.role is None and port is not None:
-            self.peers.cut_one(peer, port)
+            self.core.peers.cut_one(peer, port)
         raise ToggleRefused(text) if op == "toggle" else ProtocolError(text)
 
     def _answer(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        core = self.core
         if op == "ping":
-            return {"job": self.job, "pid": os.getpid(), "head": len(self.history)}
+            return {"job": core.job, "pid": os.getpid(), "head": len(core.history)}
         if op == "sync":
             rank = args["rank"]
-            return {"t0": args["t"], "t": time.time(), "hang_after_s": self.state.hang_after_s,
+            return {"t0": args["t"], "t": time.time(), "hang_after_s": core.state.hang_after_s,
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "relay":
-            self.relays.report(check_name("relay.node", args["node"]), args["pid"],
+            core.relays.report(check_name("relay.node", args["node"]), args["pid"],
                                args["stats"])
             return {"t0": args["t"], "t": time.time()}
         if op == "command":
-            self.audit.write({"event": "command", "name": clip(args["name"], 100),
-                              **self._who(peer)})
+            core.audit.write({"event": "command", "name": clip(args["name"], 100),
+                              **peer.who()})
             return self._command(args["name"])
         if op == "stop":
             check_name("stop.reason", args["reason"], MAX_TOGGLE_VALUE)
-            self.audit.write({"event": "stop", "reason": args["reason"], **self._who(peer)})
+            core.audit.write({"event": "stop", "reason": args["reason"], **peer.who()})
             return self._user_stop(args["reason"], peer)
         if op == "toggle":
             return self._toggle(args, peer)
         if op == "state":
-            return {"state": snapshot_json(self.state), "hub": self.stats(),
-                    "head": len(self.history)}
+            return {"state": snapshot_json(core.state), "hub": self.stats(),
+                    "head": len(core.history)}
         if op == "seed":
             return self._seed()
         if op == "rank_records":
@@ -144,23 +141,24 @@ class HubRpc:
         since = max(0, args["since"])
         limit = min(max(0, args["limit"]), FETCH_LIMIT)
         records, size = [], 0
-        for record in self.history.get(since, limit):
+        for record in core.history.get(since, limit):
             size += len(record)
             if records and size > FETCH_MAX_BYTES:
                 break
             records.append(record)
-        return {"records": records, "head": len(self.history)}
+        return {"records": records, "head": len(core.history)}
 
     def _seed(self) -> dict[str, Any]:
         """The fold of the whole history so far, for a dashboard that attaches (`seed`):
         {"seed": bytes, "seq": the record it continues from}, or {"seed": None, "why": ...}."""
-        head = len(self.history)
+        head = len(self.core.history)
         cached = self._seed_cache
         if cached is not None and cached[0] == head and time.monotonic() - cached[1] < SEED_REUSE_S:
             return cached[2]
         started = time.perf_counter()
-        self.fold.next_seq = head  # every record below was folded, or skipped as invalid
-        blob = seed.dump(self.fold)
+        fold = self.core.fold
+        fold.next_seq = head  # every record below was folded, or skipped as invalid
+        blob = seed.dump(fold)
         took = time.perf_counter() - started
         if len(blob) > seed.MAX_SEED_BYTES:
             reply: dict[str, Any] = {"seed": None, "seq": head, "why": (
@@ -168,7 +166,7 @@ class HubRpc:
                 "replay the history")}
         else:
             reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
-        reply["hang_after_s"] = self.state.hang_after_s  # the dashboard's threshold too
+        reply["hang_after_s"] = fold.state.hang_after_s  # the dashboard's threshold too
         log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
         self._seed_cache = (head, time.monotonic(), reply)
         return reply
@@ -177,11 +175,12 @@ class HubRpc:
         """Rank `rank`'s latest records numbered below `before` (at most `limit`, among the
         latest RANK_RECORDS_KEPT it sent), oldest first; `complete` when they reach back to
         its first record."""
-        seqs = self._rank_records.get(rank, array("q"))
+        core = self.core
+        seqs = core.rank_records.get(rank, array("q"))
         older = [seq for seq in seqs if seq < before]
         chosen = older[len(older) - min(max(0, limit), FETCH_LIMIT, len(older)):]
-        return {"records": self.history.pick(chosen), "head": len(self.history),
-                "complete": rank not in self._ranks_trimmed and len(chosen) == len(older)}
+        return {"records": core.history.pick(chosen), "head": len(core.history),
+                "complete": rank not in core.ranks_trimmed and len(chosen) == len(older)}
 
     def _toggle(self, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """A toggle asked by `peer`: checked, planned and audited (refusals too)."""
@@ -190,10 +189,10 @@ class HubRpc:
             check_name("toggle.value", args["value"], MAX_TOGGLE_VALUE)
         except ProtocolError as exc:
             self.toggles.refuse(clip(args["name"], 100), clip(args["value"], 200),
-                                self._who(peer), f"refused: {exc}")
+                                peer.who(), f"refused: {exc}")
             raise ToggleRefused(f"refused: {exc}") from None
         reply = self.toggles.request(args["name"], args["value"], args["restart"],
-                                     self._who(peer))
+                                     peer.who())
         log.info("toggle #%d %s=%r (%s) by %s: step %d", reply["id"], args["name"],
                  args["value"], reply["tier"], peer.via, reply["at_step"])
         return reply
@@ -201,11 +200,12 @@ class HubRpc:
     def _user_stop(self, reason: str, peer: Peer) -> dict[str, Any]:
         """The job's user is stopping the job: record it (once) before the ranks are
         signalled, so that their end reads "stopped by user"."""
-        if self.state.stop is None and self._feed is not None:
-            log.info("job %s: stop requested by %s (%s)", self.job, peer.via, reason)
-            self._record(self._feed, "job_stop", {"reason": reason or None, "user": peer.user,
-                                                  "host": peer.host, "via": peer.via})
-        return {"state": self.state.state}
+        core = self.core
+        if core.state.stop is None and core.feed is not None:
+            log.info("job %s: stop requested by %s (%s)", core.job, peer.via, reason)
+            self.intake.record(core.feed, "job_stop", {
+                "reason": reason or None, "user": peer.user, "host": peer.host, "via": peer.via})
+        return {"state": core.state.state}
 
     def _command(self, name: str) -> dict[str, Any]:
         """A dashboard's command for every rank; raises ProtocolError for an unknown one."""
@@ -213,11 +213,31 @@ class HubRpc:
             raise ProtocolError(f"unknown command {name!r}; known: dump_fr")
         if self._dump is not None and not self._dump.finished:
             return {"directory": self._dump.directory, "note": "a dump is already under way"}
-        ranks = sorted(r for r, v in self.state.ranks.items() if v.state != "finished")
-        self._dump = FrDump(self.run_dir, ranks)
+        ranks = sorted(r for r, v in self.core.state.ranks.items() if v.state != "finished")
+        self._dump = FrDump(self.core.run_dir, ranks)
         for rank in ranks:
             self._commands.setdefault(rank, []).append(
                 {"name": "dump_fr", "directory": self._dump.directory})
         self._pending_dump_record = True
         return {"directory": self._dump.directory, "ranks": ranks}
 
+    # --- what the toggles and a dump have to say ------------------------------------------
+    def advance(self, feed: FanOut, now: float) -> None:
+        """Record a dump's progress and the toggles' new states (and refusals) in the history
+        and the feed."""
+        self._advance_dump(feed)
+        self.toggles.advance(now)
+        while self.toggles.records:
+            self.intake.record(feed, "toggle", self.toggles.records.pop(0))
+
+    def _advance_dump(self, feed: FanOut) -> None:
+        """Record a dump's progress in the history: requested, then analysed."""
+        dump = self._dump
+        if dump is None:
+            return
+        if self._pending_dump_record:
+            self._pending_dump_record = False
+            self.intake.record(feed, "fr_dump", dump.body())
+        if dump.advance(self.core.state) and not dump.recorded:
+            dump.recorded = True
+            self.intake.record(feed, "fr_dump", dump.body())

@@ -8,21 +8,20 @@ Sockets (see `scalemon.home.address.HubAddress`):
 - `control` ROUTER (bind, always ipc in the private run directory): requests that steer the
   job (flag toggles, Flight Recorder dumps); the `rpc` socket refuses them.
 
-This module sets up, polls and keeps house; the parts live beside it: `sockets.py` (making and
-binding the sockets), `ingest.py` (frames in, records out), `rpc.py` (the requests' op table)
-and `liveness.py` (lost ranks, abandoned jobs).
+`Hub` sets up, polls and keeps house; it is composed of its parts, beside it: the `Intake`
+(`ingest.py`: frames in, records out) and the `Requests` (`rpc.py`: the requests' op table,
+toggles, dumps), which share the job's records and books through one `HubCore` (`core.py`);
+`sockets.py` makes and binds the sockets, `liveness.py` finds lost ranks and abandoned jobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import signal
 import threading
 import time
-from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,26 +34,26 @@ from scalemon.home.history import HISTORY_FILE, RETRY_S, History
 from scalemon.home.jobfile import ENDED_STATES, JobFile
 from scalemon.home.keys import Keypair, hub_keypair, load_authorized
 from scalemon.home.paths import jobs_dir, run_dir
+from scalemon.home.pidlock import take_lock
 from scalemon.home.safefs import private_dir
 from scalemon.protocol import ProtocolError
 from scalemon.settings import node_name
 from scalemon.state.fold import JobFold
-from scalemon.state.jobstate import HANG_AFTER_S
+from scalemon.state.jobstate import HANG_AFTER_S, JobState
 
 from .access import PeerBook
 from .alerts_out import AlertsOut
 from .audit import Audit
-from .auth import KeyGate, start_gate
-from .frdump import FrDump
-from .ingest import HubIngest
-from .limits import RejectBook, raise_open_files_limit, reason_class
+from .auth import start_gate
+from .core import HubCore
+from .ingest import Intake
+from .limits import raise_open_files_limit, reason_class
 from .liveness import Liveness
 from .openmetrics import Exporter
-from .relays import RelayBook
-from .rpc import HubRpc
+from .relay_book import RelayBook
+from .rpc import Requests
 from .sockets import FanOut, bind_tcp, make_sockets
 from .tcpguard import TcpGuard
-from .toggles import Toggles
 
 log = logging.getLogger("scalemon.hub")
 
@@ -67,8 +66,11 @@ class HubAlreadyRunning(RuntimeError):
     """Another hub holds this job's run directory."""
 
 
-class Hub(HubRpc, HubIngest):
-    """Collects one job's messages. `serve_forever()` runs until the job ended and lingered."""
+class Hub:
+    """Collects one job's messages. `serve_forever()` runs until the job ended and lingered.
+
+    Composed of `core` (the job's history, fold and books), `intake` (what comes in) and
+    `requests` (what is asked); `state`, `history`, `relays` and `peers` are the core's."""
 
     def __init__(
         self,
@@ -95,73 +97,66 @@ class Hub(HubRpc, HubIngest):
                              "ports)")
         self.tcp_endpoints: dict[str, str] | None = None  # bound, with a resolvable host
         self._keys: Keypair | None = None
-        self._gate: KeyGate | None = None
         if self.address.ingest.startswith("tcp://") or self.listen is not None:
             self._keys = hub_keypair(home)  # fail now, with the keys' error, not once serving
             load_authorized(home)
         self.control_endpoint = HubAddress.for_directory(self.run_dir).control
         self.linger_s = linger_s
-        self._lock_file = self._take_lock()
-        self.history = History(self.run_dir / HISTORY_FILE, memory_limit)
-        self._topic = protocol.feed_topic(self.history.identity)
-        # the dashboards' fold of the history, kept as records come: a late dashboard starts
-        # from it (`seed`) instead of replaying the history; its JobState is the hub's state
-        self.fold = JobFold(job=job, world_size=world_size, hang_after_s=hang_after_s)
-        self.state = self.fold.state
-        self._rank_records: dict[int, array] = {}  # each rank's latest record numbers
-        self._ranks_trimmed: set[int] = set()  # ranks whose first records left that list
-        self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
-        self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
-        self._dump: FrDump | None = None
-        self._pending_dump_record = False
+        self._lock_file = take_lock(self.run_dir / "hub.lock", self._already_running,
+                                    self._pid_unwritten)
+        history = History(self.run_dir / HISTORY_FILE, memory_limit)
+        host = node_name()
+        self.core = HubCore(
+            job=job, run_dir=self.run_dir, host=host, history=history,
+            fold=JobFold(job=job, world_size=world_size, hang_after_s=hang_after_s),
+            liveness=Liveness(lost_after_s, linger_s, host), audit=Audit(self.run_dir),
+            relays=RelayBook(lost_after_s=max(lost_after_s, 10.0)),
+            topic=protocol.feed_topic(history.identity))
+        self.intake = Intake(self.core)
         self.replay_skipped: Counter[str] = Counter()
         self._notes: list[tuple[str, str]] = []  # written into the history once serving
         self._error_said: str | None = None
-        self.received = 0
-        self.rejected = 0
-        self.rejects = RejectBook()  # counted by our reason classes, never the sender's text
         self.guard: TcpGuard | None = None  # caps the tcp connections, while serving
-        self._versions_refused: set[tuple[int, int]] = set()
         self.started = time.time()
-        self._own_seq = 0
-        self._host = node_name()
-        self.liveness = Liveness(lost_after_s, linger_s, self._host)
         self._ended_since = 0.0
         self._ending_state: str | None = None
         self._stop = threading.Event()
         self._job_file: JobFile | None = None
-        self._feed: FanOut | None = None  # while serving: where `stop` records go
         self.exporter: Exporter | None = None  # OpenMetrics (hub/openmetrics.py), when asked
         self._replay_history()
-        self.audit = Audit(self.run_dir)
-        self.toggles = Toggles(self.run_dir, self.state, self.audit)
-        self.alerts_out = AlertsOut.from_env(os.environ, job, self.audit, self.state, self.run_dir)
-        self._tcp_ports: dict[zmq.Socket, int] = {}  # tcp socket -> the port it is bound at
-        self.peers: PeerBook | None = None  # which key each tcp connection is, while serving
-        self._rank_keys: dict[int, bytes] = {}  # the key each rank's hello came with
-        self.relays = RelayBook(lost_after_s=max(lost_after_s, 10.0))
+        self.requests = Requests(self.core, self.intake, self.stats)  # its toggles: replayed
+        self.alerts_out = AlertsOut.from_env(os.environ, job, self.core.audit, self.state,
+                                             self.run_dir)
+
+    # --- the core's, by their old names ---------------------------------------------------
+    @property
+    def state(self) -> JobState:
+        """The job's state, folded from the history."""
+        return self.core.state
+
+    @property
+    def history(self) -> History:
+        """The job's records."""
+        return self.core.history
+
+    @property
+    def relays(self) -> RelayBook:
+        """The other nodes' relays."""
+        return self.core.relays
+
+    @property
+    def peers(self) -> PeerBook | None:
+        """Which key each tcp connection is, while serving."""
+        return self.core.peers
 
     # --- setup ---------------------------------------------------------------------------
-    def _take_lock(self):  # noqa: ANN202 - file object
-        path = self.run_dir / "hub.lock"
-        f = open(path, "a+")  # noqa: SIM115 - held for the life of the hub
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            other = f.read().strip() or "?"
-            f.close()
-            raise HubAlreadyRunning(
-                f"a hub for job {self.job!r} is already running (pid {other}); "
-                f"attach to it with `scalemon snapshot {self.job}`"
-            ) from None
-        f.truncate(0)
-        try:  # the pid is for people; a full disk must not stop the hub
-            f.write(str(os.getpid()))
-            f.flush()
-        except OSError as exc:
-            log.error("could not write the hub's pid into %s: %s", path, exc)
-        return f
+    def _already_running(self, pid: str) -> HubAlreadyRunning:
+        return HubAlreadyRunning(f"a hub for job {self.job!r} is already running (pid {pid}); "
+                                 f"attach to it with `scalemon snapshot {self.job}`")
+
+    def _pid_unwritten(self, exc: OSError) -> None:
+        """The pid is for people; a full disk must not stop the hub."""
+        log.error("could not write the hub's pid into %s: %s", self.run_dir / "hub.lock", exc)
 
     def _replay_history(self) -> None:
         """Rebuild the state from a history left by an earlier hub of this job, validating
@@ -169,11 +164,11 @@ class Hub(HubRpc, HubIngest):
         n = len(self.history)
         for seq, record in enumerate(self.history.get(0, n)):
             try:
-                msg = self._accept(record, hub_records=True)
+                msg = self.intake.accept(record, hub_records=True)
             except ProtocolError as exc:
                 self.replay_skipped[reason_class(exc)] += 1
                 continue
-            self._apply(seq, msg)
+            self.intake.apply(seq, msg)
         if n:
             log.info("resumed history of job %s: %d records", self.job, n)
         if self.history.earlier_loss:
@@ -195,13 +190,13 @@ class Hub(HubRpc, HubIngest):
                                            f"folded in (invalid: {reasons})"))
         now = time.monotonic()
         for rank in self.state.ranks:
-            self.liveness.last_recv[rank] = now
+            self.core.liveness.last_recv[rank] = now
 
     def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, ...]:
         """Bind the main endpoints, the control socket and, with --listen, the tcp ones. Every
         tcp socket is a Curve server behind the ZAP handler: TCP is never open."""
         if self._keys is not None:
-            self.auth, self._gate = start_gate(ctx, self.home)
+            self.auth, self.core.gate = start_gate(ctx, self.home)
         ingest, feed, rpc = make_sockets(ctx, tcp=self.address.ingest.startswith("tcp://"))
         control = ctx.socket(zmq.ROUTER)
         control.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -222,7 +217,7 @@ class Hub(HubRpc, HubIngest):
 
     def _bind_tcp(self, sockets: tuple[zmq.Socket, ...], where: HubAddress) -> dict[str, str]:
         assert self._keys is not None
-        return bind_tcp(sockets, where, self._keys, self.guard, self._tcp_ports)
+        return bind_tcp(sockets, where, self._keys, self.guard, self.core.tcp_ports)
 
     def _write_job_file(self, state: str = "running", ended: float | None = None) -> None:
         """(Re)write the job file: `state` "running" while the job runs, else the job's final
@@ -277,7 +272,7 @@ class Hub(HubRpc, HubIngest):
     def serve_forever(self) -> None:
         """Bind, write the job file, and serve until stopped or the job ended and lingered."""
         self.guard = TcpGuard(raise_open_files_limit())
-        self.peers = PeerBook(self.guard)
+        self.core.peers = PeerBook(self.guard)
         ctx = zmq.Context()
         self.auth = None
         try:
@@ -290,7 +285,7 @@ class Hub(HubRpc, HubIngest):
         ingest, feed_main, rpc, control, *extra = sockets
         ingests = [ingest, *extra[:1]]
         rpcs = [rpc, *extra[2:3]]
-        feed = self._feed = FanOut([feed_main, *extra[1:2]])
+        feed = self.core.feed = FanOut([feed_main, *extra[1:2]])
         subscribers = [sock for sock in feed.sockets if sock.type == zmq.XPUB]
         self._write_job_file()
         log.info("hub for job %s listening on %s%s", self.job, self.address.base,
@@ -307,15 +302,15 @@ class Hub(HubRpc, HubIngest):
                         self.guard.on_events(sock)
                 for sock in ingests:
                     if sock in events:
-                        self._ingest(sock, feed)
+                        self.intake.take(sock, feed)
                 for sock in rpcs:
                     if sock in events:
-                        self._serve_rpc(sock)
+                        self.requests.serve(sock)
                 if control in events:
-                    self._serve_rpc(control)
+                    self.requests.serve(control)
                 for sock in subscribers:
                     if sock in events:
-                        self._note_subscribers(sock)
+                        self.intake.note_subscribers(sock)
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
@@ -346,11 +341,11 @@ class Hub(HubRpc, HubIngest):
         self._lock_file.close()
         if lost:
             log.error("hub for job %s stopped: %d received, %d rejected; %d records could not "
-                      "be written to the history (%s) and are lost", self.job, self.received,
-                      self.rejected, lost, error)
+                      "be written to the history (%s) and are lost", self.job, self.intake.received,
+                      self.intake.rejected, lost, error)
         else:
             log.info("hub for job %s stopped: %d received, %d rejected; every record is in "
-                     "the history", self.job, self.received, self.rejected)
+                     "the history", self.job, self.intake.received, self.intake.rejected)
 
     def _note_write_error(self) -> None:
         """Say in the history (and so in snapshot and dashboards) when records stop and start
@@ -377,24 +372,23 @@ class Hub(HubRpc, HubIngest):
         while self._notes:
             kind, text = self._notes.pop(0)
             if kind == "loss":  # once written, the loss marker no longer needs to say it
-                self.history.earlier_loss_told(self._record(
+                self.history.earlier_loss_told(self.intake.record(
                     feed, "hub_note", {"kind": "history", "text": text}))
             else:
-                self._record(feed, "hub_note", {"kind": kind, "text": text})
-        self._advance_dump(feed)
-        self.toggles.advance(now)
-        self._write_toggle_records(feed)
+                self.intake.record(feed, "hub_note", {"kind": kind, "text": text})
+        self.requests.advance(feed, now)  # a dump's progress, the toggles' states
         self.relays.advance(now)
         while self.relays.records:
-            self._record(feed, "relay", self.relays.records.pop(0))
-        for rank, reason in self.liveness.lost(self.state, self.relays, now):
+            self.intake.record(feed, "relay", self.relays.records.pop(0))
+        for rank, reason in self.core.liveness.lost(self.state, self.relays, now):
             log.warning("rank %d lost: %s", rank, reason)
-            self._record(feed, "rank_state", {"target": rank, "state": "lost", "reason": reason})
+            self.intake.record(feed, "rank_state",
+                               {"target": rank, "state": "lost", "reason": reason})
         if self.alerts_out is not None:  # $SCALEMON_ALERT_CMD (hub/alerts_out.py)
             self.alerts_out.check(self.state, now)
         if self.exporter is not None:
             self.exporter.update(self.state, now)
-        job_state = self.liveness.lifecycle_state(self.state, now)
+        job_state = self.core.liveness.lifecycle_state(self.state, now)
         if job_state != self._ending_state:  # each ending state counts its own linger
             self._ending_state, self._ended_since = job_state, now
             self._note_job_state(job_state)
@@ -410,20 +404,21 @@ class Hub(HubRpc, HubIngest):
     def _check_keys(self) -> None:
         """Cut the live connections of keys removed from `authorized` (or given another
         role: they reconnect under it), and audit the handshakes the gate refused."""
-        if self._gate is None or self.peers is None:
+        gate, peers, audit = self.core.gate, self.core.peers, self.core.audit
+        if gate is None or peers is None:
             return
-        for lost in self._gate.take_lost():
-            cut = self.peers.cut({lost.key})
+        for lost in gate.take_lost():
+            cut = peers.cut({lost.key})
             log.warning("key %s (role %s) lost its access: %d live connection(s) cut",
                         lost.name, lost.role, cut)
-            self.audit.write({"event": "access cut", "user": lost.name, "role": lost.role,
+            audit.write({"event": "access cut", "user": lost.name, "role": lost.role,
                               "connections": cut})
-        while self._gate.events:
-            event = self._gate.events.popleft()
+        while gate.events:
+            event = gate.events.popleft()
             label = f"key {event['name'] or event['key'][:12] + '…'}"
             user = event["name"] or label
             source = f"{label} from {event['client_host']}"
-            self.audit.refusal(source, f"handshake on {event['socket']}",
+            audit.refusal(source, f"handshake on {event['socket']}",
                                {"user": user, "via": source, **event})
 
     def _note_job_state(self, job_state: str) -> None:
@@ -444,39 +439,23 @@ class Hub(HubRpc, HubIngest):
             return
         for rank, view in sorted(self.state.ranks.items()):
             if view.state == "running":
-                self._record(feed, "rank_state", {
+                self.intake.record(feed, "rank_state", {
                     "target": rank, "state": "lost",
                     "reason": "the hub stopped before the rank reported its end"})
-        self._ending_state = self.liveness.lifecycle_state(self.state, time.monotonic())
-
-    def _write_toggle_records(self, feed: FanOut) -> None:
-        """Write the toggles' new states (and refusals) into the history and the feed."""
-        while self.toggles.records:
-            self._record(feed, "toggle", self.toggles.records.pop(0))
-
-    def _advance_dump(self, feed: FanOut) -> None:
-        """Record a dump's progress in the history: requested, then analysed."""
-        dump = self._dump
-        if dump is None:
-            return
-        if self._pending_dump_record:
-            self._pending_dump_record = False
-            self._record(feed, "fr_dump", dump.body())
-        if dump.advance(self.state) and not dump.recorded:
-            dump.recorded = True
-            self._record(feed, "fr_dump", dump.body())
+        self._ending_state = self.core.liveness.lifecycle_state(self.state, time.monotonic())
 
     def stats(self) -> dict[str, Any]:
         """Hub counters, as reported in `state` replies."""
+        intake, gate, peers = self.intake, self.core.gate, self.core.peers
         return {
             "pid": os.getpid(),
             "host": node_name(),
             "address": self.address.base,
             "uptime_s": time.time() - self.started,
-            "received": self.received,
-            "rejected": self.rejected,
-            "reject_reasons": dict(self.rejects.counts),
-            "reject_recent": list(self.rejects.recent),
+            "received": intake.received,
+            "rejected": intake.rejected,
+            "reject_reasons": dict(intake.rejects.counts),
+            "reject_recent": list(intake.rejects.recent),
             "history": len(self.history),
             "run_dir": str(self.run_dir),
             "history_identity": self.history.identity,
@@ -486,11 +465,11 @@ class Hub(HubRpc, HubIngest):
             "replay_skipped": dict(self.replay_skipped),
             "tcp": self.tcp_endpoints,
             "relays": len(self.relays.relays),
-            "auth_refused": self._gate.counts()["refused"] if self._gate else 0,
-            "auth_refused_keys": self._gate.counts()["refused_keys"] if self._gate else 0,
-            "keys_admitted": len(self._gate.keys) if self._gate else 0,
-            "access_cut": self.peers.cut_total if self.peers else 0,
-            "audit_refused": self.audit.refused,
+            "auth_refused": gate.counts()["refused"] if gate else 0,
+            "auth_refused_keys": gate.counts()["refused_keys"] if gate else 0,
+            "keys_admitted": len(gate.keys) if gate else 0,
+            "access_cut": peers.cut_total if peers else 0,
+            "audit_refused": self.core.audit.refused,
             "tcp_connections": self.guard.connections() if self.guard else 0,
             "tcp_cap": self.guard.cap if self.guard else 0,
             "tcp_shed": self.guard.shed if self.guard else 0,

@@ -1,34 +1,11 @@
-"""The relay: one per node that is not the hub's, started by that node's local rank 0.
-
-The node's ranks send over ipc, in a 0700 directory on the node's own disk
-(`scalemon.home.paths.relay_dir`), to the relay, which forwards to the hub over one CurveZMQ tcp
-connection:
-
-- ingest: the ranks' frames go on in batches, one multipart message of up to `BATCH` frames
-  every `FLUSH_S` (the hub takes each part as one message), so a node of eight ranks costs the
-  hub one receive instead of eight;
-- rpc: the ranks' `sync` round trips pass through unchanged (ROUTER to DEALER), so the hub's
-  clock and the commands it queued for a rank reach the rank as before (until the hub is
-  known they wait, so a rank's first answer comes as soon as the relay reaches the hub);
-- report: every `REPORT_S` the relay sends the hub a `relay` request with its counts; the
-  replies give the hub's clock, from which the relay estimates its node's clock offset (the
-  fastest of the recent round trips, as the agents do).
-
-The relay finds the hub in the job file on the shared `$SCALEMON_HOME` and reads it again
-when the hub stops answering (a restarted hub binds new ports); or it is given an address
-(`--hub`, `$SCALEMON_HUB`); where neither works and `$SCALEMON_LISTEN` names a fixed port it
-tries `$MASTER_ADDR` at that port. It never slows the ranks: what the hub cannot take is dropped
-and counted (the hub also sees it as gaps in each rank's `seq`). It exits once its ranks have
-been silent for `linger_s`.
-"""
+"""The relay's forwarding loop: the node's ipc sockets bound, the ranks' frames forwarded to the
+hub in batches, their round trips passed through, and the relay's lock on its node (see the
+package's text for the whole)."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
-import signal
 import threading
 import time
 from collections import deque
@@ -36,27 +13,23 @@ from pathlib import Path
 
 import zmq
 
-from scalemon import protocol, settings
 from scalemon.home.address import HubAddress
-from scalemon.home.jobfile import JobFile
 from scalemon.home.keys import NoServerKey, secure_client
-from scalemon.home.paths import jobs_dir
+from scalemon.home.pidlock import take_lock
 from scalemon.settings import node_name
-from scalemon.text.safe import CleanStream
+
+from .report import OWN_ID, REPORT_S, Report
+from .upstream import HubFinder
 
 log = logging.getLogger("scalemon.relay")
 
 BATCH = 1000
 """Frames forwarded to the hub in one multipart message, at most."""
 FLUSH_S = 0.02
-REPORT_S = 2.0
 SILENT_S = 6.0
 """Without an answer from the hub for this long, look for it again (a new hub, new ports)."""
-LOOKUP_WARN_S = 20.0
 MAX_PENDING = 200_000
 """Frames held while the hub is not known yet; beyond this they are dropped and counted."""
-OWN_ID = b"relay"
-"""The routing frame of the relay's own requests on its DEALER (ranks' ids start with 0)."""
 
 
 class RelayAlreadyRunning(RuntimeError):
@@ -75,12 +48,11 @@ class Relay:
         self.node = node or node_name()  # a simulator stands for many nodes in one process
         self.directory = directory
         self.home = home
-        self.fixed_hub = hub
         self.linger_s = linger_s
-        self.report_s = report_s
         self.silent_s = silent_s
         self.local = HubAddress.for_directory(directory)
-        self._lock_file = _take_lock(directory / "relay.lock", job)
+        self._lock_file = take_lock(directory / "relay.lock", lambda _pid: RelayAlreadyRunning(
+            f"a relay for job {job!r} already runs on this node"))
         self.received = 0
         self.forwarded = 0
         self.dropped = 0
@@ -88,14 +60,11 @@ class Relay:
         self.upstream: HubAddress | None = None
         self._pending: deque[bytes] = deque()
         self._last_forward = 0.0
-        self._round_trips: deque[tuple[float, float]] = deque(maxlen=8)
-        self._report_sent: float | None = None
-        self._next_report = 0.0
-        self._answered: float | None = None
         self._connected_at = 0.0
         self._next_lookup = 0.0
-        self._looking_since = time.monotonic()
         self._warned: set[str] = set()
+        self.finder = HubFinder(job, home, hub, self._warn_once)
+        self.report = Report(self.node, report_s, self._warn_once)
         self._last_rank_frame: float | None = None
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None  # set by open()
@@ -108,41 +77,8 @@ class Relay:
 
     # --- finding the hub ------------------------------------------------------------------
     def find_hub(self) -> HubAddress | None:
-        """The hub's tcp endpoints with its key: the given address, else the job file, else
-        $MASTER_ADDR at the fixed port of $SCALEMON_LISTEN; None while none is known."""
-        if self.fixed_hub:
-            return HubAddress.parse(self.fixed_hub)
-        path = jobs_dir(self.home) / f"{self.job}.json"
-        try:
-            jf = JobFile.read(path)
-        except (ValueError, OSError):  # unreadable, or not trusted (another user's, a link)
-            jf = None
-        if jf is not None and jf.serving() and jf.tcp:
-            return HubAddress(jf.tcp["ingest"], jf.tcp["feed"], jf.tcp["rpc"],
-                              server_key=jf.server_key)
-        waited = time.monotonic() - self._looking_since
-        fallback = _master_addr_hub()
-        if waited >= LOOKUP_WARN_S:
-            self._warn_once("lookup", self._lookup_text(path, jf, waited, fallback))
-            if fallback is not None:
-                return fallback
-        return None
-
-    def _lookup_text(self, path: Path, jf: JobFile | None, waited: float,
-                     fallback: HubAddress | None) -> str:
-        if jf is None:
-            why = (f"no job file {path} after {waited:.0f} s: is $SCALEMON_HOME "
-                   f"({path.parent.parent}) shared between this node and rank 0's? ")
-        elif not jf.tcp:
-            why = (f"the hub of job {self.job} (on {jf.host}) does not listen on tcp: start "
-                   "it with --listen tcp://*:0 (SCALEMON_LISTEN). ")
-        else:
-            why = f"the job file {path} says the job {jf.state}. "
-        if fallback is not None:
-            return why + f"Trying the hub at {fallback.base} ($MASTER_ADDR, $SCALEMON_LISTEN)"
-        return why + ("Set SCALEMON_HOME to a directory every node shares, or SCALEMON_LISTEN "
-                      "to a fixed port (tcp://*:PORT) on every node so relays find the hub at "
-                      "$MASTER_ADDR; until then this node's metrics are held, then dropped")
+        """The hub's tcp endpoints with its key, None while none is known (`upstream.py`)."""
+        return self.finder.find()
 
     def _warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
@@ -233,7 +169,7 @@ class Relay:
             self._forward(push)  # batches: what came within FLUSH_S goes as one message
             self._last_forward = moment
         if dealer is not None:
-            self._report(dealer, now)
+            self.report.send_if_due(dealer, now, self.stats)
         return not self._ranks_gone(now, self._opened)
 
     def poll_once(self, timeout_ms: int) -> bool:
@@ -258,7 +194,8 @@ class Relay:
                  self.job, self.node, self.received, self.forwarded, self.dropped)
 
     def _hub_silent(self, now: float) -> bool:
-        last = self._answered if self._answered is not None else self._connected_at
+        answered = self.report.answered
+        last = answered if answered is not None else self._connected_at
         return now - last > self.silent_s and now >= self._next_lookup
 
     def _reconnect(self, ctx: zmq.Context, push: zmq.Socket | None, dealer: zmq.Socket | None,
@@ -285,10 +222,7 @@ class Relay:
             return None, None
         self.upstream = address
         self._connected_at = now
-        self._answered = None
-        self._round_trips.clear()
-        self._report_sent = None
-        self._next_report = 0.0
+        self.report.reset()
         return push, dealer
 
     def _take(self, ingest: zmq.Socket) -> None:
@@ -331,17 +265,16 @@ class Relay:
             except zmq.Again:
                 return
             if frames[0] == OWN_ID:
-                self._read_report_reply(frames[-1])
+                self.report.read_reply(frames[-1])
                 continue
             with contextlib.suppress(zmq.ZMQError):  # the rank went away
                 rpc.send_multipart(frames, zmq.NOBLOCK)
 
-    # --- the relay's own report and clock -------------------------------------------------
+    # --- the relay's own counts and clock ------------------------------------------------
     @property
     def clock_offset_s(self) -> float | None:
         """The hub's clock minus this node's, from the fastest recent round trip."""
-        trips = list(self._round_trips)
-        return min(trips)[1] if len(trips) >= 3 else None
+        return self.report.clock_offset_s
 
     def stats(self) -> dict[str, int | float | None]:
         """Counts since the relay started, and the node's clock offset."""
@@ -349,102 +282,8 @@ class Relay:
                 "dropped": self.dropped, "pending": len(self._pending),
                 "started": self.started, "clock_offset_s": self.clock_offset_s}
 
-    def _report(self, dealer: zmq.Socket, now: float) -> None:
-        overdue = self._report_sent is not None and now - self._report_sent > 5.0
-        if (self._report_sent is None or overdue) and now >= self._next_report:
-            request = protocol.encode_request("relay", node=self.node, pid=os.getpid(),
-                                              t=time.time(), stats=self.stats())
-            with contextlib.suppress(zmq.Again):
-                dealer.send_multipart([OWN_ID, request], zmq.NOBLOCK)
-                self._report_sent = now
-            # round trips are quick at first (3 in a second) so the clock is known early
-            self._next_report = now + (self.report_s if len(self._round_trips) >= 3 else 0.3)
-
-    def _read_report_reply(self, frame: bytes) -> None:
-        t1 = time.time()
-        self._report_sent = None
-        self._answered = time.monotonic()
-        try:
-            reply = protocol.decode_reply(frame)
-        except protocol.ProtocolError as exc:
-            self._warn_once("reply", f"the hub's answer was unusable: {exc}")
-            return
-        if not reply.get("ok", True):
-            self._warn_once("refused", f"the hub refused the relay's report: {reply.get('error')}")
-            return
-        t0, hub_t = reply.get("t0"), reply.get("t")
-        if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
-            self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))
-
     def _ranks_gone(self, now: float, started: float) -> bool:
         last = self._last_rank_frame
         if last is None:  # ranks that never came: wait longer before giving up
             return now - started > max(self.linger_s, 300.0)
         return now - last > self.linger_s and not self._pending
-
-
-def _master_addr_hub() -> HubAddress | None:
-    """tcp://$MASTER_ADDR:PORT where $SCALEMON_LISTEN names a fixed PORT, else None."""
-    listen, master = settings.raw("SCALEMON_LISTEN") or "", os.environ.get("MASTER_ADDR")
-    port = listen.rpartition(":")[2]
-    if not master or not listen.startswith("tcp://") or not port.isdigit() or port == "0":
-        return None
-    try:
-        return HubAddress.parse(f"tcp://{master}:{port}")
-    except ValueError:  # a port past 65533: the hub could not bind it either
-        return None
-
-
-def _take_lock(path: Path, job: str):  # noqa: ANN202 - file object held for the relay's life
-    f = open(path, "a+")  # noqa: SIM115
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise RelayAlreadyRunning(f"a relay for job {job!r} already runs on this node") from None
-    f.truncate(0)
-    with contextlib.suppress(OSError):
-        f.write(str(os.getpid()))
-        f.flush()
-    return f
-
-
-def install_signal_handlers(relay: Relay) -> None:
-    """SIGTERM/SIGINT stop the relay cleanly."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: relay.stop())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m scalemon.hub.relay --job ID`: run this node's relay in the foreground."""
-    import sys
-
-    from scalemon.home.paths import relay_dir
-    from scalemon.options import Parser, job_id, seconds
-
-    parser = Parser(prog="scalemon relay", description=__doc__)
-    parser.add_argument("--job", required=True, type=job_id, metavar="ID", help="job id")
-    parser.add_argument("--home", type=Path, metavar="DIR",
-                        help="scalemon home holding jobs/ and keys/ (default: $SCALEMON_HOME)")
-    parser.add_argument("--hub", default=settings.raw("SCALEMON_HUB"),
-                        metavar="tcp://HOST:PORT",
-                        help="the hub's address (default: $SCALEMON_HUB, else the job file)")
-    parser.add_argument("--linger", type=seconds(0.0, above=True), default=60.0, metavar="S",
-                        help="exit once no rank of this node spoke for S seconds")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,  # control characters of ranks' text shown
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=CleanStream(sys.stderr))
-    try:
-        relay = Relay(args.job, relay_dir(args.job), home=args.home, hub=args.hub,
-                      linger_s=args.linger)
-    except (RelayAlreadyRunning, ValueError, OSError) as exc:
-        print(f"scalemon relay: {exc}", file=sys.stderr)
-        return 2
-    install_signal_handlers(relay)
-    relay.serve_forever()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

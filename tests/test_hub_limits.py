@@ -180,8 +180,8 @@ def test_a_hub_record_over_the_message_limit_is_cut_never_fatal(home: Path) -> N
         def send_multipart(self, frames: list[bytes]) -> None:
             sent.append(frames)
 
-    hub._record(Feed(), "hub_note", {"kind": "x", "text": "t" * 2_000_000})
-    hub._record(Feed(), "hub_note", {"kind": "x", "text": ["t" * 4000] * 400})
+    hub.intake.record(Feed(), "hub_note", {"kind": "x", "text": "t" * 2_000_000})
+    hub.intake.record(Feed(), "hub_note", {"kind": "x", "text": ["t" * 4000] * 400})
     assert len(sent) == 1 and len(sent[0][-1]) <= protocol.MAX_MESSAGE_BYTES
     note = protocol.decode(sent[0][-1])
     assert len(note.body["text"]) == 4096

@@ -32,7 +32,7 @@ def node1(monkeypatch: pytest.MonkeyPatch) -> Path:
 def _start_relay(job: str, home: Path, linger: str = "30") -> subprocess.Popen:
     log = open(home / f"relay-{job}-{os.urandom(3).hex()}.log", "wb")  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "scalemon.hub.relay", "--job", job, "--home", str(home),
+        [sys.executable, "-m", "scalemon.relay", "--job", job, "--home", str(home),
          "--linger", linger], stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -107,14 +107,15 @@ def test_a_relay_forwards_its_nodes_ranks_and_is_replaced_with_its_gap_counted(
 
 def test_a_relay_without_a_hub_says_why_and_keeps_the_ranks_unblocked(
         home: Path, node1: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from scalemon.hub import relay as relay_mod
+    from scalemon.relay import upstream
+    from scalemon.relay.forward import Relay
 
-    monkeypatch.setattr(relay_mod, "LOOKUP_WARN_S", 0.0)
+    monkeypatch.setattr(upstream, "LOOKUP_WARN_S", 0.0)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("SCALEMON_LISTEN", raising=False)
-    relay = relay_mod.Relay("nohub", relay_dir("nohub"), home=home, linger_s=30)
+    relay = Relay("nohub", relay_dir("nohub"), home=home, linger_s=30)
     assert relay.find_hub() is None
-    text = relay._lookup_text(jobs_dir(home) / "nohub.json", None, 20.0, None)
+    text = relay.finder.lookup_text(jobs_dir(home) / "nohub.json", None, 20.0, None)
     assert "is $SCALEMON_HOME" in text and "SCALEMON_LISTEN" in text
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("SCALEMON_LISTEN", "tcp://*:29731")

@@ -1,0 +1,78 @@
+"""The relay's own report to the hub (a `relay` request with its counts, every `REPORT_S`),
+and its node's clock offset, estimated from the hub's answers as the agents do: the fastest of
+the recent round trips."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from scalemon import protocol
+
+REPORT_S = 2.0
+OWN_ID = b"relay"
+"""The routing frame of the relay's own requests on its DEALER (ranks' ids start with 0)."""
+
+
+class Report:
+    """Sends the relay's report when due and reads the hub's answers to it. `warn(key, text)`
+    says a problem once per key."""
+
+    def __init__(self, node: str, every_s: float, warn: Callable[[str, str], None]) -> None:
+        self.node = node
+        self.every_s = every_s
+        self._warn = warn
+        self._round_trips: deque[tuple[float, float]] = deque(maxlen=8)
+        self._sent: float | None = None
+        self._next = 0.0
+        self.answered: float | None = None
+        """time.monotonic() of the hub's last answer; None since (re)connecting."""
+
+    def reset(self) -> None:
+        """A new hub (or the same at a new address): start over, round trips quick again."""
+        self.answered = None
+        self._round_trips.clear()
+        self._sent = None
+        self._next = 0.0
+
+    @property
+    def clock_offset_s(self) -> float | None:
+        """The hub's clock minus this node's, from the fastest recent round trip."""
+        trips = list(self._round_trips)
+        return min(trips)[1] if len(trips) >= 3 else None
+
+    def send_if_due(self, dealer: zmq.Socket, now: float,
+                    stats: Callable[[], dict[str, Any]]) -> None:
+        """Send the report (`stats()`) when due, or again when the last one went unanswered."""
+        overdue = self._sent is not None and now - self._sent > 5.0
+        if (self._sent is None or overdue) and now >= self._next:
+            request = protocol.encode_request("relay", node=self.node, pid=os.getpid(),
+                                              t=time.time(), stats=stats())
+            with contextlib.suppress(zmq.Again):
+                dealer.send_multipart([OWN_ID, request], zmq.NOBLOCK)
+                self._sent = now
+            # round trips are quick at first (3 in a second) so the clock is known early
+            self._next = now + (self.every_s if len(self._round_trips) >= 3 else 0.3)
+
+    def read_reply(self, frame: bytes) -> None:
+        """Take the hub's answer to a report: it answered now, and with its clock."""
+        t1 = time.time()
+        self._sent = None
+        self.answered = time.monotonic()
+        try:
+            reply = protocol.decode_reply(frame)
+        except protocol.ProtocolError as exc:
+            self._warn("reply", f"the hub's answer was unusable: {exc}")
+            return
+        if not reply.get("ok", True):
+            self._warn("refused", f"the hub refused the relay's report: {reply.get('error')}")
+            return
+        t0, hub_t = reply.get("t0"), reply.get("t")
+        if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
+            self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))
