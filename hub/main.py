@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from scalemon import settings
-from scalemon.home.paths import check_job_id
 from scalemon.options import Parser, int_at_least, job_id, seconds
+from scalemon.protocol import check_job_id
 from scalemon.settings import hang_after_s
 from scalemon.text.safe import CleanStream, clean
 

@@ -24,9 +24,10 @@ from conftest import REPO
 
 # source folder -> the package it installs as (pyproject.toml [tool.setuptools.package-dir])
 PACKAGE_DIRS = {"scalemon": "scalemon", "agent": "scalemon/agent", "hub": "scalemon/hub",
-                "tui": "scalemon/tui", "demo_train": "scalemon/demo_train"}
+                "relay": "scalemon/relay", "tui": "scalemon/tui",
+                "demo_train": "scalemon/demo_train"}
 MODULES = ["scalemon.tui.app", "scalemon.tui.screens.overview", "scalemon.tui.widgets.plot",
-           "scalemon.agent", "scalemon.agent.run", "scalemon.hub.main",
+           "scalemon.agent", "scalemon.agent.run", "scalemon.hub.main", "scalemon.relay.main",
            "scalemon.demo_train.fused_adam", "scalemon.demo_train.train", "scalemon.cli.main"]
 
 
