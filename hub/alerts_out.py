@@ -279,7 +279,7 @@ class AlertsOut:
         return out
 
     def _hang(self, state: JobState, wall: float) -> dict[Key, dict[str, Any]]:
-        """The hang, while `JobState.hang` has one: its report (costly on a big job) is made
+        """The hang, while `job_hang` finds one: its report (costly on a big job) is made
         once when it begins, then kept while no step completes and the job runs."""
         key: Key = (HANG, None)
         if state.last_step_t is None or wall - state.last_step_t < state.hang_after_s:

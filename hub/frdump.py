@@ -1,5 +1,5 @@
 """A Flight Recorder dump of every rank, asked for from a dashboard or `scalemon dump`, and our
-analysis of it (`scalemon.frtrace`).
+analysis of it (`scalemon.reports.frtrace`).
 
 The hub queues a `dump_fr` command for each rank (delivered on the agents' next sync); each
 agent writes its recorder to `<run dir>/fr/<time>/rank_<rank>` from its own thread and reports

@@ -34,7 +34,7 @@ KINDS = {"float": "number", "int": "int", "bool": "bool", "str": "str", "map": "
 """Value kinds and how docs/protocol.md names them."""
 
 STYLES = ("num", "signed", "loss_scale", "si", "used_of", "int", "age")
-"""How `scalemon.display` writes a value: fixed decimals, signed decimals, an AMP loss scale,
+"""How `scalemon.text.display` writes a value: fixed decimals, signed decimals, an AMP loss scale,
 k/M/G prefixes, `used/total`, a whole number, an age (one decimal below a minute)."""
 
 

@@ -7,7 +7,7 @@ never disagree about a rank.
 from __future__ import annotations
 
 HANG_AFTER_S = 10.0
-"""A job where no rank completed a step for this long is hung (`JobState.hang`); the agents
+"""A job where no rank completed a step for this long is hung (`reports.hangs.job_hang`); the agents
 send their stack and collectives in flight once their training thread is stuck this long."""
 
 STUCK_MIN_S = 10.0

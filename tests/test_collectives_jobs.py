@@ -169,7 +169,7 @@ def check_dashboard(home: Path, culprit_words: str) -> None:
 
 def check_dump(home: Path, nproc: int) -> None:
     """The dashboard's dump key: every rank writes its recorder, the hub analyses the
-    directory (scalemon.frtrace) and records the outcome."""
+    directory (scalemon.reports.frtrace) and records the outcome."""
     from scalemon.link.control import Controller
 
     client = Controller(JobFile.read(jobs_dir(home) / f"{home.name}.json").hub_address())

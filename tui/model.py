@@ -88,7 +88,7 @@ class LatenessMedians:
 
 class DashboardData(JobFold):
     """Thread-safe fold of one job's records for the dashboard. `hang_after_s`: a job where no
-    rank completed a step for this long is hung (`JobState.hang`)."""
+    rank completed a step for this long is hung (`reports.hangs.job_hang`)."""
 
     def __init__(self, job: str | None = None, cap: int | None = None,
                  hang_after_s: float | None = None) -> None:

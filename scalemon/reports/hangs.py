@@ -290,7 +290,7 @@ def _status(view: RankView) -> dict[str, list[int]]:
 
 def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
     """The hang of a running job `st` at `now`, or None: no rank completed a step for its
-    `hang_after_s` (`JobState.hang` checks first that the job runs). The wait-for graph: the
+    `hang_after_s` (`job_hang` checks first that the job runs). The wait-for graph: the
     culprits at the ends of the chains (in Python, gone, desynchronised, stuck in teardown)
     with their cause, phase and top user frame, what each waiting rank waits in and for whom,
     each rank's stack."""

@@ -36,7 +36,7 @@ FAILED_LISTED = 12
 
 
 def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[str]:
-    """The ranks of a `scalemon snapshot` (`JobState.to_json()["ranks"]`) as people read a
+    """The ranks of a `scalemon snapshot` (`snapshot_json(state)["ranks"]`) as people read a
     big job: the slowest ranks by the straggler measure (`stragglers.json_measure`, the
     dashboard's), the lost and failed ranks, a row per node
     (trouble first: `node_order_key`) and each `log()` extra's spread over the ranks."""

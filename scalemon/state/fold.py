@@ -189,7 +189,7 @@ class SeriesBackfill:
 class JobFold:
     """A job's records folded in history order (`apply`). `cap` fixes the buckets of every
     per-rank series (default: 512 up to 64 ranks, else 256); `hang_after_s`: a job where no
-    rank completed a step for this long is hung (`JobState.hang`)."""
+    rank completed a step for this long is hung (`reports.hangs.job_hang`)."""
 
     def __init__(self, job: str | None = None, cap: int | None = None,
                  hang_after_s: float = HANG_AFTER_S, world_size: int | None = None) -> None:

@@ -22,7 +22,7 @@ TABLE_ROWS = 64
 
 
 class HangScreen(DataScreen):
-    """The job's hang, from `JobState.hang`. Text from ranks (stacks, the analysis) is shown as
+    """The job's hang, from `reports.hangs.job_hang`. Text from ranks (stacks, the analysis) is shown as
     typed, never read as markup."""
 
     BINDINGS = [

@@ -55,7 +55,7 @@ def judged_at(data: DashboardData, now: float) -> float:
 
 
 def current_hang(data: DashboardData, now: float) -> dict[str, Any] | None:
-    """`JobState.hang` at `judged_at` (call under the lock)."""
+    """`job_hang` at `judged_at` (call under the lock)."""
     return job_hang(data.state, judged_at(data, now))
 
 

@@ -4,7 +4,7 @@ the way, the stragglers, the hub's and the flags' notes, the first failure and t
 Stragglers are named by how late each rank issues the collectives of its groups against the
 first rank (`arrival_lateness_s`: a collective makes every rank's step equally long, so step
 time cannot tell who is slow), or, before any collective was seen by every rank, by compute
-time. A hung job (`JobState.hang`) says so in the header's state.
+time. A hung job (`reports.hangs.job_hang`) says so in the header's state.
 """
 
 from __future__ import annotations
