@@ -22,7 +22,6 @@ After each change the rank reports its values (`flags` message) and the outcome
 from __future__ import annotations
 
 import ctypes
-import datetime
 import logging
 import os
 import re
@@ -41,7 +40,7 @@ from scalemon.flags import (
     FlagError,
 )
 
-from . import nccllog, overrides
+from . import c10d, nccllog, overrides
 from .env import RankEnv
 from .libs import mapped_libraries
 from .warn import Warnings
@@ -368,59 +367,21 @@ def torch_debug_level() -> str | None:
         return None
 
 
-def _groups() -> list[Any]:
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return []
-    return list(c10d._world.pg_map)
-
-
 def pg_timeout_text() -> str | None:
     """The default process group's timeout in seconds, as text (None outside a job)."""
-    try:
-        import torch
-        from torch.distributed import distributed_c10d as c10d
-
-        groups = _groups()
-        if not groups:
-            return None
-        pg = c10d._get_default_group()
-        for device in ("cuda", "cpu"):
-            try:
-                backend = pg._get_backend(torch.device(device))
-                return f"{backend.options._timeout.total_seconds():g}"
-            except Exception:
-                continue
-    except Exception:
-        pass
-    return None
+    seconds = c10d.default_group_timeout_s()
+    return None if seconds is None else f"{seconds:g}"
 
 
 def set_pg_timeout(seconds: float) -> str:
     """Set the timeout of every process group (later operations); returns what was done."""
-    from torch.distributed import distributed_c10d as c10d
-
-    groups = _groups()
-    for pg in groups:
-        c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
-    return f"timeout {seconds:g} s on {len(groups)} process group(s), for their next operations"
+    groups = c10d.set_timeouts(seconds)
+    return f"timeout {seconds:g} s on {groups} process group(s), for their next operations"
 
 
 def enable_collectives_timing() -> str:
     """Turn collective timing on in every NCCL group; returns what was done."""
-    import torch
-
-    timed = 0
-    for pg in _groups():
-        try:
-            backend = pg._get_backend(torch.device("cuda"))
-        except Exception:
-            continue
-        if hasattr(backend, "_enable_collectives_timing"):
-            backend._enable_collectives_timing()
-            timed += 1
+    timed = sum(c10d.enable_backend_timing(pg) for pg in c10d.process_groups())
     if timed:
         return f"timing on in {timed} NCCL group(s)"
     return "no NCCL group here (gloo: the agent times collectives on the host already)"

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .c10d import sequence_number
+
 HostCall = list  # [group (None: default), seq, op or None, seconds or None]
 
 
@@ -42,12 +44,6 @@ _OPS: dict[str, tuple[str | None, int]] = {
     "reduce_scatter_single": ("reduce_scatter", 3),
     "all_to_all_single": (None, 4),
 }
-
-
-def group_seq(group: Any) -> int:
-    """The sequence number of the last collective issued on `group` (None: the default)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return pg._get_sequence_number_for_group()
 
 
 class HostTimer:
@@ -81,7 +77,7 @@ class HostTimer:
             work = fn(*args, **kwargs)
             try:
                 group = _arg(args, kwargs, group_at, "group")
-                call = [group, group_seq(group), op, None]
+                call = [group, sequence_number(group), op, None]
                 if work is None:
                     call[3] = time.perf_counter() - t
                 else:

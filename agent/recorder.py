@@ -48,6 +48,7 @@ from scalemon.collectives import (
 )
 from scalemon.policy import HANG_AFTER_S
 
+from . import c10d
 from .stepcomm import StepComm
 from .warn import Warnings
 
@@ -63,12 +64,6 @@ MAX_STEP_ROWS = 4096
 """Steps' all-reduce figures per `collectives` message at most (the newest are kept)."""
 HOST_CALLS_KEPT = 50_000
 """Host-timed calls, taken entries and untimed entries remembered for matching, at most."""
-
-
-def _c10d() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d
 
 
 class RecorderSource:
@@ -87,10 +82,8 @@ class RecorderSource:
 
 def find_sources(nccl: bool) -> list[RecorderSource]:
     """The recorder rings this torch build exposes (NCCL's only where NCCL is in use)."""
-    import torch._C._distributed_c10d as c10d
-
+    generic, nccl_dump = c10d.recorder_dumps()
     sources = []
-    generic = getattr(c10d, "_dump_fr_trace", None)
     if generic is not None:
         # no stack traces: their symbolization costs more than the rest of the read (its first
         # use imports torch._inductor, seconds during which no status is read), and on a
@@ -98,7 +91,6 @@ def find_sources(nccl: bool) -> list[RecorderSource]:
         # them died with SIGSEGV at interpreter exit, every run (issue #25; without them:
         # exit 0). tests/test_collectives.py keeps both rings without stack traces.
         sources.append(RecorderSource("fr", generic, includeStackTraces=False))
-    nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
     if nccl and nccl_dump is not None:
         sources.append(RecorderSource("nccl", nccl_dump, includeStackTraces=False))
     return sources
@@ -149,7 +141,7 @@ class Recorder:
                                        "collectives_completed": None}
         self._groups_sent: set[str] = set()
         self._group_info: dict[str, dict[str, Any]] = {}
-        self._pg_names: dict[str, str] = {}  # pg_id -> group name, from entries
+        self._names_by_pg_id: dict[str, str] = {}  # pg_id -> group name, from entries
         self._held: dict[int, float] = {}  # NCCL entries read before they completed: issue t
         self._host_calls: dict[tuple[str, int], list] = {}  # (group, seq) -> HostCall (gloo)
         self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
@@ -256,15 +248,14 @@ class Recorder:
         (a job's gloo groups, e.g. for CPU barriers, have no such switch)."""
         if not self.nccl:
             return
-        names = getattr(_c10d()._world, "pg_names", {})
-        for pg in list(names):
+        for pg in list(c10d.group_names()):
             if id(pg) in self._timed_groups:
                 continue
             self._timed_groups.add(id(pg))
             if not group_uses_nccl(pg, unknown=True):  # unknown: timing is tried
                 continue
             try:
-                pg._enable_collectives_timing()
+                c10d.enable_group_timing(pg)
             except Exception as exc:
                 self.warnings.once("fr-timing", "scalemon: could not turn on collective timing "
                                    "of a process group (%s): its collectives have no duration",
@@ -297,7 +288,7 @@ class Recorder:
 
     def _merge_status(self, status: dict[str, Any], groups: dict[str, list[int]]) -> None:
         for pg_id, item in status.items():
-            name = self._pg_names.get(str(pg_id), str(pg_id))
+            name = self._names_by_pg_id.get(str(pg_id), str(pg_id))
             try:
                 issued = int(item.get("last_enqueued_collective", -1))
                 completed = int(item.get("last_completed_collective", -1))
@@ -355,7 +346,7 @@ class Recorder:
         for e in entries:
             pg = e.get("process_group") or ("", "")
             name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
-            self._pg_names[str(e.get("pg_id"))] = name
+            self._names_by_pg_id[str(e.get("pg_id"))] = name
             if name and name not in self._group_info:
                 ranks = pg_config_ranks(config.get(name)) or group_ranks(name)
                 self._group_info[name] = {"desc": desc, "ranks": ranks or []}
@@ -419,9 +410,8 @@ class Recorder:
         calls = self.host_calls
         if not calls:
             return
-        c10d = _c10d()
-        names = getattr(c10d._world, "pg_names", {})
-        default = c10d._get_default_group() if c10d.is_initialized() else None
+        names = c10d.group_names()
+        default = c10d.default_group()
         while calls:
             call = calls.popleft()
             name = names.get(call[0] if call[0] is not None else default)
@@ -532,10 +522,11 @@ def _trim(mapping: dict, keep: int) -> None:
 def group_ranks(name: str) -> list[int] | None:
     """The global ranks of the process group called `name` in this process, if known."""
     try:
-        c10d = _c10d()
-        for pg, pg_name in list(c10d._world.pg_names.items()):
+        import torch.distributed as dist
+
+        for pg, pg_name in list(c10d.group_names().items()):
             if pg_name == name:
-                return list(c10d.get_process_group_ranks(pg))
+                return list(dist.get_process_group_ranks(pg))
     except Exception:
         return None
     return None

@@ -13,7 +13,7 @@ import torch
 from .cudagraphs import CAPTURE, capture_mode_thread_local
 from .heartbeat import Phase
 from .timing import EventPool, Span, summarize
-from .transport import PLAIN_TYPES, local_value, plain_value
+from .values import PLAIN_TYPES, on_device, plain_value, stageable
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -249,12 +249,7 @@ class StepFinisher:
         if value is None:
             return None
         try:
-            if isinstance(value, torch.Tensor):
-                value = local_value(value)
-                if value.numel() == 1:
-                    return value
-                raise ValueError(f"a tensor of {value.numel()} elements")
-            return float(value)
+            return stageable(value)
         except (TypeError, ValueError, RuntimeError) as exc:
             self.warnings.once(f"log-{name}", "scalemon: %s given to log() cannot be read "
                                "(%s); it is left out", name, exc)
@@ -399,7 +394,7 @@ def copy_if_unchanged(slot: torch.Tensor, tensor: torch.Tensor, version: int) ->
 
 def _host_only(value: Any) -> Any:
     """`value`, or None where it is a tensor on a GPU."""
-    return None if isinstance(value, torch.Tensor) and value.is_cuda else value
+    return None if on_device(value) else value
 
 
 def _value_name(slot: int, names: list[str]) -> str:

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .c10d import sequence_number
 from .cudagraphs import CAPTURE
 from .cudart import CudaDirect
 from .heartbeat import Phase
-from .hosttiming import group_seq, original
+from .hosttiming import original
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -395,7 +396,7 @@ class AllReduceTimer:
         if span is not None and self.calls is not None:
             t2 = time.perf_counter()
             try:
-                span[4] = call = [self._group, group_seq(self._group), None, None]
+                span[4] = call = [self._group, sequence_number(self._group), None, None]
                 self.calls.append(call)
             except Exception:  # a torch without sequence numbers: no duration for the table
                 span[4] = None

@@ -32,6 +32,7 @@ import scalemon
 from scalemon import protocol
 from scalemon.home.keys import secure_client
 
+from .values import plain_values
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -362,54 +363,3 @@ class Sender:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=self.close_timeout_s * 2 + 1 + self.start_grace_s)
-
-
-def plain_values(body: dict[str, Any]) -> dict[str, Any]:
-    """NumPy scalars, 0-d CPU tensors and subclasses of str/int/float in a body (and one level
-    down) become plain Python values."""
-    if all(type(v) in _PLAIN for v in body.values()):
-        return body
-    return {k: _plain(v, nested=True) for k, v in body.items()}
-
-
-_PLAIN = (bool, int, float, str, type(None))
-PLAIN_TYPES = _PLAIN  # what a message value may be once made plain
-
-
-def local_value(value: Any) -> Any:
-    """A DTensor as its local tensor where that holds the whole value (replicated, as the
-    grad norm `clip_grad_norm_` returns under FSDP2); anything else unchanged. Raises
-    ValueError for a sharded or partial DTensor: reading one takes a collective, which the
-    agent never issues (the ranks would have to issue it in the same order)."""
-    if type(value).__name__ != "DTensor":
-        return value
-    if all(p.is_replicate() for p in value.placements):
-        return value.to_local()
-    raise ValueError(f"it is a DTensor placed {tuple(value.placements)}: reading it takes a "
-                     "collective; pass .full_tensor()")
-
-
-def plain_value(value: Any) -> Any:
-    """A NumPy scalar, one-element CPU tensor or str/int/float subclass as a plain Python value;
-    anything else unchanged. A replicated DTensor is read from its local tensor (`local_value`);
-    a sharded or partial one raises ValueError."""
-    value = _plain(local_value(value))
-    one_element_host_tensor = (
-        type(value) not in _PLAIN and hasattr(value, "numel") and not getattr(value, "is_cuda", 1)
-        and value.numel() == 1
-    )
-    return value.reshape(()).item() if one_element_host_tensor else value
-
-
-def _plain(value: Any, nested: bool = False) -> Any:
-    if type(value) in _PLAIN:
-        return value
-    for kind in _PLAIN[:-1]:  # subclasses (torch's version string, IntEnum, np.float64)
-        if isinstance(value, kind):
-            return kind(value)
-    if nested and isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    is_cuda = getattr(value, "is_cuda", False)
-    if hasattr(value, "item") and not is_cuda and getattr(value, "ndim", 0) == 0:
-        return value.item()  # numpy scalar, 0-d CPU tensor; a CUDA one stays and is refused
-    return value
