@@ -6,7 +6,8 @@ the data changed (and once a second for the ages), so redraws stay at or under 1
 the message rate. Plots are re-rasterised less often when they are expensive. The thread talks
 to the app only through `post_message` (status changes).
 
-When the job hangs (`reports.hangs.job_hang`) the app shows the hang screen by itself, once per hang;
+When the job hangs (`reports.hangs.job_hang`) the app shows the hang screen by itself, once
+per hang;
 its `d` asks the hub for a Flight Recorder dump from a thread worker. The flags screen's changes
 go to the hub the same way, through `send_toggle` (the hub's control socket by default).
 The pacing of redraws is in tui/pacer.py, the requests the workers make in tui/requests.py.

@@ -2,9 +2,10 @@
 
 `run_records` reads a job's history (every `step` message of every rank, every heartbeat's
 memory) into per-step series; `summarize` makes the summary of `scalemon summary --json` from
-them and the job's state (`reports.snapshot.snapshot_json`); `compare` puts two summaries side by side with
-ratios B/A; `scalemon.reports.summary_text` writes them for people. The JSON schema is in
-docs/summary.md. Every number that is not finite (a NaN loss) becomes None (JSON null).
+them and the job's state (`reports.snapshot.snapshot_json`); `compare` puts two summaries
+side by side with ratios B/A; `scalemon.reports.summary_text` writes them for people. The
+JSON schema is in docs/summary.md. Every number that is not finite (a NaN loss) becomes None
+(JSON null).
 """
 
 from __future__ import annotations

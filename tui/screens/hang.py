@@ -22,8 +22,8 @@ TABLE_ROWS = 64
 
 
 class HangScreen(DataScreen):
-    """The job's hang, from `reports.hangs.job_hang`. Text from ranks (stacks, the analysis) is shown as
-    typed, never read as markup."""
+    """The job's hang, from `reports.hangs.job_hang`. Text from ranks (stacks, the analysis)
+    is shown as typed, never read as markup."""
 
     BINDINGS = [
         Binding("escape,backspace", "back", "Back"),
