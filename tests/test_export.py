@@ -177,7 +177,7 @@ def test_hand_built_trace_lines_up_clocks_and_links_collectives() -> None:
     json.dumps(doc, allow_nan=False)
     lines = [json.loads(line) for line in export.jsonl_lines(_two_host_history())]
     assert lines[6]["body"]["loss"] is None and lines[6]["t"] == 997.0
-    assert export.plain({1: b"\x01\xff", "x": (math.inf,)}) == {"1": "01ff", "x": [None]}
+    assert export.strict_json({1: b"\x01\xff", "x": (math.inf,)}) == {"1": "01ff", "x": [None]}
 
 
 def _trace_processor_binary() -> str | None:

@@ -45,7 +45,15 @@ def stall_in_python() -> None:
 
 
 def keep_sockets_and_exit(out: Path) -> None:
-    """End this process without its peers noticing: a child keeps its sockets open."""
+    """End this process without its peers noticing: a child keeps its sockets open. First it
+    waits (bounded) until the hub answers this rank's agent: on a loaded machine rank 0's hub
+    can start after this rank's first steps, and what a process queued for a hub that is not
+    there yet dies with it, so the hub would never learn of this rank and its pid."""
+    deadline = time.monotonic() + 60.0
+    sender = sm._run.sender if sm._run is not None else None
+    while sender is not None and sender.clock_offset_s is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the queued step messages go out behind the answered requests
     child = os.fork()
     if child == 0:
         time.sleep(STALL_S / 2)
