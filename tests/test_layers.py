@@ -269,3 +269,13 @@ def test_the_core_is_pure_python():
            for path, module in _modules() if layer_of(module) in CORE
            for imp in _imports(path, module) if imp.module.split(".")[0] in HEAVY]
     assert bad == []
+
+
+def test_the_architecture_page_names_every_package():
+    """docs/architecture.md names each core subpackage and each process's package, so a new
+    one cannot land without its line there."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for name in CORE_PACKAGES:
+        assert f"scalemon/{name}/" in text, f"docs/architecture.md does not name scalemon/{name}/"
+    for name in PROCESSES:
+        assert f"`{name}/`" in text, f"docs/architecture.md does not name {name}/"

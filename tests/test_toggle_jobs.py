@@ -267,10 +267,12 @@ def _become_nobody() -> None:
 
 
 def test_flags_panel_lists_every_flag_with_its_tier(home, start_hub, zctx):
-    """`scalemon flags` on a hub fed by two fake ranks that disagree on NCCL_ALGO."""
+    """`scalemon flags` on a hub fed by two fake ranks that disagree on NCCL_ALGO. The fake
+    ranks send no heartbeats: the hub must not call them lost while four CLI processes start
+    on a loaded machine (the refusal below is for a running job)."""
     from conftest import FakeRank
 
-    hub = start_hub(home.name)
+    hub = start_hub(home.name, "--lost-after", "600")
     ranks = [FakeRank(zctx, hub.address, home.name, r) for r in range(2)]
     for rank, algo in zip(ranks, ("Ring", "Tree"), strict=True):
         rank.hello()

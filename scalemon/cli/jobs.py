@@ -21,8 +21,6 @@ from scalemon.text import display
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List the jobs whose hubs serve: live ones, and ended ones while their hub lingers."""
     if args.connect:
-        from scalemon.cli.jobs import print_connect
-
         return print_connect(args.connect)
     try:
         jobs = serving_jobs()

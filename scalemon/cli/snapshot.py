@@ -11,13 +11,13 @@ from typing import Any
 
 from scalemon import __version__, protocol
 from scalemon.home.lookup import JobLookupError, hub_gone_text, resolve_hub
-from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.snapshot_text import format_snapshot
 
 
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
     from scalemon.home.history import earlier_loss_text, history_path, read_messages
+    from scalemon.reports.snapshot import snapshot_json
     from scalemon.state.fold import JobFold
 
     path = history_path(job)
