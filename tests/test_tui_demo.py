@@ -105,11 +105,17 @@ def test_scalemon_demo_whose_job_dies_shows_its_last_lines_and_exits_with_its_co
                  and min(s for s, _ in r.values()) >= 3, timeout=180, interval=0.5)
         (rank1,) = [p for p in job_processes(job) if p.environ().get("LOCAL_RANK") == "1"]
         rank1.kill()  # the job fails: torchrun stops rank 0 and exits 1
-        wait_for(lambda: "The job ended: exit code 1" in tmux.screen(), timeout=60,
-                 interval=0.5)
-        screen = tmux.screen()
+        killed = f"Signal 9 (SIGKILL) received by PID {rank1.pid}"
+
+        def exit_box() -> str | None:
+            """The screen once the box and its lines are there (a capture can catch the
+            terminal between two of its writes)."""
+            screen = tmux.screen()
+            return screen if "The job ended: exit code 1" in screen and killed in screen else None
+
+        screen = wait_for(exit_box, timeout=60, interval=0.5)
         assert f"The last 15 lines of its log, {home / 'demo' / job}.log:" in screen
-        assert f"Signal 9 (SIGKILL) received by PID {rank1.pid}" in screen
+        assert killed in screen
         assert "Esc: back to the dashboard" in screen
         time.sleep(3)
         assert "The job ended" in tmux.screen()  # it stays until dismissed
