@@ -13,7 +13,6 @@ from scalemon.home.address import HubAddress
 from scalemon.home.paths import relay_dir, run_dir
 from scalemon.home.pidlock import is_locked
 from scalemon.home.safefs import private_dir
-from scalemon.settings import scalemon_home
 
 from .env import RankEnv
 
@@ -60,7 +59,7 @@ def start_hub_if_needed(env: RankEnv, directory: Path) -> int | None:
         sys.executable, "-m", "scalemon.hub",
         "--job", env.job,
         "--world-size", str(env.world_size),
-        "--home", str(scalemon_home()),
+        "--home", str(settings.scalemon_home()),
         *settings.words(HUB_ARGS_ENV),
     ]
     if env.multi_node and not settings.raw("SCALEMON_LISTEN"):
@@ -75,7 +74,7 @@ def start_relay_if_needed(env: RankEnv, directory: Path) -> int | None:
     if hub_is_running(directory, "relay.lock") or _still_starting(directory / "relay.log"):
         return None
     cmd = [sys.executable, "-m", "scalemon.relay", "--job", env.job,
-           "--home", str(scalemon_home())]
+           "--home", str(settings.scalemon_home())]
     pid = _spawn(cmd, directory / "relay.log")
     log.info("scalemon: started relay pid %d for job %s on this node", pid, env.job)
     return pid

@@ -29,7 +29,6 @@ import torch
 
 import scalemon
 from scalemon import settings
-from scalemon.settings import hang_after_s
 from scalemon.state.failures import clean_error
 
 from .autostart import hub_address
@@ -202,7 +201,7 @@ class Run:
             lambda: self.phase.step, nccl=self._nccl,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
-            warnings=self.warnings, stuck_after_s=hang_after_s(),
+            warnings=self.warnings, stuck_after_s=settings.hang_after_s(),
             step_marks=self._step_marks)
         self._hello(model, config)
         self.logs = RankLogs(self.sender.submit, self.warnings, self.env.host, self.pid,

@@ -32,6 +32,7 @@ from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
 
+
 def _all_reduce(*args: Any, **kwargs: Any) -> Any:
     """torch's all_reduce, not the host timer's wrapper (the hook times its own)."""
     return original(dist.all_reduce)(*args, **kwargs)

@@ -68,7 +68,6 @@ def check_tensor(p: torch.Tensor, g: torch.Tensor) -> None:
         raise ValueError("FusedAdamW needs dense params and grads with the same shape and strides")
 
 
-
 def same_dense_layout(t: torch.Tensor, p: torch.Tensor) -> bool:
     """True if ``t`` can be walked by the flat element index that walks ``p``."""
     if t.is_contiguous() and p.is_contiguous():

@@ -138,4 +138,3 @@ def verify(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         if sha256_file(f) != want["sha256"]:
             return None, f"{name} does not match its sha256"
     return meta, None
-

@@ -186,7 +186,6 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * L * H * Q * T
 
 
-
 # -----------------------------------------------------------------------------
 # peak FLOP/s, for MFU
 

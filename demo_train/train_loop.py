@@ -126,5 +126,3 @@ def report_loss_scale(t: Trainer, step: int, previous: float | None) -> float | 
             print(f"amp: loss scale {previous:g} -> {scale:g} by step {step}: steps with inf/NaN "
                   "gradients were skipped", flush=True)
     return scale
-
-

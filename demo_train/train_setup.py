@@ -161,7 +161,6 @@ def resume(t: Trainer) -> int:
         return 0
 
 
-
 def new_groups(t: Trainer, names: list[str]) -> str:
     """Move the trainer's work to new process groups, which read the flags `names` changed
     (a collective, called by the monitor on every rank at the same step boundary); returns
@@ -189,5 +188,3 @@ def new_groups(t: Trainer, names: list[str]) -> str:
     text = "; ".join(moved)
     print0(env, f"flags {','.join(names)}: {text}")
     return text
-
-

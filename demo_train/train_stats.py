@@ -81,5 +81,3 @@ def write_stats(t: Trainer, stats: dict[str, list], summary: dict[str, Any]) -> 
         out["recorder_entries"] = recorder.entries if recorder is not None else None
     with open(t.args.stats_json, "w") as f:
         json.dump(out, f)
-
-

@@ -245,4 +245,3 @@ def _cut_strings(value: Any, limit: int) -> Any:
     if isinstance(value, (list, tuple)):
         return [_cut_strings(v, limit) for v in value]
     return value
-

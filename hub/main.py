@@ -11,7 +11,6 @@ from pathlib import Path
 from scalemon import settings
 from scalemon.options import Parser, int_at_least, job_id, seconds
 from scalemon.protocol import check_job_id
-from scalemon.settings import hang_after_s
 from scalemon.text.safe import CleanStream, clean
 
 from . import METRICS_ENV, METRICS_FILE_ENV
@@ -39,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a rank lost after S seconds without a message",
     )
     parser.add_argument(
-        "--hang-after", type=seconds(0.0, above=True), default=hang_after_s(),
+        "--hang-after", type=seconds(0.0, above=True), default=settings.hang_after_s(),
         metavar="S", help="the job is hung when no rank completed a step for S seconds "
         "(default: $SCALEMON_HANG_AFTER, else 10); the ranks' agents use the same (they send "
         "their stacks once stuck that long)",

@@ -438,6 +438,7 @@ def render_docs(text: str) -> str:
 
     return _BLOCK.sub(block, text)
 
+
 def derived_values(values: Mapping[str, Any], own_rate: bool) -> dict[str, float]:
     """The table's derived metrics of one step's values (a `step` body, or a snapshot's rank),
     the one rule for them: `tokens_per_s` is `tokens / step_time_s` where the rank measures no
@@ -454,7 +455,6 @@ def derived_values(values: Mapping[str, Any], own_rate: bool) -> dict[str, float
                                       values.get("optimizer_time_s")) if type(v) in (int, float))
         out["compute_s"] = max(0.0, step_time - busy)
     return out
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,4 +477,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

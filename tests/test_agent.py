@@ -132,7 +132,6 @@ def test_numpy_and_tensor_values_are_sent_and_bad_ones_dropped_with_a_warning(st
     step (said once), and an invalid info message is dropped and counted."""
     import numpy as np
 
-
     hub = start_hub("agentD")
     run = Run(job="agentD", hub=hub.address.base)
     with caplog.at_level(logging.WARNING, logger="scalemon.agent"):

@@ -25,7 +25,6 @@ from scalemon.home.paths import jobs_dir
 pytestmark = pytest.mark.integration
 
 
-
 def scalemon(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """`scalemon ARGS` as users run it, in `home`."""
     env = {**os.environ, "SCALEMON_HOME": str(home)}

@@ -138,7 +138,6 @@ class HubFeed(Feed):
                 stream.close()
             _sleep(self.retry_s, stop)
 
-
     def _start_from_seed(self, stream: HubStream, data: DashboardData) -> bool:
         """Start from the hub's fold of its history (`seed`) instead of replaying it; False
         (and `seed_note` says why) when the hub offers none, so the history is replayed."""

@@ -30,7 +30,6 @@ from scalemon.home.lookup import serving_jobs
 from scalemon.home.paths import jobs_dir, run_dir
 from scalemon.home.safefs import private_dir
 from scalemon.options import LazyChoices, int_at_least, job_id, seconds
-from scalemon.settings import node_name, scalemon_home
 from scalemon.text.display import exit_text
 from scalemon.text.safe import clean
 
@@ -192,7 +191,7 @@ def job_env(job: str) -> dict[str, str]:
 
 def start_job(args: argparse.Namespace, job: str) -> tuple[subprocess.Popen, Path]:
     """Start torchrun in a new session; returns the process and its log file."""
-    log_path = private_dir(scalemon_home() / "demo") / f"{job}.log"
+    log_path = private_dir(settings.scalemon_home() / "demo") / f"{job}.log"
     with open(log_path, "wb") as log:
         device = demo_device(args.ranks, gpu_count())
         proc = subprocess.Popen(job_command(args, device), env=job_env(job),
@@ -270,7 +269,7 @@ def stop_hub(job: str) -> None:
         jf = JobFile.read(path)
     except (ValueError, OSError):  # unreadable, or not trusted
         return
-    if jf.job == job and jf.host == node_name():
+    if jf.job == job and jf.host == settings.node_name():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(jf.pid, signal.SIGTERM)
 

@@ -34,7 +34,6 @@ import zmq.auth
 from scalemon import settings
 from scalemon.home.paths import jobs_dir
 from scalemon.home.safefs import NotOwnedError, private_dir
-from scalemon.settings import scalemon_home
 
 HUB_KEY_ENV = "SCALEMON_HUB_KEY"
 AUTHORIZED = "authorized"
@@ -84,7 +83,7 @@ class Keypair:
 
 def keys_dir(home: Path | None = None) -> Path:
     """`$SCALEMON_HOME/keys`, created 0700 and checked to be this user's."""
-    home = home or scalemon_home()
+    home = home or settings.scalemon_home()
     path = private_dir(home / "keys", top=home / "keys")  # a link of this user's is allowed
     return path
 

@@ -35,8 +35,6 @@ def relay_dir(job: str, node: str | None = None) -> Path:
     return private_dir(path)
 
 
-
-
 def run_dir(job: str, home: Path | None = None) -> Path:
     """The private directory holding a job's sockets and history."""
     return (home or scalemon_home()) / "run" / check_job_id(job)

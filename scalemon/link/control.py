@@ -119,7 +119,6 @@ def log_count_wait(toggle: dict[str, Any]) -> float:
     return max(windows) + LOG_COUNT_SLACK_S if windows else 0.0
 
 
-
 def _local(endpoint: str) -> bool:
     """Whether an ipc control endpoint's directory exists here (the hub's host)."""
     return endpoint.startswith("ipc://") and Path(endpoint[len("ipc://"):]).parent.exists()

@@ -19,8 +19,6 @@ RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("jso
 """The `RankView` fields `to_json` writes as they are, in declaration order."""
 
 
-
-
 def rank_json(view: RankView, now: float | None = None) -> dict[str, Any]:
     """One rank: identity and state, then every metric under its own name."""
     out = {name: getattr(view, name) for name in RANK_JSON_FIELDS}

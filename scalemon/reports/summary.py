@@ -105,8 +105,6 @@ def ratio(b: Any, a: Any) -> float | None:
     return b / a
 
 
-
-
 def _series(records: RunRecords, name: str) -> dict[int, dict[int, float]]:
     """rank -> step -> metric `name` (as sent, NaN included), for the steps that have it."""
     return {rank: {s: v[name] for s, v in by_step.items() if name in v}

@@ -212,10 +212,7 @@ def _health(data: DashboardData, rank: int) -> RankHealth:
         elapsed = v.last_seen_t - st.started_t
         share = f"{100 * read / elapsed:.3f}" if elapsed > 0 else NA
     cells = (display.metric_text(metrics.BY_NAME[LATE], {LATE: late}), "",
-             _opt(m.get("collectives_issued")), _opt(m.get("collectives_completed")),
-             _opt(m.get("recorder_entries")), _opt(lost), ms(read), share)
+             display.text_of(m.get("collectives_issued")),
+             display.text_of(m.get("collectives_completed")),
+             display.text_of(m.get("recorder_entries")), display.text_of(lost), ms(read), share)
     return RankHealth(rank, late, cells, lost if isinstance(lost, int) else 0)
-
-
-def _opt(value: object) -> str:
-    return NA if value is None else str(value)

@@ -14,6 +14,7 @@ from typing import Any
 from scalemon.reports.frtrace import report_lines
 from scalemon.reports.groups import group_desc
 from scalemon.reports.hangs import job_hang
+from scalemon.text import display
 from scalemon.text.display import NA
 
 from ..model import DashboardData
@@ -136,8 +137,8 @@ def _row(rank: int, role: str, info: dict[str, Any], groups: list[str],
          labels: dict[str, str], local_now: float) -> HangRow:
     """A rank's cells; in-flight ages on the rank's host clock (`local_now`)."""
     stuck = info["stuck_s"]
-    cells = [str(rank), role or "-", info["state"], _opt(info["step"]), info["phase"] or NA,
-             NA if stuck is None else f"{stuck:.0f}", info.get("frame") or NA]
+    cells = [str(rank), role or "-", info["state"], display.text_of(info["step"]),
+             info["phase"] or NA, NA if stuck is None else f"{stuck:.0f}", info.get("frame") or NA]
     for label in groups:
         g = info["groups"].get(label)
         cells.append(f"{g['last_issued']}/{g['last_completed']}" if g else NA)
@@ -171,7 +172,7 @@ def _stacks(rows: list[HangRow], hang: dict[str, Any]) -> list[tuple[str, str, s
         parts = [_ranks(members), what]
         if len(members) == 1:
             info = hang["ranks"][str(members[0])]
-            parts += [info["state"], f"step {_opt(info['step'])}",
+            parts += [info["state"], f"step {display.text_of(info['step'])}",
                       f"phase {info['phase'] or NA}"]
         else:
             parts.append("the same stack")
@@ -230,7 +231,3 @@ def _ranks(ranks: list[int], limit: int = 16) -> str:
     text = ",".join(str(r) for r in ranks[:limit])
     more = f" (+{len(ranks) - limit})" if len(ranks) > limit else ""
     return ("rank " if len(ranks) == 1 else "ranks ") + text + more
-
-
-def _opt(value: object) -> str:
-    return NA if value is None else str(value)

@@ -82,20 +82,20 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
     facts = [
         ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")
          + _failure_note(data, v)),
-        ("host / pid", f"{v.host or NA} / {_opt(v.pid)}"),
+        ("host / pid", f"{v.host or NA} / {display.text_of(v.pid)}"),
         ("device / backend", f"{v.device or NA} / {v.backend or NA}"),
         ("scalemon / torch", f"{v.agent_version or NA} / {v.torch_version or NA}"),
-        ("step", _opt(v.step)),
+        ("step", display.text_of(v.step)),
         ("steps/s  tokens/s", f"{display.num(steps_s, 2)}  {display.si(tokens_s)}"),
         ("loss", display.num(m["loss"])),
         ("phase", f"{m['phase'] or NA} for {display.age(m['phase_since_s'])} s"),
-        ("collectives issued / done", f"{_opt(m['collectives_issued'])} / "
-                                      f"{_opt(m['collectives_completed'])}"),
+        ("collectives issued / done", f"{display.text_of(m['collectives_issued'])} / "
+                                      f"{display.text_of(m['collectives_completed'])}"),
         ("heartbeat age s", display.age(v.value("heartbeat_age_s", now))),
-        ("skipped steps", _opt(m["skipped_steps"])),
-        ("dropped / seq gaps", f"{_opt(m['dropped'])} / {v.seq_gaps}"),
-        ("restarts", _opt(v.restart_count)),
-        ("exit code / error", f"{_opt(v.exit_code)} / {v.error or '-'}"),
+        ("skipped steps", display.text_of(m["skipped_steps"])),
+        ("dropped / seq gaps", f"{display.text_of(m['dropped'])} / {v.seq_gaps}"),
+        ("restarts", display.text_of(v.restart_count)),
+        ("exit code / error", f"{display.text_of(v.exit_code)} / {v.error or '-'}"),
     ]
     if v.monitor_off:
         facts.insert(1, ("monitor off", f"{v.monitor_off} (no steps since)"))
@@ -117,7 +117,3 @@ def _failure_note(data: DashboardData, v: RankView) -> str:
         return ", only because a peer went away"
     failure = data.state.first_failure()
     return ", the first rank to fail" if failure and failure["rank"] == v.rank else ""
-
-
-def _opt(value: object) -> str:
-    return NA if value is None else str(value)
