@@ -41,7 +41,9 @@ def init(
     Options: job, hub (address), config (dict), time_collectives, heartbeat_s,
     checkpoint (`fn(step)` saving the state after `step`: lets a restart-tier flag toggle
     restart the job without losing a step), on_new_communicator (`fn(flag_names)` moving the
-    script's work to new process groups at a step boundary, returning what it did in words).
+    script's work to new process groups at a step boundary, returning what it did in words),
+    mesh (the job's DeviceMesh: this rank's coordinates in it; without it they are found
+    from the process groups a DeviceMesh makes).
     """
     global _run
     if _run is not None:
@@ -66,6 +68,14 @@ def info(key: str, value: Any) -> None:
     """Send a named fact about the run (no-op without `init`)."""
     if _run is not None:
         _run.info(key, value)
+
+
+def describe_pipeline(schedule: str, stages: int, microbatches: int,
+                      virtual_stages: int | None = None) -> None:
+    """Say how the job pipelines: `Run.describe_pipeline` of the current run (no-op without
+    `init`)."""
+    if _run is not None:
+        _run.describe_pipeline(schedule, stages, microbatches, virtual_stages)
 
 
 def finish(exit_code: int = 0) -> None:

@@ -3,7 +3,8 @@ the fallback its callers need: the one place to fix when torch changes.
 
 torch keeps no promise about these (`distributed_c10d._world`, `_get_default_group`,
 `_set_pg_timeout`, a group's `_get_backend`, `_get_sequence_number_for_group` and
-`_enable_collectives_timing`, the Flight Recorder's `_dump_fr_trace` / `_dump_nccl_trace`);
+`_enable_collectives_timing`, the Flight Recorder's `_dump_fr_trace` / `_dump_nccl_trace`, the
+`ProcessGroup` and `Work` classes whose P2P methods the gloo timer wraps, `Work._source_rank`);
 they are looked up when called, never cached, and torch is imported only then.
 tests/test_agent_c10d.py fails on any such name anywhere else in agent/.
 """
@@ -105,3 +106,34 @@ def recorder_dumps() -> tuple[Callable[..., bytes] | None, Callable[..., bytes] 
     import torch._C._distributed_c10d as c10d
 
     return getattr(c10d, "_dump_fr_trace", None), getattr(c10d, "_dump_nccl_trace", None)
+
+
+def p2p_classes() -> tuple[Any, Any]:
+    """The classes whose methods every point-to-point operation goes through: `ProcessGroup`
+    (`send`, `recv`, `recv_anysource`: torch's `isend`, `irecv`, `send`, `recv` and, on gloo,
+    `batch_isend_irecv` call them) and `Work` (its `wait`)."""
+    import torch._C._distributed_c10d as c10d
+
+    return c10d.ProcessGroup, _c10d().Work
+
+
+def source_rank(work: Any) -> int | None:
+    """The group rank a completed receive-from-any-source got its data from; None where the
+    work cannot say."""
+    try:
+        return int(work._source_rank())
+    except Exception:
+        return None
+
+
+def group_ranks(name: str) -> list[int] | None:
+    """The global ranks of the process group called `name` in this process, if known."""
+    try:
+        import torch.distributed as dist
+
+        for pg, pg_name in list(group_names().items()):
+            if pg_name == name:
+                return list(dist.get_process_group_ranks(pg))
+    except Exception:
+        return None
+    return None

@@ -11,11 +11,18 @@ once it completed; the recorder's thread matches it to the entry of the same (gr
 `op` is set where gloo's recorder misnames the call: gloo has no reduce-scatter and runs it as an
 all_reduce of the whole input, which the recorder records as `all_reduce`. This costs a few µs of
 training-thread time per collective; on NCCL nothing is wrapped.
+
+With it come the P2P wrappers of `p2p.py` (gloo's recorder has no sends or receives). A
+group that carries P2P counts them in its sequence number, so a call's `seq` is that number
+less the P2P ops issued on the group (`P2PTimer.p2p_ops`): the collective sequence number.
+`all_to_all_single` and `all_to_all` also add their bytes sent and received (the input's and
+the output's, this rank's own share included) to the step's `a2a_*` counters.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .c10d import sequence_number
+from .p2p import P2PTimer
 
 HostCall = list  # [group (None: default), seq, op or None, seconds or None]
 
@@ -43,7 +51,28 @@ _OPS: dict[str, tuple[str | None, int]] = {
     "reduce_scatter_tensor": ("reduce_scatter", 3),
     "reduce_scatter_single": ("reduce_scatter", 3),
     "all_to_all_single": (None, 4),
+    "all_to_all": (None, 2),
 }
+
+
+def _a2a_bytes(api: str, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bytes sent, bytes received) of an all_to_all call: from the split sizes (rows of dim 0;
+    an equal split when they are None) and the tensors' element size."""
+    if api == "all_to_all":  # lists of tensors, one per rank
+        outputs, inputs = _arg(args, kwargs, 0, "output_tensor_list"), _arg(
+            args, kwargs, 1, "input_tensor_list")
+        return (sum(t.numel() * t.element_size() for t in inputs),
+                sum(t.numel() * t.element_size() for t in outputs))
+    output, input_ = _arg(args, kwargs, 0, "output"), _arg(args, kwargs, 1, "input")
+    return (_split_bytes(input_, _arg(args, kwargs, 3, "input_split_sizes")),
+            _split_bytes(output, _arg(args, kwargs, 2, "output_split_sizes")))
+
+
+def _split_bytes(tensor: Any, splits: Any) -> int:
+    total = tensor.numel() * tensor.element_size()
+    if not splits or tensor.dim() == 0 or tensor.shape[0] == 0:
+        return total
+    return sum(int(n) for n in splits) * (total // tensor.shape[0])
 
 
 class HostTimer:
@@ -51,25 +80,36 @@ class HostTimer:
 
     def __init__(self, max_calls: int = 100_000) -> None:
         self.calls: deque[HostCall] = deque(maxlen=max_calls)
+        self.p2p = P2PTimer()
         self._originals: dict[str, Callable[..., Any]] = {}
 
     def install(self) -> None:
-        """Replace the module functions by timed ones (undone by `remove`)."""
+        """Replace the module functions by timed ones, and the P2P methods (undone by
+        `remove`)."""
         for api, (op, group_at) in _OPS.items():
             fn = getattr(dist, api, None)
             if fn is None or hasattr(fn, "__scalemon_original__"):
                 continue
             self._originals[api] = fn
-            setattr(dist, api, self._wrap(fn, op, group_at))
+            setattr(dist, api, self._wrap(fn, op, group_at, api))
+        try:
+            self.p2p.install()
+        except Exception as exc:  # the collectives stay timed
+            logging.getLogger("scalemon.agent").warning(
+                "scalemon: point-to-point ops are not recorded (%s: %s)", type(exc).__name__, exc)
 
     def remove(self) -> None:
         """Put the original functions back."""
         for api, fn in self._originals.items():
             setattr(dist, api, fn)
         self._originals.clear()
+        self.p2p.remove()
 
-    def _wrap(self, fn: Callable[..., Any], op: str | None, group_at: int) -> Callable[..., Any]:
+    def _wrap(self, fn: Callable[..., Any], op: str | None, group_at: int,
+              api: str) -> Callable[..., Any]:
         calls = self.calls
+        p2p = self.p2p
+        a2a = api.startswith("all_to_all")
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -77,7 +117,9 @@ class HostTimer:
             work = fn(*args, **kwargs)
             try:
                 group = _arg(args, kwargs, group_at, "group")
-                call = [group, sequence_number(group), op, None]
+                call = [group, sequence_number(group) - p2p.p2p_ops(group), op, None]
+                if a2a:
+                    p2p.step.add_a2a(*_a2a_bytes(api, args, kwargs))
                 if work is None:
                     call[3] = time.perf_counter() - t
                 else:

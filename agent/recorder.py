@@ -21,6 +21,14 @@ is on (the agent turns it on for every group, also groups created later). gloo e
 counts, sizes, sequence numbers and issue times but no duration; there the host timer of
 `hosttiming.py` supplies durations (the only per-collective work on the training thread, and
 only on gloo).
+
+Point-to-point ops: NCCL's ring records them (`is_p2p`, named "nccl:send 0->1" in group
+ranks, with `duration_ms`); gloo's records none, and there the P2P wrappers of `p2p.py`
+supply them. Both go out as the `collectives` message's `p2p` rows per (group, op, src, dst),
+never as `stats` rows. On gloo a group's `pg_status` counts its P2P ops in its sequence numbers
+(op ids); they are turned into collective sequence numbers before anything compares them with
+the entries' `collective_seq_id`. While the training thread is stuck inside a P2P `wait()`,
+the heartbeat lists the P2P ops in flight (`p2p_inflight`) and the rank is `blocked`.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 
 from scalemon.collectives import (
     CollectiveStats,
+    P2PStats,
     buffer_bytes,
     is_all_reduce,
     op_name,
@@ -49,6 +58,8 @@ from scalemon.collectives import (
 from scalemon.policy import HANG_AFTER_S
 
 from . import c10d
+from .p2p import OpIds, P2PTimer
+from .recorder_p2p import P2PReader
 from .stepcomm import StepComm
 from .warn import Warnings
 
@@ -116,6 +127,7 @@ class Recorder:
         sources: list[RecorderSource] | None = None,
         step_marks: deque[tuple[int, float]] | None = None,
         start: bool = True,
+        p2p: P2PTimer | None = None,
     ) -> None:
         self.submit = submit
         self.training_thread = training_thread
@@ -123,6 +135,8 @@ class Recorder:
         self.current_step = current_step
         self.nccl = nccl
         self.host_calls = host_calls  # HostCall lists from the gloo timer (hosttiming.py)
+        self.p2p = p2p  # the gloo P2P wrappers (p2p.py); None on NCCL
+        self.on_status: Callable[[], None] | None = None  # after each read (mesh discovery)
         self.warnings = warnings or Warnings()
         self.status_every_s = status_every_s
         self.min_read_s = min_read_s
@@ -138,7 +152,7 @@ class Recorder:
         self.lost = 0
         self.fields: dict[str, Any] = {"groups": None, "inflight": None, "stack": None,
                                        "collectives_issued": None,
-                                       "collectives_completed": None}
+                                       "collectives_completed": None, "p2p_inflight": None}
         self._groups_sent: set[str] = set()
         self._group_info: dict[str, dict[str, Any]] = {}
         self._names_by_pg_id: dict[str, str] = {}  # pg_id -> group name, from entries
@@ -147,6 +161,7 @@ class Recorder:
         self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
         self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
         self._awaiting_items: dict[tuple[str, int], Any] = {}  # their StepComm items
+        self.p2p_reader = P2PReader(p2p)
         self.step_comm = StepComm(step_marks)  # each step's all-reduces (`log()` boundaries)
         self._timed_groups: set[int] = set()
         self._stop = threading.Event()
@@ -188,6 +203,8 @@ class Recorder:
                     next_full = time.monotonic() + gap
                 else:
                     self.read_status(stuck)
+                if self.on_status is not None:
+                    self.on_status()
             except Exception as exc:  # keep reading; never into the training loop
                 self.warnings.once("recorder", "scalemon: reading the Flight Recorder failed "
                                    "(%s: %s); collectives may be missing", type(exc).__name__, exc)
@@ -227,6 +244,8 @@ class Recorder:
         with more issued than completed); None while it is not stuck."""
         if not self.stuck:
             return None
+        if self.fields["p2p_inflight"]:  # the last reading found it inside a P2P wait()
+            return True
         groups = self.fields["groups"] or {}
         return any(s[0] > s[1] for s in groups.values())
 
@@ -271,22 +290,27 @@ class Recorder:
         stuck = self.stuck = time.perf_counter() - last >= self.stuck_after_s
         if not stuck:
             self._ras_asked = False
-            self.fields["stack"] = self.fields["inflight"] = None
+            self.fields["stack"] = self.fields["inflight"] = self.fields["p2p_inflight"] = None
         return stuck
 
     def read_status(self, stuck: bool) -> None:
         """The cheap read: each group's last issued and completed collective."""
         t0 = time.perf_counter()
         groups: dict[str, list[int]] = {}
+        op_ids = self.p2p_reader.op_ids()
         for source in self.sources:
             status = source.read(False).get("pg_status") or {}
-            self._merge_status(status, groups)
+            self._merge_status(status, groups, op_ids if source.name == "fr" else None)
         self.read_s += time.perf_counter() - t0
         self._publish_status(groups)
         if stuck:
             self.fields["stack"] = self.training_stack()
+            self.fields["p2p_inflight"] = self.p2p_reader.inflight()
 
-    def _merge_status(self, status: dict[str, Any], groups: dict[str, list[int]]) -> None:
+    def _merge_status(self, status: dict[str, Any], groups: dict[str, list[int]],
+                      op_ids: dict[str, OpIds] | None = None) -> None:
+        """Each group's [issued, completed] of `status` into `groups` (the larger of what is
+        there); `op_ids`: gloo's, whose status counts P2P ops too, to take out."""
         for pg_id, item in status.items():
             name = self._names_by_pg_id.get(str(pg_id), str(pg_id))
             try:
@@ -294,6 +318,10 @@ class Recorder:
                 completed = int(item.get("last_completed_collective", -1))
             except (TypeError, ValueError, AttributeError):
                 continue
+            ids = op_ids.get(name) if op_ids else None
+            if ids is not None:
+                issued = ids.collective_seq(issued) if issued > 0 else issued
+                completed = ids.collective_seq(completed) if completed > 0 else completed
             if issued < 0 and name not in groups:
                 continue
             old = groups.get(name)
@@ -309,19 +337,23 @@ class Recorder:
         """Read every ring, send the new collectives; returns the read's cost in seconds."""
         t0 = time.perf_counter()
         stats = CollectiveStats()
+        p2p = P2PStats()
         issues: list[list[Any]] = []
         groups: dict[str, list[int]] = {}
         inflight: list[list[Any]] = []
         self._collect_host_calls()
+        op_ids = self.p2p_reader.op_ids()
         for source in self.sources:
             dump = source.read(True)
             entries = dump.get("entries") or []
             self._learn_groups(dump, entries)
-            self._merge_status(dump.get("pg_status") or {}, groups)
-            self._take(source, entries, stats, issues)
+            self._merge_status(dump.get("pg_status") or {}, groups,
+                               op_ids if source.name == "fr" else None)
+            self._take(source, entries, stats, issues, p2p)
             if stuck:
                 inflight.extend(self._inflight(entries, groups))
         self._time_awaiting(stats)
+        self.p2p_reader.take(p2p)
         steps = self.step_comm.rows(t0, min(self._held.values(), default=None))
         cost = time.perf_counter() - t0
         self.read_s += cost
@@ -329,14 +361,18 @@ class Recorder:
         if stuck:
             self.fields["inflight"] = inflight
             self.fields["stack"] = self.training_stack()
+            self.fields["p2p_inflight"] = self.p2p_reader.inflight()
+        self.p2p_reader.learn_groups(self._group_info)
         new_groups = {n: g for n, g in self._group_info.items() if n not in self._groups_sent}
-        if stats.rows or issues or new_groups or steps:
+        if stats.rows or issues or new_groups or steps or p2p.rows:
             if len(issues) > MAX_ISSUES:
                 issues = issues[-MAX_ISSUES:]
             body = {"groups": new_groups, "stats": stats.to_wire(), "issues": issues,
                     "step": self.current_step()}
             if steps:
                 body["steps"] = steps[-MAX_STEP_ROWS:]
+            if p2p.rows:
+                body["p2p"] = p2p.to_wire()
             if self.submit("collectives", body):
                 self._groups_sent.update(new_groups)
         return cost
@@ -348,11 +384,12 @@ class Recorder:
             name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
             self._names_by_pg_id[str(e.get("pg_id"))] = name
             if name and name not in self._group_info:
-                ranks = pg_config_ranks(config.get(name)) or group_ranks(name)
+                ranks = pg_config_ranks(config.get(name)) or c10d.group_ranks(name)
                 self._group_info[name] = {"desc": desc, "ranks": ranks or []}
 
     def _take(self, source: RecorderSource, entries: list[dict[str, Any]],
-              stats: CollectiveStats, issues: list[list[Any]]) -> None:
+              stats: CollectiveStats, issues: list[list[Any]],
+              p2p: P2PStats | None = None) -> None:
         if not entries:
             return
         ids = [e["record_id"] for e in entries]
@@ -380,6 +417,10 @@ class Recorder:
             self.entries += 1
             group = str((e.get("process_group") or ("?",))[0])
             seq = int(e.get("collective_seq_id", 0))
+            seconds = float(duration) / 1000.0 if duration is not None else None
+            if e.get("is_p2p") and p2p is not None and self.p2p_reader.take_nccl(
+                    e, group, name, seconds, p2p, self._group_info):
+                continue
             call = self._host_calls.pop((group, seq), None) if not e.get("is_p2p") else None
             op = call[2] if call is not None and call[2] else op_name(name)
             nbytes = buffer_bytes(e)
@@ -387,7 +428,6 @@ class Recorder:
             row = stats.row(*key)
             row.count += 1
             row.bytes += nbytes
-            seconds = float(duration) / 1000.0 if duration is not None else None
             if seconds is not None:
                 row.add_time(seconds)
             elif call is not None:
@@ -517,16 +557,3 @@ def _trim(mapping: dict, keep: int) -> None:
     """Forget the oldest items of an insertion-ordered map beyond `keep`."""
     for key in list(itertools.islice(mapping, max(0, len(mapping) - keep))):
         del mapping[key]
-
-
-def group_ranks(name: str) -> list[int] | None:
-    """The global ranks of the process group called `name` in this process, if known."""
-    try:
-        import torch.distributed as dist
-
-        for pg, pg_name in list(c10d.group_names().items()):
-            if pg_name == name:
-                return list(dist.get_process_group_ranks(pg))
-    except Exception:
-        return None
-    return None

@@ -38,6 +38,7 @@ from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
 from .hubwatch import hub_label, watch_hub
+from .mesh import MeshWatcher
 from .nvml import GpuReader, pci_bus_id_of
 from .ranklogs import RankLogs, log_dir
 from .recorder import Recorder, group_uses_nccl
@@ -62,7 +63,7 @@ from .torchdist import (
     uses_nccl,
 )
 from .transport import Sender
-from .values import host_float, host_int, json_like, why
+from .values import LoggedValues, json_like
 from .warn import Warnings
 
 log = logging.getLogger("scalemon.agent")
@@ -143,10 +144,12 @@ class Run:
         env: RankEnv | None = None,
         checkpoint: Callable[[int], Any] | None = None,
         on_new_communicator: Callable[[list[str]], Any] | None = None,
+        mesh: Any = None,
     ) -> None:
         self.disabled = False
         self._disabled_reason: str | None = None
         self.warnings = Warnings()
+        self.reader = LoggedValues(self.warnings)  # what log() is given, read on the host
         self.pid = os.getpid()
         self.env = env or identity_from_group(read_rank_env(), self.warnings)
         if job:
@@ -202,8 +205,12 @@ class Run:
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
             warnings=self.warnings, stuck_after_s=settings.hang_after_s(),
-            step_marks=self._step_marks)
+            step_marks=self._step_marks, p2p=self.host_timer.p2p if self.host_timer else None)
         self._hello(model, config)
+        self.mesh = MeshWatcher(self.sender.submit)
+        if mesh is not None:
+            self.watch_mesh(mesh)
+        self.recorder.on_status = self.mesh.check  # groups named mesh_<dim>, from its thread
         self.logs = RankLogs(self.sender.submit, self.warnings, self.env.host, self.pid,
                              lambda: self.steps_logged)
         self.flag_control = self.logs.control = FlagControl(
@@ -369,9 +376,9 @@ class Run:
         last, self._last_log_t = self._last_log_t, t0
         phase = self.phase
         if type(step) is not int:
-            step = self._step_number(step)
+            step = self.reader.step(step, self.phase.step)
         if tokens is not None and type(tokens) is not int:
-            tokens = self._host_int(tokens, "tokens")
+            tokens = self.reader.int(tokens, "tokens")
         if step == phase.step and self.steps_logged:
             self._said_repeated_step(step)
         phase.step = step
@@ -384,16 +391,18 @@ class Run:
         else:  # host values are read now: the caller may change them in place later
             staged = None
             if loss is not None and type(loss) is not float:
-                loss = self._host_float(loss, "loss")
+                loss = self.reader.float(loss, "loss")
             if scale is not None:
-                scale = self._host_float(scale, "the loss scale")
+                scale = self.reader.float(scale, "the loss scale")
         opt, comm = self._opt_timer, self._comm_timer
         opt_spans, opt.spans = opt.spans, []
         opt_untimed, opt.untimed, opt.timing = opt.untimed, 0, None
         comm_spans, comm.spans = comm.spans, []
+        host_timer = self.host_timer
         self.sender.submit_deferred("step", self._steps.finish, RawStep(
             step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
             extra, loss, scale, opt_spans, opt_untimed, comm_spans, staged,
+            host_timer.p2p.step.take() if host_timer is not None else None,
         ))
         if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
             self._apply_flags(step)
@@ -428,42 +437,11 @@ class Run:
                 self.host_timer = HostTimer()
                 self.host_timer.install()
                 self.recorder.host_calls = self.host_timer.calls
+                self.recorder.p2p = self.host_timer.p2p
         except Exception as exc:  # collectives may lack durations; training goes on
             self.warnings.once("settle-backend", "scalemon: switching the monitor to gloo "
                                "failed (%s: %s); collectives may have no durations",
                                type(exc).__name__, exc)
-
-    def _step_number(self, step: Any) -> int:
-        """The step as an int (a NumPy integer, a CPU tensor); one that cannot be read without
-        a sync or at all is counted on from the previous step instead, said once."""
-        try:
-            if step is None:
-                raise TypeError("it is None")
-            return host_int(step, "step")
-        except (TypeError, ValueError, RuntimeError) as exc:
-            self.warnings.once("log-step", "scalemon: log(step=...) %s; the monitor counts "
-                               "steps on from the previous one instead", why(exc))
-        previous = self.phase.step
-        return 0 if previous is None else previous + 1
-
-    def _host_int(self, value: Any, name: str) -> int | None:
-        """`value` as an int, or None (said once) where it cannot be read without a sync."""
-        try:
-            return host_int(value, name)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            self.warnings.once(f"log-{name}", "scalemon: log(%s=...) %s; it is left out",
-                               name, why(exc))
-            return None
-
-    def _host_float(self, value: Any, name: str) -> float | None:
-        """`value` as a float, or None (said once) for one that is not a number or a
-        one-element tensor (a loss of several elements, a string)."""
-        try:
-            return host_float(value)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            self.warnings.once(f"log-{name}", "scalemon: %s given to log() %s; it is left out",
-                               name, why(exc))
-            return None
 
     def _apply_flags(self, step: int) -> None:
         """Apply the toggles due at this step boundary (on the training thread)."""
@@ -480,6 +458,30 @@ class Run:
     def info(self, key: str, value: Any) -> None:
         """Send a named fact about the run (configuration, memory estimate, ...)."""
         self.sender.submit("info", {"key": key, "value": value})
+
+    @guarded
+    def watch_mesh(self, mesh: Any) -> None:
+        """Send this rank's coordinates in `mesh` (a DeviceMesh) as the `mesh` info; the
+        process groups are no longer looked at for one."""
+        self.mesh.use(mesh)
+
+    @guarded
+    def describe_pipeline(self, schedule: str, stages: int, microbatches: int,
+                          virtual_stages: int | None = None) -> None:
+        """Say how the job pipelines (the `pipeline` info): the schedule ("gpipe", "1f1b",
+        "interleaved" or another name), the number of stages, of microbatches per step and,
+        for an interleaved schedule, of virtual stages per rank. The hub compares the
+        schedule's theoretical bubble with the measured `pipeline_bubble`."""
+        value: dict[str, Any] = {"schedule": str(schedule), "stages": int(stages),
+                                 "microbatches": int(microbatches)}
+        if virtual_stages is not None:
+            value["virtual_stages"] = int(virtual_stages)
+        if value["stages"] < 1 or value["microbatches"] < 1:
+            self.warnings.once("pipeline", "scalemon: describe_pipeline(stages=%s, "
+                               "microbatches=%s): both must be at least 1; not sent",
+                               stages, microbatches)
+            return
+        self.sender.submit("info", {"key": "pipeline", "value": value})
 
     def set_phase(self, name: str) -> None:
         """Say what the training thread is doing now (shown in heartbeats and on hangs)."""

@@ -12,6 +12,7 @@ import torch
 
 from .cudagraphs import CAPTURE, capture_mode_thread_local
 from .heartbeat import Phase
+from .p2p import step_fields
 from .timing import EventPool, Span, summarize
 from .values import PLAIN_TYPES, on_device, plain_value, stageable
 from .warn import Warnings
@@ -39,6 +40,8 @@ class RawStep(NamedTuple):
     staged: Staged | None
     """On CUDA the step's device scalars on their way to the host (`StepFinisher.stage`);
     else None. On CUDA the memory counters are read by the sender thread (`finish`)."""
+    p2p: tuple | None = None
+    """The step's P2P and all_to_all counters (`p2p.StepP2P.take`; gloo only), or None."""
 
 
 class Staged:
@@ -260,7 +263,7 @@ class StepFinisher:
         while the device has not reached this step (waiting until the monotonic `deadline` at
         most, when one is given)."""
         (step, tokens, step_time, agent_time, extra, loss, scale, opt_spans, opt_untimed,
-         comm_spans, staged) = raw
+         comm_spans, staged) = raw[:11]
         body: dict[str, Any] = {"step": step, "tokens": tokens, "step_time_s": step_time,
                                 "agent_time_s": agent_time, "loss": loss, "loss_scale": scale,
                                 "scaler": self.scaler.state if self.scaler is not None else None}
@@ -303,6 +306,7 @@ class StepFinisher:
         body["allreduce_count"] = comm["count"]
         body["allreduce_bytes"] = comm["bytes"]
         body["allreduce_issue_t"] = comm["issue_t"]
+        body.update(step_fields(raw[11] if len(raw) > 11 else None, step_time))
         self.scales.account(body)
         return body
 

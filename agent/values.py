@@ -128,3 +128,42 @@ def stageable(value: Any) -> torch.Tensor | float:
 def why(exc: Exception) -> str:
     """How a warning says that a value could not be read."""
     return f"cannot be read ({type(exc).__name__}: {exc})"
+
+
+class LoggedValues:
+    """What `log()` was given, read on the host: each value that cannot be read (or not
+    without a device sync) is left out or replaced, and said once per name."""
+
+    def __init__(self, warnings: Any) -> None:
+        self.warnings = warnings
+
+    def step(self, step: Any, previous: int | None) -> int:
+        """The step as an int (a NumPy integer, a CPU tensor); one that cannot be read without
+        a sync or at all is counted on from the `previous` step instead, said once."""
+        try:
+            if step is None:
+                raise TypeError("it is None")
+            return host_int(step, "step")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once("log-step", "scalemon: log(step=...) %s; the monitor counts "
+                               "steps on from the previous one instead", why(exc))
+        return 0 if previous is None else previous + 1
+
+    def int(self, value: Any, name: str) -> int | None:
+        """`value` as an int, or None (said once) where it cannot be read without a sync."""
+        try:
+            return host_int(value, name)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once(f"log-{name}", "scalemon: log(%s=...) %s; it is left out",
+                               name, why(exc))
+            return None
+
+    def float(self, value: Any, name: str) -> float | None:
+        """`value` as a float, or None (said once) for one that is not a number or a
+        one-element tensor (a loss of several elements, a string)."""
+        try:
+            return host_float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.warnings.once(f"log-{name}", "scalemon: %s given to log() %s; it is left out",
+                               name, why(exc))
+            return None

@@ -109,7 +109,8 @@ class FrDump:
 def job_context(state: Any, asked: list[int], written: list[int],
                 errors: dict[int, str]) -> dict[str, Any]:
     """What the hub knows that the dumps do not say (call on the hub's thread): the groups'
-    ranks, who is gone, why each silent rank gave nothing, their last heartbeat's status."""
+    ranks, who is gone, why each silent rank gave nothing, their last heartbeat's status, each
+    rank's P2P ops in flight as its last heartbeat said (gloo's recorder keeps none)."""
     gone = sorted(r for r, v in state.ranks.items() if v.state in ("lost", "exited"))
     missing = {}
     for rank in sorted(set(asked) - set(written)):
@@ -136,6 +137,8 @@ def job_context(state: Any, asked: list[int], written: list[int],
         "descs": {name: str(g.get("desc") or "") for name, g in state.groups.items()},
         "heartbeat": {str(r): v.metrics.get("groups") for r, v in state.ranks.items()
                       if r not in written and isinstance(v.metrics.get("groups"), dict)},
+        "p2p": {str(r): v.metrics.get("p2p_inflight") for r, v in state.ranks.items()
+                if isinstance(v.metrics.get("p2p_inflight"), list)},
     }
 
 

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from scalemon import settings
 from scalemon.reports.groups import collectives_table
 from scalemon.reports.hangs import job_hang
+from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
 from scalemon.state import alerts as alerting
 
 from . import METRICS_ENV, METRICS_FILE_ENV
@@ -104,12 +105,18 @@ RANK_GAUGES: tuple[RankGauge, ...] = (
               "at collectives, behind the first rank of each group (stragglers)."),
     RankGauge("heartbeat_age_seconds", "heartbeat_age_s", "Seconds since the rank's last "
               "message."),
+    RankGauge("pipeline_bubble_ratio", "pipeline_bubble", "Share of the rank's latest step "
+              "spent waiting for its pipeline neighbours (P2P waits over step time), 0..1; no "
+              "sample outside a pipeline."),
+    RankGauge("p2p_wait_seconds", "p2p_wait_s", "Seconds the rank's training thread waited "
+              "in sends and receives in its latest step."),
 )
 """The per-rank gauges besides `scalemon_step` and `scalemon_rank_up`, labels job, rank, host."""
 
 _T = TypeVar("_T")
 RANK_LABELS = ("job", "rank", "host")
 COLLECTIVE_LABELS = ("job", "group", "op")
+P2P_LABELS = ("job", "group", "op", "src", "dst")
 
 
 class MetricsAddressError(ValueError):
@@ -157,6 +164,7 @@ def families(state: JobState, job: str, now: float | None = None) -> list[Metric
                 family.add_metric(names, value * gauge.scale)
         out.append(family)
     out += _collective_families(state, job)
+    out += _parallel_families(state, job)
     out += _job_families(state, job, now)
     return out
 
@@ -194,6 +202,49 @@ def _collective_families(state: JobState, job: str) -> list[Metric]:
             seconds.add_sample("scalemon_collective_seconds_sum", names, total)
         nbytes.add_metric(labels, row["bytes"])
     return [busbw, seconds, nbytes]
+
+
+def _parallel_families(state: JobState, job: str) -> list[Metric]:
+    """Sends and receives per (group, op, src, dst), the pipeline's bubble (theory and the
+    ranks' median) and the MoE routing's balance (`reports.pipeline`)."""
+    ops = CounterMetricFamily("scalemon_p2p_ops", "Sends or receives from src to dst (global "
+                              "ranks), as the sending or receiving rank counted them.",
+                              labels=P2P_LABELS)
+    nbytes = CounterMetricFamily("scalemon_p2p_bytes", "Bytes sent or received from src to "
+                                 "dst.", labels=P2P_LABELS)
+    seconds = CounterMetricFamily("scalemon_p2p_seconds", "Summed measured time of the sends "
+                                  "or receives from src to dst.", labels=P2P_LABELS)
+    for row in p2p_rows(state):
+        labels = [job, row["group"], row["op"], str(row["src"]), str(row["dst"])]
+        ops.add_metric(labels, row["count"])
+        nbytes.add_metric(labels, row["bytes"])
+        if (value := _number(row["time_s"])) is not None:
+            seconds.add_metric(labels, value)
+    theory = GaugeMetricFamily("scalemon_pipeline_bubble_theoretical_ratio", "The schedule's "
+                               "bubble for equal stages: (p-1)/(m+p-1) for GPipe and 1F1B, "
+                               "(p-1)/(v*m+p-1) interleaved.", labels=["job", "schedule"])
+    measured = GaugeMetricFamily("scalemon_pipeline_bubble_measured_ratio", "Median over the "
+                                 "ranks of their latest step's pipeline bubble.",
+                                 labels=["job"])
+    pipeline = pipeline_json(state) or {}
+    if (value := _number(pipeline.get("theoretical_bubble"))) is not None:
+        theory.add_metric([job, str(pipeline.get("schedule") or "")], value)
+    if (value := _number(pipeline.get("measured_bubble"))) is not None:
+        measured.add_metric([job], value)
+    moe = moe_json(state) or {}
+    out = [ops, nbytes, seconds, theory, measured]
+    for name, key, text in (
+            ("moe_a2a_recv_imbalance_ratio", "a2a_recv_imbalance", "Max over mean of the "
+             "ranks' all_to_all bytes received in their latest step (1: even)."),
+            ("moe_router_imbalance_ratio", "imbalance", "Median over the ranks of their "
+             "latest moe_imbalance (max over mean tokens routed per expert rank)."),
+            ("moe_dropped_tokens", "dropped_tokens", "Tokens over the experts' capacity in "
+             "the ranks' latest step, summed.")):
+        family = GaugeMetricFamily(f"scalemon_{name}", text, labels=["job"])
+        if (value := _number(moe.get(key))) is not None:
+            family.add_metric([job], value)
+        out.append(family)
+    return out
 
 
 def _job_families(state: JobState, job: str, now: float) -> list[Metric]:

@@ -14,6 +14,7 @@ buffer of an all_reduce) and `busbw = algbw * factor(op, n)`, n the ranks of the
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,3 +206,45 @@ class CollectiveStats:
             if not (isinstance(g, str) and isinstance(op, str) and type(b) is int):
                 raise ValueError(f"bad collectives.stats key in {item!r}")
             self.row(g, op, b).merge(other)
+
+
+P2P_FIELDS = ("group", "op", "src", "dst", "count", "bytes", "time_s", "timed")
+"""The columns of one row of `collectives.p2p` (1.11): the group's name, "send" or "recv", the
+sender's and the receiver's global ranks, how many ops and bytes, their summed duration (s) and
+how many of them had one."""
+
+_P2P_NAME = re.compile(r"^(?:\w+:)?(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
+
+
+def p2p_group_ranks(profiling_name: str) -> tuple[str, int, int] | None:
+    """(op, src, dst) in group ranks from an NCCL P2P entry's name ("nccl:send 0->1": this rank
+    0 sends to 1; "nccl:recv 1<-0": this rank 1 receives from 0); None for any other name."""
+    match = _P2P_NAME.match(profiling_name)
+    if match is None:
+        return None
+    op, a, arrow, b = match.groups()
+    left, right = int(a), int(b)
+    return (op, left, right) if arrow == "->" else (op, right, left)
+
+
+class P2PStats:
+    """Rows by (group, op, src, dst), as the agent sends them (`P2P_FIELDS`)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, int, int], list] = {}
+
+    def add(self, group: str, op: str, src: int, dst: int, nbytes: int,
+            seconds: float | None) -> None:
+        """Count one op (`seconds`: its duration, None where unknown)."""
+        row = self.rows.get((group, op, src, dst))
+        if row is None:
+            row = self.rows[(group, op, src, dst)] = [0, 0, 0.0, 0]
+        row[0] += 1
+        row[1] += nbytes
+        if seconds is not None:
+            row[2] += seconds
+            row[3] += 1
+
+    def to_wire(self) -> list[list[Any]]:
+        """Rows as lists in `P2P_FIELDS` order."""
+        return [[g, op, src, dst, *row] for (g, op, src, dst), row in self.rows.items()]

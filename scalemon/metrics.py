@@ -79,6 +79,9 @@ class Show:
     """A low value is the bad one (a node row's worst is its min; else its max)."""
     overview: Overview | None = None
     """The overview plot line the metric draws, if any (its cross-rank spread is then kept)."""
+    when_seen: bool = False
+    """The rank tables have its column only while some rank has a value (a pipeline's
+    bubble): every other job keeps its columns, not one of n/a on every row."""
 
     @property
     def needs_gpu(self) -> bool:
@@ -117,6 +120,9 @@ _NO_GPU = "no GPU on this rank"
 _NO_NVML = "no GPU or NVML on this rank"
 _NO_DDP = "no all-reduce timed in a step yet (the recorder's come a few seconds after the step)"
 _NO_SKEW = "no collective issued by every rank of a group yet"
+_GLOO_P2P = ("recorded on the host by the agent's wrappers of the P2P calls, on gloo only (CPU "
+             "tensors; NCCL's sends and receives show in the `collectives` message's `p2p` rows "
+             "instead)")
 
 METRICS: tuple[Metric, ...] = (
     # --- the step message -----------------------------------------------------------------
@@ -161,6 +167,33 @@ METRICS: tuple[Metric, ...] = (
     Metric("allreduce_bytes", "step", "int", "bytes", "total size of those all-reduces"),
     Metric("allreduce_issue_t", "step", "float", "s (Unix)", "Unix seconds, the rank's clock, "
            "when the step's first all-reduce was issued; null when there was none"),
+    Metric("p2p_count", "step", "int", "", "point-to-point ops (`send`, `recv`, `isend`, "
+           "`irecv`, each op of `batch_isend_irecv`) this rank issued between the previous "
+           "`log()` and this one, " + _GLOO_P2P + "; null when the rank issued none and waited "
+           "in none in the step"),
+    Metric("p2p_bytes", "step", "int", "bytes", "bytes of those ops (the tensors' sizes); null "
+           "with `p2p_count`"),
+    Metric("p2p_wait_s", "step", "float", "s", "seconds the training thread spent inside "
+           "`Work.wait()` of P2P ops in the step (a blocking `send`/`recv` waits inside it too): "
+           "the time this rank waited for its peers; null with `p2p_count`"),
+    Metric("p2p_waits", "step", "map", "", "`p2p_wait_s` per peer: the peer's global rank (as "
+           "a string; \"any\" for a receive from any source whose sender is not known) -> "
+           "seconds waited on it in the step; null with `p2p_count`"),
+    Metric("pipeline_bubble", "step", "float", "", "the fraction of the step (0-1) the rank "
+           "spent waiting for its pipeline neighbours: `p2p_wait_s / step_time_s`, at most 1; "
+           "null when the rank issued no P2P op in the step, and in the first step (no step "
+           "time). Idle time spent in a collective instead (the last stage waiting in the "
+           "tied-embedding all_reduce while the first one finishes its backward) is not in it: "
+           "there it reads below the schedule's theoretical bubble",
+           show=Show(unit="%", scale=100.0, column="bubble", width=6, plot="pipeline bubble",
+                     na="no point-to-point ops in this rank's steps (gloo: host-recorded)",
+                     when_seen=True)),
+    Metric("a2a_send_bytes", "step", "int", "bytes", "bytes this rank sent in the step's "
+           "`all_to_all_single` / `all_to_all` calls, from the input split sizes (an equal "
+           "split when none are given) and the element size, its own share included; recorded "
+           "on the host on gloo only; null when the step had none"),
+    Metric("a2a_recv_bytes", "step", "int", "bytes", "bytes this rank received in those calls "
+           "(the output split sizes), its own share included; null when the step had none"),
     Metric("arrival_lateness_s", "hub", "float", "s", "median, over the rank's last 100 "
            "collectives that every rank of their group issued, of how much later this rank "
            "issued each one than the first rank of the group (Flight Recorder issue times, "
@@ -185,6 +218,13 @@ METRICS: tuple[Metric, ...] = (
            "GPU's peak)",
            show=Show(unit="%", scale=100.0, column="MFU", width=5, plot="MFU", low_is_worse=True,
                      na="the script does not log(mfu=...)")),
+    Metric("moe_imbalance", "extra", "float", "", "mixture of experts: the most tokens routed "
+           "to one expert rank over the mean per expert rank, in the step (1 = balanced; "
+           "`log(moe_imbalance=...)`, as the demo trainer sends it)"),
+    Metric("moe_dropped_tokens", "extra", "int", "", "mixture of experts: tokens routed over an "
+           "expert's capacity and dropped in the step (`log(moe_dropped_tokens=...)`)"),
+    Metric("moe_aux_loss", "extra", "float", "", "mixture of experts: the load-balancing "
+           "auxiliary loss of the step (`log(moe_aux_loss=...)`)"),
     Metric("loss_scale", "step", "float", "", "AMP `GradScaler` scale after the step; null "
            "without a scaler",
            show=Show(style="loss_scale", column="loss scale", width=10,
@@ -267,6 +307,11 @@ METRICS: tuple[Metric, ...] = (
            "`log()` for the hang threshold): the collectives issued and not completed, as "
            "`[group, seq, op, issue time (Unix s, this host's clock), bytes]` (bytes: the "
            "larger of input and output; older agents send the first four); else null"),
+    Metric("p2p_inflight", "heartbeat", "list", "", "only while the training thread is stuck "
+           "and waits inside a P2P `Work.wait()` (gloo: the agent's wrappers see it): every P2P "
+           "op it issued that has not completed, as `[group, op (\"send\" or \"recv\"), peer "
+           "global rank (-1: any source), issue time (Unix s, this host's clock), bytes]`; "
+           "else null"),
     Metric("stack", "heartbeat", "str", "", "only while the training thread is stuck: its "
            "Python stack (`sys._current_frames()`, taken by the agent's own thread); else null"),
     Metric("clock_offset_s", "heartbeat", "float", "s", "the hub's clock minus this host's, "

@@ -24,7 +24,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 10)
+PROTOCOL_VERSION: tuple[int, int] = (1, 11)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -70,13 +70,15 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # of `scalemon.collectives.STATS_FIELDS` by (group, op, size bucket), and the issue time of
     # every new collective as [group, seq, Unix s] (arrival skew); and (1.6) per step completed
     # since, its all-reduces as `STEP_COMM_FIELDS` (the step's allreduce_* where the step
-    # message has none).
+    # message has none); and (1.11) the point-to-point ops since, as rows of
+    # `scalemon.collectives.P2P_FIELDS` by (group, op, src, dst).
     "collectives": {
         "groups": ((dict,), True),
         "stats": ((list,), True),
         "issues": ((list,), True),
         "step": (_OPT_INT, False),
         "steps": ((list,), False),
+        "p2p": ((list,), False),
     },
     # Free-form facts about the run (memory estimate, configuration, ...).
     "info": {

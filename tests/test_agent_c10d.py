@@ -18,6 +18,7 @@ PRIVATE = {
     "distributed_c10d", "_distributed_c10d", "_world", "pg_map", "pg_names",
     "_get_default_group", "_set_pg_timeout", "_get_backend", "_get_sequence_number_for_group",
     "_enable_collectives_timing", "_timeout", "_dump_fr_trace", "_dump_nccl_trace",
+    "_source_rank", "_get_op_type",
 }
 """torch.distributed's private names the agent uses (c10d.py's), as attributes or strings."""
 
@@ -87,7 +88,7 @@ def test_outside_a_job_every_c10d_call_falls_back():
 def test_in_a_gloo_group_the_c10d_calls_read_and_set_what_torch_keeps(tmp_path):
     import torch.distributed as dist
 
-    from scalemon.agent.recorder import group_ranks
+    from scalemon.agent.c10d import group_ranks
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)

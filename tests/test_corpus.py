@@ -323,7 +323,7 @@ def test_the_dashboard_shows_monitor_off_and_a_disabled_loss_scale(corpus):
         app = DashboardApp(HubFeed(address=address))
         async with app.run_test(size=(160, 40)) as pilot:
             for _ in range(200):
-                cells = app.screen.query_one(RankTable).cells_by_rank()
+                cells = app.screen.query_one(RankTable).cells_by_rank(list(col))
                 if len(cells) == 2 and all(row[col["step"]] != "n/a" for row in cells.values()):
                     break
                 await pilot.pause(0.1)

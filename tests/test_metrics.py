@@ -72,7 +72,8 @@ def test_the_reducer_keeps_every_metric_under_its_name_and_the_json_shows_it():
         "host": "h", "pid": 1, "world_size": 1, "local_rank": 0, "agent_version": "9.9",
         "torch_version": "2.13", "config": {"preset": "tiny", "model": {"n_layer": 2}}}))
     step, beat = full_body("step"), full_body("heartbeat")
-    step["extra"] = {"lr": 0.001, "tokens_per_s": 5e4, "mfu": 0.4}
+    well_known = {m.name: SAMPLE[m.kind] for m in METRICS if m.source == "extra"}
+    step["extra"] = {"lr": 0.001, **well_known, "tokens_per_s": 5e4, "mfu": 0.4}
     state.apply(Message("step", "j", 0, 1, 11.0, step))
     state.apply(Message("heartbeat", "j", 0, 2, 12.0, beat))
     state.apply(Message("step", "j", 0, 3, 13.0, {"step": 2, "extra": {"lr": 0.002}}))
@@ -88,7 +89,7 @@ def test_the_reducer_keeps_every_metric_under_its_name_and_the_json_shows_it():
         elif m.source == "extra":
             assert rank["extra"][m.name] == step["extra"][m.name] == view.value(m.name)
     assert rank["heartbeat_age_s"] == pytest.approx(7.0) == view.value("heartbeat_age_s", 20.0)
-    assert rank["extra"] == {"lr": 0.002, "tokens_per_s": 5e4, "mfu": 0.4}  # last value each
+    assert rank["extra"] == {**step["extra"], "lr": 0.002}  # last value each
     assert rank["step"] == 2 and rank["agent_version"] == "9.9"
     assert rank["torch_version"] == "2.13"
     assert out["info"]["config"] == {"0": {"preset": "tiny", "model": {"n_layer": 2}}}
@@ -161,8 +162,12 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
     text = format_snapshot(snapshot_json(state, now=sim.end_t(20)))
     header = text.splitlines()[1]
     for c in display.rank_columns(dashboard=False):
-        assert c.heading in header, c.heading
+        if c.metric is not None and c.metric.show.when_seen:  # no rank has one: no column
+            assert c.heading not in header, c.heading
+        else:
+            assert c.heading in header, c.heading
     assert "late ms" in header  # arrival lateness: computed by the reducer, hub and dashboard
+    assert "bubble %" not in header  # a pipeline's bubble, and this job has no pipeline
     row = text.splitlines()[2]
     assert re.search(r"\b0\b.*\b20\b", row) and "running" in row
     assert "rank 0 extra: lr=" in text and "tokens_per_s=" in text
@@ -182,7 +187,7 @@ def test_snapshot_shows_the_tokens_per_s_the_dashboard_derives_from_tokens_alone
             msg.body.get("extra", {}).pop("tokens_per_s", None)
         state.apply(msg)
     ranks = snapshot_json(state, now=sim.end_t(6))["ranks"]
-    columns = [c for c in display.rank_columns(dashboard=False) if c.key != "state"]
+    columns = [c for c in display.rank_columns(dashboard=False, seen=ranks) if c.key != "state"]
     at = next(i for i, c in enumerate(columns) if c.heading == "tok/s")  # state goes last
     for rank in ranks:
         derived = state.ranks[rank["rank"]].value("tokens_per_s")
@@ -262,7 +267,7 @@ view = overview(data, now=110.0)
 assert "probe" in [line.label for line in view.plots["time"].lines]
 columns = __import__("importlib").import_module("scalemon.tui.views.rows").COLUMNS
 assert "probe ms" in [c.heading for c in columns]
-assert view.rows[1].cells[[c.key for c in display.rank_columns()].index("probe_time_s")] == "2.0"
+assert view.rows[1].cells[[c.key for c in view.columns].index("probe_time_s")] == "2.0"
 detail = rank_detail(data, 0, now=110.0)
 [plot] = [p for p in detail.plots if p.title == "probe"]
 assert plot.lines and plot.unit == "ms"

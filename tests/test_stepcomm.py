@@ -226,12 +226,11 @@ def check_dashboard(home, state: dict) -> None:
     `allred` column and in the time plot."""
     from scalemon.tui.model import DashboardData
     from scalemon.tui.views import overview as views
-    from scalemon.tui.views.rows import COLUMNS
 
     data = DashboardData()
     data.apply_batch(read_messages(history_path(home.name, home))[0])
     overview = views.overview(data, time.time())
-    column = [c.key for c in COLUMNS].index("allreduce_time_s")
+    column = [c.key for c in overview.columns].index("allreduce_time_s")
     for row, r in zip(overview.rows, state["ranks"], strict=True):
         assert row.cells[column] == f"{r['allreduce_time_s'] * 1e3:.1f}", row.cells
     labels = [line.label for line in overview.plots["time"].lines]

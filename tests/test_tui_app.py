@@ -83,7 +83,8 @@ async def until(pilot, predicate: Callable[[], object], timeout: float = 10.0,
 def cells(app: DashboardApp) -> dict[int, list[str]]:
     """The rank table as text: rank -> cells."""
     table = app.screen.query_one(RankTable)
-    return {rank: list(row) for rank, row in table.cells_by_rank().items()}
+    return {rank: list(row)  # every column's place, "" for one not shown now (no pipeline)
+            for rank, row in table.cells_by_rank([c.key for c in COLUMNS]).items()}
 
 
 def header(app: DashboardApp) -> str:

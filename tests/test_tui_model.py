@@ -21,7 +21,6 @@ from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
 from scalemon.tui.views.nodes import bin_counts
 from scalemon.tui.views.overview import overview
-from scalemon.tui.views.rows import COLUMNS
 from scalemon.tui.widgets.braille import (
     DOT_BITS,
     column_envelope,
@@ -156,12 +155,12 @@ def test_the_rank_that_issues_its_collectives_late_is_named():
     assert view.summary.straggler_basis == ARRIVAL_BASIS
     # its gradient buckets are issued 0.7..1.0 of its extra compute late: median 0.85 of it
     assert view.summary.stragglers[0][1] == pytest.approx(0.04 * 0.85, rel=0.1)
-    at = [c.key for c in COLUMNS].index("arrival_lateness_s")
+    at = [c.key for c in view.columns].index("arrival_lateness_s")
     assert view.rows[5].cells[at] == f"{data.state.ranks[5].value('arrival_lateness_s') * 1e3:.1f}"
     styles = {row.rank: row.style for row in view.rows}
     assert styles[5] == "straggler" and all(styles[r] == "" for r in range(8) if r != 5)
     # every rank's step time is the same (the all-reduce equalises it): not a usable signal
-    at = [c.key for c in COLUMNS].index("step_time_s")
+    at = [c.key for c in view.columns].index("step_time_s")
     steps = {row.cells[at] for row in view.rows}
     assert len(steps) == 1
 
@@ -199,7 +198,8 @@ def test_summary_rates_state_and_na_cells_of_a_cpu_job():
     s = view.summary
     assert s.state == "finished" and s.step_min == s.step_max == 100
     assert s.elapsed_s == pytest.approx(10.0, abs=0.1)
-    cells = dict(zip([c.key for c in COLUMNS], view.rows[0].cells, strict=True))
+    cells = dict(zip([c.key for c in view.columns], view.rows[0].cells, strict=True))
+    assert "pipeline_bubble" not in cells  # no pipeline: no column of n/a
     assert cells["loss_scale"] == "n/a" and cells["mem_allocated_bytes"] == "n/a"
     assert cells["gpu_mem_used_bytes"] == "n/a" and cells["mfu"] == "n/a"
     assert cells["state"] == "finished" and cells["step"] == "100"

@@ -273,7 +273,7 @@ def test_the_overview_of_a_big_job_shows_nodes_and_drills_down_to_a_rank(big):
                         and len(app.screen.query_one(RankTable).rows) == 8)
             table = app.screen.query_one(RankTable)
             assert app.screen.host == "node125" and table.rank_ids == list(range(1000, 1008))
-            cells = table.cells_by_rank()
+            cells = table.cells_by_rank(list(COL))
             assert cells[1001][COL["state"]] == "lost" and cells[1000][COL["state"]] == "running"
             assert {c[COL["host"]] for c in cells.values()} == {"node125"}
             assert "node node125  ·  8 ranks" in screen_text(app)

@@ -47,6 +47,7 @@ class PlotSpec:
     marks: Sequence[float] | None = None  # x positions to flag (skipped steps)
     marks_label: str = ""
     empty: str = "no data yet"
+    hidden: bool = False  # not drawn at all (a metric shown only when seen, not seen)
 
     @property
     def has_data(self) -> bool:

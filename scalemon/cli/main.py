@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the current state of a job: a row per rank, its extras, flags, "
                     "collectives and hang. With the job's hub gone, replay its history file.")
     add_query_arguments(snap)
+    snap.add_argument("--group-by", metavar="AXIS",
+                      help="group the rank table by this axis of the job's device mesh (pp, "
+                           "dp, tp, ... as the script named them): a heading per coordinate, "
+                           "its ranks under it")
     snap.set_defaults(func=cmd_snapshot)
 
     jobs = sub.add_parser("jobs", help="list live jobs (hubs) of this user",

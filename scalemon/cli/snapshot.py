@@ -11,7 +11,7 @@ from typing import Any
 
 from scalemon import __version__, protocol
 from scalemon.home.lookup import JobLookupError, hub_gone_text, resolve_hub
-from scalemon.reports.snapshot_text import format_snapshot
+from scalemon.reports.snapshot_text import format_snapshot, group_by_problem
 
 
 def _offline_state(job: str) -> dict[str, Any] | None:
@@ -69,10 +69,14 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"scalemon snapshot: {why}; replaying {reply['source']}{skipped}",
               file=sys.stderr)
     out = {**reply["state"], "hub": reply.get("hub"), "source": reply.get("source")}
+    axis = getattr(args, "group_by", None)
+    if axis is not None and (problem := group_by_problem(out, axis)):
+        print(f"scalemon snapshot: --group-by {problem}", file=sys.stderr)
+        return 2
     if args.json:  # strict JSON: NaN and infinities as null (docs/protocol.md 9.3)
         from scalemon.reports.export import strict_json
 
         print(json.dumps(strict_json(out), indent=1, allow_nan=False))
     else:
-        print(format_snapshot(out))
+        print(format_snapshot(out, group_by=axis))
     return 0

@@ -22,6 +22,7 @@ from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.flagstate import FlagState, LogLine, RankFlags
 from scalemon.state.fold import JobFold, RankTrack, StepAcc
 from scalemon.state.jobstate import JobState, RankView
+from scalemon.state.p2p import P2PRow, P2PStats
 from scalemon.state.series import Marks, Series
 
 FORMAT = 1
@@ -30,7 +31,7 @@ MAX_SEED_BYTES = 48 << 20
 protocol's MAX_REPLY_BYTES."""
 
 _OWN = (JobFold, JobState, RankView, CollectiveStats, StatRow, ArrivalTracker, FlagState,
-        RankFlags, LogLine, RankTrack, StepAcc, Series, Marks)
+        RankFlags, LogLine, RankTrack, StepAcc, Series, Marks, P2PStats, P2PRow)
 ALLOWED: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__qualname__): cls for cls in _OWN},
     ("collections", "deque"): deque,

@@ -18,8 +18,12 @@ writes by itself on a timeout with TORCH_FR_DUMP_TEMP_FILE. Format 2.10 (torch 2
      "nccl_comm_state": {...}}                                     # NCCL only
 
 Older formats lack keys (`pg_status`, `is_p2p`, `collective_seq_id`: `seq_id` before 2.2);
-each is read where present. Pickles are read by an unpickler that builds only containers and
-scalars: a file that names a callable is refused.
+each is read where present. P2P entries (NCCL's; gloo records none) are named "nccl:send 0->1"
+(group rank 0 sends to group rank 1) and "nccl:recv 1<-0" (group rank 1 receives from 0): read
+as `Entry.op` "send"/"recv" with the peer's group rank. Where a group carries P2P ops, its
+`pg_status` counts them (gloo: op ids) while `collective_seq_id` counts collectives only, so
+that group's issued and completed collectives are read from its entries. Pickles are read by
+an unpickler that builds only containers and scalars: a file that names a callable is refused.
 
 The analysis is in `scalemon/reports/frtrace.py`.
 """
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scalemon.collectives import op_name, pg_config_ranks
+from scalemon.collectives import buffer_bytes, op_name, pg_config_ranks
 
 MAX_FILE_BYTES = 256 << 20
 """A dump larger than this is not read (a ring of 2000 entries with stacks is a few MiB)."""
@@ -118,6 +122,13 @@ class Entry:
     output_dtypes: list[Any]
     state: str
     completed: bool
+    op_id: int | None = None
+    peer: int | None = None
+    """A P2P op's peer, by its rank in the group (from the profiling name)."""
+    t: float | None = None
+    """When it was created (Unix seconds), for P2P ops only."""
+    nbytes: int | None = None
+    """Its buffer's bytes, for P2P ops only."""
 
     def signature(self) -> str:
         """The op with its tensors, for people: "all_reduce in [[4, 3]] Float"."""
@@ -148,6 +159,8 @@ class RankDump:
     entries: list[Entry] = field(default_factory=list)
     skipped: int = 0  # entries that were not understood
     ops: dict[tuple[str, int], str] = field(default_factory=dict)  # (group, seq) -> op
+    mixed: set[str] = field(default_factory=set)
+    """Groups whose entries show P2P ops among the collectives: `pg_status` counts those."""
 
     def add(self, dump: dict[str, Any], name: str) -> None:
         """Merge one file's dump into this rank's."""
@@ -167,6 +180,8 @@ class RankDump:
             self.entries.append(entry)
             if not entry.is_p2p:
                 self.ops[entry.group, entry.seq] = entry.op
+            if entry.is_p2p or (entry.op_id is not None and entry.op_id != entry.seq):
+                self.mixed.add(entry.group)
         config = dump.get("pg_config")
         for key, value in (config.items() if isinstance(config, dict) else ()):
             ranks = pg_config_ranks(value)
@@ -189,6 +204,12 @@ class RankDump:
             seen = self.groups.setdefault(name_, GroupSeen())
             seen.issued = max(seen.issued, issued)
             seen.completed = max(seen.completed, completed)
+        for group in self.mixed:  # its pg_status counts P2P ops too: the entries tell (a
+            own = [e for e in self.entries if e.group == group]  # P2P entry holds the
+            before = max((e.seq for e in own if e.is_p2p), default=0)  # last collective's seq)
+            seen = self.groups[group]
+            seen.issued = before
+            seen.completed = 0 if any(not e.is_p2p for e in own) else before
         for e in self.entries:  # formats without pg_status, and what it lags behind (gloo
             seen = self.groups[e.group]  # counts a collective completed after retiring it)
             if not e.is_p2p:
@@ -199,6 +220,18 @@ class RankDump:
     def op_at(self, group: str, seq: int) -> str | None:
         """The op of collective `seq` of `group`, if the ring still holds it."""
         return self.ops.get((group, seq))
+
+    def p2p_inflight(self, members: dict[str, tuple[int, ...]]) -> list[list[Any]]:
+        """The P2P ops it issued that did not complete, as the wait-for graph takes them:
+        [group, "send"|"recv", peer global rank, issue time, bytes] (the peer from its rank in
+        the group's `members`; ops whose group or peer is unknown are left out)."""
+        out = []
+        for e in self.entries:
+            ranks = members.get(e.group)
+            if (e.is_p2p and not e.completed and e.peer is not None and ranks
+                    and e.op in ("send", "recv") and 0 <= e.peer < len(ranks)):
+                out.append([e.group, e.op, ranks[e.peer], e.t, e.nbytes])
+        return out
 
 
 def _int(value: Any) -> int | None:
@@ -236,10 +269,30 @@ def _entry(raw: Any) -> tuple[Entry, str] | None:
         value = raw.get(key)
         return list(value) if isinstance(value, (list, tuple)) else []
 
-    entry = Entry(str(pg[0]), seq, is_p2p, op_name(name), listed("input_sizes"),
+    op, peer = op_name(name), None
+    if is_p2p:
+        op, peer = _p2p_op(op)
+    entry = Entry(str(pg[0]), seq, is_p2p, op, listed("input_sizes"),
                   listed("input_dtypes"), listed("output_sizes"), listed("output_dtypes"),
-                  state, completed)
+                  state, completed, _int(raw.get("op_id")))
+    if is_p2p:
+        created = raw.get("time_created_ns")
+        entry.peer = peer
+        entry.t = created / 1e9 if type(created) is int and created > 0 else None
+        entry.nbytes = buffer_bytes(raw)
     return entry, str(pg[1]) if len(pg) > 1 else ""
+
+
+_P2P_NAME = re.compile(r"^(?P<op>send|recv)\s+(?P<a>\d+)\s*(?:->|<-)\s*(?P<b>\d+)$")
+
+
+def _p2p_op(name: str) -> tuple[str, int | None]:
+    """("send", 1) from "send 0->1", ("recv", 0) from "recv 1<-0": the op and its peer's rank
+    in the group; the name's first word and None for any other form."""
+    match = _P2P_NAME.match(name.strip())
+    if match is None:
+        return name.split(" ")[0], None
+    return match["op"], int(match["b"])
 
 
 # --- a directory ---------------------------------------------------------------------------

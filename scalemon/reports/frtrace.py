@@ -22,6 +22,7 @@ from scalemon.reports.frread import (
     read_context,
     read_directory,
 )
+from scalemon.reports.groups import mesh_dim, short_name
 from scalemon.reports.waitfor import find_culprits
 from scalemon.text.ranks import rank_list, ranks_text, span_text
 
@@ -56,6 +57,7 @@ def analyse(
     missing: dict[int, str] | None = None,
     gone: Iterable[int] = (),
     fallback: dict[int, dict[str, list[int]]] | None = None,
+    p2p_fallback: dict[int, list[Any]] | None = None,
     directory: str = "",
 ) -> dict[str, Any]:
     """The analysis of the ranks' dumps, as plain JSON-able values.
@@ -63,7 +65,9 @@ def analyse(
     `members`/`descs`: the groups' global ranks and descriptions where the dumps lack them
     (gloo's do); `asked`: the ranks asked for a dump; `missing`: rank -> why it gave none;
     `gone`: ranks whose process is gone; `fallback`: rank -> group -> [issued, completed] from
-    the rank's last heartbeat, used for a rank without a dump."""
+    the rank's last heartbeat, used for a rank without a dump; `p2p_fallback`: rank -> its
+    last heartbeat's P2P ops in flight (`p2p_inflight`), used where its dump has no P2P
+    entries (gloo's recorder keeps none)."""
     missing = dict(missing or {})
     gone_set = set(gone)
     groups = _members(dumps, members or {}, set(asked) | set(dumps) | set(missing))
@@ -79,12 +83,19 @@ def analyse(
             status[rank] = {g: list(v) for g, v in seen.items()}
             source[rank] = "heartbeat"
     labels = _labels(groups, desc)
-    overall = _finding(find_culprits(status, groups, gone_set), labels, dumps)
+    p2p = {r: [list(i) for i in items if isinstance(i, (list, tuple))]
+           for r, items in (p2p_fallback or {}).items()
+           if isinstance(items, list) and r not in gone_set}
+    for rank, dump in dumps.items():
+        if any(e.is_p2p for e in dump.entries):  # NCCL's recorder saw its P2P ops
+            p2p[rank] = dump.p2p_inflight(groups)
+    overall = _finding(find_culprits(status, groups, gone_set, p2p=p2p), labels, dumps)
     waits_of = {r: w for w in (overall or {}).get("waits", ()) for r in w["ranks"]}
     out_groups = []
     for name, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         alone = {r: {name: s[name]} for r, s in status.items() if name in s}
-        finding = find_culprits(alone, {name: ranks}, gone_set)  # this group by itself
+        own_p2p = {r: [i for i in items if i and i[0] == name] for r, items in p2p.items()}
+        finding = find_culprits(alone, {name: ranks}, gone_set, p2p=own_p2p)  # by itself
         # a rank behind in this group that waits in another: a link of a chain, not its end
         behind = {str(r): f"waits in {w['op'] or 'collective'} #{w['seq']} of {w['label']}"
                   for r in (finding or {}).get("culprits", ())
@@ -135,21 +146,23 @@ def _members(dumps: dict[int, RankDump], given: dict[str, Iterable[int]],
 
 
 def _labels(groups: dict[str, Any], desc: dict[str, str]) -> dict[str, str]:
-    """A group as people know it, as the live views name it (`JobState.group_label`): its
-    description, with its name where two groups share one, "group NAME" without a description,
-    then its ranks: "user_pg [0,1]", "group 1 [0,1]"."""
-    counts: dict[str, int] = {}
-    for name in groups:
+    """A group as people know it, as the live views name it (`groups.group_label`): "tp [2,3]"
+    for a mesh dimension's group; its description, with its name where two groups share one,
+    "group NAME" without a description, then its ranks: "user_pg [0,1]", "group 1 [0,1]"."""
+    counts: dict[tuple[str, tuple[int, ...] | None], int] = {}
+
+    def key(name: str) -> tuple[str, tuple[int, ...] | None]:
         d = desc.get(name, "")
-        counts[d] = counts.get(d, 0) + 1
+        return d, tuple(groups[name]) if mesh_dim(d) is not None else None
+
+    for name in groups:
+        counts[key(name)] = counts.get(key(name), 0) + 1
     out = {}
     for name, ranks in groups.items():
         d = desc.get(name, "")
-        if not d or d == "undefined":
-            short = f"group {name}"
-        else:
-            short = f"{d} ({name})" if counts[d] > 1 else d
-        out[name] = f"{short} {span_text(list(ranks))}" if ranks else short
+        short = short_name(d, name, list(ranks), counts[key(name)])
+        mesh = mesh_dim(d) is not None
+        out[name] = f"{short} {span_text(list(ranks))}" if ranks and not mesh else short
     return out
 
 
@@ -231,21 +244,27 @@ def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
         return None
 
     group, seq = finding["group"], finding["seq"]
-    waits: dict[tuple[str, int, tuple[int, ...]], list[int]] = {}
+    waits: dict[tuple[Any, ...], list[int]] = {}
     for rank, wait in sorted((finding.get("waits") or {}).items()):
-        waits.setdefault((wait["group"], wait["seq"], tuple(wait["for"])), []).append(rank)
+        p2p = (wait["op"], wait.get("peer")) if wait["seq"] is None else (None, None)
+        waits.setdefault((wait["group"], wait["seq"], tuple(wait["for"]), *p2p),
+                         []).append(rank)
     grouped = [{"group": g, "seq": q, "label": labels.get(g, f"group {g}"),
-                "op": op_of(g, q, ranks), "ranks": ranks, "for": list(awaited)}
-               for (g, q, awaited), ranks in waits.items()]
+                "op": op if q is None else op_of(g, q, ranks), "ranks": ranks,
+                "for": list(awaited), **({"peer": peer} if q is None else {})}
+               for (g, q, awaited, op, peer), ranks in waits.items()]
     missed: dict[str, list[str]] = {}
     for wait in grouped:
-        what = f"{wait['op'] or 'collective'} #{wait['seq']} of {wait['label']}"
         for rank in wait["for"]:
+            what = _counterpart(wait, rank)
             if what not in missed.setdefault(str(rank), []):
                 missed[str(rank)].append(what)
+    primary = next((w for w in grouped if (w["group"], w["seq"]) == (group, seq)), None)
     return {"group": group, "seq": seq, "culprits": finding["culprits"],
             "waiting": finding["waiting"], "label": labels.get(group, f"group {group}"),
-            "op": op_of(group, seq, finding["waiting"]),
+            "op": (primary or {}).get("op") if seq is None else op_of(
+                group, seq, finding["waiting"]),
+            **({"peer": primary.get("peer")} if seq is None and primary else {}),
             "causes": {str(r): c for r, c in (finding.get("causes") or {}).items()},
             "never_issued": {r: m for r, m in missed.items()
                              if int(r) in finding["culprits"]},
@@ -254,12 +273,33 @@ def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
             "chains": (finding.get("chains") or [])[:CHAINS_SHOWN]}
 
 
+def _what(wait: dict[str, Any]) -> str:
+    """"all_reduce #7 of default_pg [0-3]", or for a P2P wait "recv from rank 0 of pp
+    [0,2]"."""
+    if wait.get("seq") is None and wait.get("op") in ("send", "recv"):
+        way = "from" if wait["op"] == "recv" else "to"
+        return f"{wait['op']} {way} rank {wait.get('peer')} of {wait['label']}"
+    return f"{wait.get('op') or 'collective'} #{wait['seq']} of {wait['label']}"
+
+
+def _counterpart(wait: dict[str, Any], rank: int) -> str:
+    """What `rank`, awaited in `wait`, never issued: the collective, or the other side of the
+    P2P op ("send to rank 2 of pp [0,2]")."""
+    if wait.get("seq") is not None or wait.get("op") not in ("send", "recv"):
+        return _what(wait)
+    waiters = ranks_text(wait["ranks"], limit=RANKS_SHOWN)
+    if rank != wait.get("peer"):
+        return f"a send or recv with {waiters} of {wait['label']}"
+    way = "send to" if wait["op"] == "recv" else "recv from"
+    return f"{way} {waiters} of {wait['label']}"
+
+
 def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
     """The finding in words, as the live hang view says it: each culprit with what it never
     issued (or why it cannot), then what each waiting rank waits in and for whom."""
     if not finding:
         return "no culprit: every rank completed the collectives it issued"
-    what = f"{finding['op'] or 'collective'} #{finding['seq']} of {finding['label']}"
+    what = _what(finding)
     culprits = finding["culprits"]
     causes, never = finding.get("causes") or {}, finding.get("never_issued") or {}
     parts: list[str] = []
@@ -284,9 +324,10 @@ def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
             continue
         verb = "waits" if len(ranks) == 1 else "wait"
         awaited = f" for {ranks_text(wait['for'], limit=RANKS_SHOWN)}" if wait["for"] else ""
-        parts.append(f"{ranks_text(ranks, limit=RANKS_SHOWN)} {verb} in "
-                     f"{wait['op'] or 'collective'} "
-                     f"#{wait['seq']} of {wait['label']}{awaited}")
+        if wait.get("seq") is None and wait["for"] == [wait.get("peer")]:
+            awaited = ""  # "recv from rank 0" says it
+        parts.append(f"{ranks_text(ranks, limit=RANKS_SHOWN)} {verb} in {_what(wait)}"
+                     f"{awaited}")
     more = finding.get("waits_count", 0) - len(waits)
     if more > 0:
         parts.append(f"{more} more waits (scalemon dump --json lists them)")
@@ -310,10 +351,12 @@ def analyse_directory(directory: Path, context: dict[str, Any] | None = None) ->
         if isinstance(groups, dict):
             fallback[int(rank)] = {str(g): list(s) for g, s in groups.items()
                                    if isinstance(s, list) and len(s) == 2}
+    p2p_fallback = {int(rank): items for rank, items in (context.get("p2p") or {}).items()
+                    if isinstance(items, list)}
     report = analyse(
         dumps, members=context.get("members") or {}, descs=context.get("descs") or {},
         asked=context.get("asked") or (), missing=missing, gone=context.get("gone") or (),
-        fallback=fallback, directory=str(directory))
+        fallback=fallback, p2p_fallback=p2p_fallback, directory=str(directory))
     report["problems"] = {str(r): why for r, why in sorted(problems.items()) if r in dumps}
     return report
 

@@ -17,23 +17,56 @@ Groups = dict[str, dict[str, Any]]
 """Process groups by name (the same on every rank): {"desc": str, "ranks": [int]}."""
 
 
-def group_desc(groups: Groups, name: str) -> str:
-    """A group's short name: its description ("default_pg"), "group <name>" when torch gives
-    none, with its name where two groups share one description."""
-    group = groups.get(name)
-    desc = group["desc"] if group else ""
+MESH_PREFIX = "mesh_"
+"""torch describes the group of a `DeviceMesh` dimension "mesh_<dim>" ("mesh_tp")."""
+
+
+def mesh_dim(desc: str) -> str | None:
+    """The mesh dimension a group's description names ("mesh_tp" -> "tp", a flattened
+    "mesh_dp_all" -> "dp_all"), None for any other description."""
+    if desc.startswith(MESH_PREFIX) and len(desc) > len(MESH_PREFIX):
+        return desc[len(MESH_PREFIX):]
+    return None
+
+
+def short_name(desc: str, name: str, ranks: list[int] | tuple[int, ...], shared: int) -> str:
+    """The one naming rule (the live views' and the Flight Recorder reports'): a mesh
+    dimension's group by its dimension and ranks ("tp [2,3]"); another by its description
+    ("default_pg"), "group <name>" without one, with its name where `shared` (the groups with
+    this description, or for a mesh group with these ranks too) is more than one."""
+    dim = mesh_dim(desc)
+    if dim is not None:
+        text = f"{dim} {span_text(list(ranks))}" if ranks else dim
+        return f"{text} ({name})" if shared > 1 else text
     if not desc or desc == "undefined":
         return f"group {name}"
-    if sum(1 for g in groups.values() if g["desc"] == desc) > 1:
-        return f"{desc} ({name})"
-    return desc
+    return f"{desc} ({name})" if shared > 1 else desc
+
+
+def group_desc(groups: Groups, name: str) -> str:
+    """A group's short name: "tp [2,3]" for a mesh dimension's group; its description
+    ("default_pg"), "group <name>" when torch gives none, with its name where two groups
+    share one description."""
+    group = groups.get(name)
+    desc = group["desc"] if group else ""
+    ranks = group.get("ranks") or [] if group else []
+    if mesh_dim(desc) is not None:
+        shared = sum(1 for g in groups.values()
+                     if g["desc"] == desc and list(g.get("ranks") or []) == list(ranks))
+    else:
+        shared = sum(1 for g in groups.values() if g["desc"] == desc) if desc else 1
+    return short_name(desc, name, ranks, shared)
 
 
 def group_label(groups: Groups, name: str) -> str:
-    """A group as people know it, by name and ranks: "user_pg [0,1]", "group 1 [0,1]"."""
+    """A group as people know it, by name and ranks: "user_pg [0,1]", "group 1 [0,1]", "tp
+    [2,3]" (a mesh dimension's group names its ranks already)."""
     group = groups.get(name)
+    short = group_desc(groups, name)
+    if group and mesh_dim(group["desc"]) is not None:
+        return short
     ranks = f" {span_text(group['ranks'])}" if group and group.get("ranks") else ""
-    return group_desc(groups, name) + ranks
+    return short + ranks
 
 
 def collectives_table(groups: Groups, views: Iterable[RankView]) -> list[dict[str, Any]]:

@@ -59,8 +59,10 @@ class HangReport:
         members = {name: tuple(g["ranks"]) for name, g in st.groups.items()}
         inflight = {r: [i for i in v.metrics.get("inflight") or () if isinstance(i, list)]
                     for r, v in views.items()}
+        p2p = {r: items for r, v in views.items()
+               if isinstance(items := v.metrics.get("p2p_inflight"), list) and items}
         self.finding = wait_for_graph(status, members, self.gone, finished=self.finished,
-                                      inflight=inflight) or {}
+                                      inflight=inflight, p2p=p2p) or {}
         self.waits: dict[int, dict[str, Any]] = self.finding.get("waits", {})
         self.causes: dict[int, dict[str, Any]] = self.finding.get("causes", {})
         self._missed = self._never_issued()
@@ -76,6 +78,25 @@ class HangReport:
     def what(self, group: str, seq: int | None, op: str | None) -> str:
         """"all_reduce #16 of default_pg [0,1,2]"."""
         return f"{op or 'collective'} #{seq} of {self.label(group)}"
+
+    def wait_what(self, wait: dict[str, Any]) -> str:
+        """What a wait is in: "all_reduce #16 of default_pg [0,1,2]", "recv from rank 0 of pp
+        [0,2]" (a P2P wait)."""
+        if wait["seq"] is None and wait["op"] in ("send", "recv"):
+            way = "from" if wait["op"] == "recv" else "to"
+            return f"{wait['op']} {way} rank {wait.get('peer')} of {self.label(wait['group'])}"
+        return self.what(wait["group"], wait["seq"], wait["op"])
+
+    def counterpart(self, waiter: int, wait: dict[str, Any], rank: int) -> str:
+        """What `rank`, awaited by `waiter`, never issued: the collective they wait in, or the
+        other side of a P2P op ("send to rank 2 of pp [0,2]")."""
+        if wait["seq"] is not None or wait["op"] not in ("send", "recv"):
+            return self.wait_what(wait)
+        label = self.label(wait["group"])
+        if rank != wait.get("peer"):
+            return f"a send or recv with rank {waiter} of {label}"
+        way = "send to" if wait["op"] == "recv" else "recv from"
+        return f"{way} rank {waiter} of {label}"
 
     def waited_s(self, rank: int) -> float | None:
         """How long `rank` has waited in its collective (its issue time, on the hub's clock)."""
@@ -106,19 +127,22 @@ class HangReport:
             if key in seen:
                 continue
             seen.add(key)
-            text = self.what(w["group"], w["seq"], w["op"])
+            text = self.wait_what(w)
             for rank in w["for"]:
+                if w["seq"] is None:
+                    text = self.counterpart(waiter, w, rank)
                 texts = missed.setdefault(rank, [])
                 if text not in texts:
                     texts.append(text)
         return missed
 
     def wait_text(self, rank: int) -> str:
-        """"waiting in all_gather #3 of user_pg [0,1] for rank 1 (12 s)"."""
+        """"waiting in all_gather #3 of user_pg [0,1] for rank 1 (12 s)", "waiting in recv from
+        rank 0 of pp [0,2] (12 s)"."""
         w = self.waits[rank]
         waited = self.waited_s(rank)
-        text = f"waiting in {self.what(w['group'], w['seq'], w['op'])}"
-        if w["for"]:
+        text = f"waiting in {self.wait_what(w)}"
+        if w["for"] and w["for"] != [w.get("peer")]:
             text += f" for {self._whom(w['for'])}"
         return text + (f" ({waited:.0f} s)" if waited is not None else "")
 
@@ -151,8 +175,9 @@ class HangReport:
                     f"{'has' if len(cause['for']) == 1 else 'have'} finished")
         if kind == "deadlock":
             verb = "waits" if len(cause["for"]) == 1 else "wait"
-            return (f"{self.wait_text(rank)}, which {verb} for it in turn: a deadlock "
-                    "(collectives of different groups issued in different orders)")
+            how = ("sends and receives that wait for each other" if self.waits[rank]["seq"]
+                   is None else "collectives of different groups issued in different orders")
+            return f"{self.wait_text(rank)}, which {verb} for it in turn: a deadlock ({how})"
         return (f"{self.wait_text(rank)}: every member issued it: a network or "
                 "communication-library problem, not a late rank")
 
@@ -195,8 +220,9 @@ class HangReport:
         stuck = [r for r, c in self.causes.items() if c["cause"] == "stuck"]
         if stuck:
             w = self.waits[stuck[0]]
-            parts.append(f"every rank issued {self.what(w['group'], w['seq'], w['op'])}: a "
-                         "network or communication-library problem, not a late rank")
+            who = "both sides" if w["seq"] is None else "every rank"
+            parts.append(f"{who} issued {self.wait_what(w)}: a network or "
+                         "communication-library problem, not a late rank")
         waiting = [r for r in self.finding["waiting"] if r not in stuck]
         parts.extend(self._waiting_sentences(waiting))
         return "; ".join(parts)
@@ -214,17 +240,18 @@ class HangReport:
     def _waiting_sentences(self, waiting: list[int]) -> list[str]:
         """"ranks 0,2 wait in all_reduce #10 of default_pg [0,1,2] for rank 1 (37 s)", ranks
         that wait in the same collective for the same ranks together."""
-        together: dict[tuple[str, int, tuple[int, ...]], list[int]] = {}
+        together: dict[tuple[Any, ...], list[int]] = {}
         for rank in waiting:
             w = self.waits[rank]
-            together.setdefault((w["group"], w["seq"], tuple(w["for"])), []).append(rank)
+            p2p = (w["op"], w.get("peer")) if w["seq"] is None else ()
+            together.setdefault((w["group"], w["seq"], tuple(w["for"]), *p2p), []).append(rank)
         out = []
-        for (group, seq, awaited), ranks in together.items():
-            op = self.waits[ranks[0]]["op"]
+        for key, ranks in together.items():
+            w, awaited = self.waits[ranks[0]], key[2]
             waited = [s for s in (self.waited_s(r) for r in ranks) if s is not None]
             verb = "waits" if len(ranks) == 1 else "wait"
-            text = f"{ranks_text(ranks)} {verb} in {self.what(group, seq, op)}"
-            if awaited:
+            text = f"{ranks_text(ranks)} {verb} in {self.wait_what(w)}"
+            if awaited and list(awaited) != [w.get("peer")]:
                 text += f" for {ranks_text(list(awaited))}"
             out.append(text + (f" ({max(waited):.0f} s)" if waited else ""))
         return out
@@ -249,7 +276,8 @@ class HangReport:
             w = self.waits[rank]
             out.append({"rank": rank, "group": self.label(w["group"]),
                         "group_name": w["group"],
-                        "seq": w["seq"], "op": w["op"], "for": w["for"][:FOR_SHOWN],
+                        "seq": w["seq"], "op": w["op"], "peer": w.get("peer"),
+                        "for": w["for"][:FOR_SHOWN],
                         "for_count": len(w["for"]),
                         "waited_s": self.waited_s(rank),
                         "culprit": rank in self.finding["culprits"],
@@ -280,6 +308,7 @@ class HangReport:
             "groups": {self.label(g): {"last_issued": s[0], "last_completed": s[1]}
                        for g, s in groups.items() if isinstance(s, list) and len(s) == 2},
             "inflight": view.metrics.get("inflight") or [],
+            "p2p_inflight": view.metrics.get("p2p_inflight") or [],
         }
 
 

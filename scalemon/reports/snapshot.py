@@ -11,6 +11,7 @@ from typing import Any
 from scalemon import metrics
 from scalemon.reports import groups
 from scalemon.reports.hangs import job_hang
+from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
 from scalemon.reports.stragglers import stragglers_json
 from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import JobState, RankView
@@ -35,8 +36,8 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
     """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
     now = time.time() if now is None else now
     hang = job_hang(st, now)
-    ranks = [{**rank_json(st.ranks[r], now), "flags": st.flags.values_of(r)}
-             for r in sorted(st.ranks)]
+    ranks = [{**rank_json(st.ranks[r], now), "mesh": st.mesh(r),
+              "flags": st.flags.values_of(r)} for r in sorted(st.ranks)]
     return {
         "job": st.job,
         "world_size": st.world_size,
@@ -56,7 +57,11 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
         "groups": {groups.group_desc(st.groups, n): {
             "name": n, "label": groups.group_label(st.groups, n), **g}
             for n, g in st.groups.items()},
-        "collectives": groups.collectives_table(st.groups, st.ranks.values()),
+        "collectives": [*groups.collectives_table(st.groups, st.ranks.values()),
+                        *p2p_rows(st)],
+        "mesh": st.job_mesh(),
+        "pipeline": pipeline_json(st),
+        "moe": moe_json(st),
         "hang": hang,
         "first_failure": st.first_failure(),
         "hang_after_s": st.hang_after_s,

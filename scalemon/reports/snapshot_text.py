@@ -10,6 +10,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.policy import NODE_STATES, rank_kind, rank_status, straggler_bar, stuck_after_s
+from scalemon.reports import parallel_text
 from scalemon.reports.stragglers import ARRIVAL_BASIS, json_measure
 from scalemon.text import display
 from scalemon.text.display import (
@@ -172,10 +173,31 @@ def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     return display.text_of(rank.get(key))
 
 
-def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
+def mesh_axes(state: Mapping[str, Any]) -> list[str]:
+    """The axes of the job's device mesh (`snapshot --json`'s "mesh" "dims", else those its
+    ranks' coordinates name), outermost first; none without a mesh."""
+    dims = (state.get("mesh") or {}).get("dims")
+    if isinstance(dims, list) and dims:
+        return [str(d) for d in dims]
+    return parallel_text.mesh_dims(parallel_text.mesh_coords(r.get("mesh"))
+                                   for r in state.get("ranks") or ())
+
+
+def group_by_problem(state: Mapping[str, Any], axis: str) -> str | None:
+    """Why the snapshot's rank table cannot be grouped by mesh axis `axis` (naming the axes
+    there are), None when it can."""
+    axes = mesh_axes(state)
+    return None if axis in axes else parallel_text.unknown_axis_text(axis, axes)
+
+
+def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None = None) -> str:
     """A plain-text table of the snapshot for people: a row per rank with the columns of the
-    dashboard (but those only a dashboard computes), then each rank's `extra` values and the
-    run's `info` facts, one line each, cut at `width` characters of value."""
+    dashboard (but those only a dashboard computes; a mesh column where the ranks reported
+    their place in a device mesh, grouped by its axis `group_by` when given: ValueError
+    naming the axes when it is none of them), then each rank's `extra` values and the run's
+    `info` facts, one line each, cut at `width` characters of value."""
+    if group_by is not None and (problem := group_by_problem(state, group_by)):
+        raise ValueError(problem)
     lines = [
         f"job {state['job']}  world size {display.text_of(state['world_size'])}  state "
         f"{'HUNG' if state.get('hang') else state['state']}"
@@ -189,23 +211,47 @@ def format_snapshot(state: dict[str, Any], width: int = 60) -> str:
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
     lines.extend(f"ALERT: {a['text']}" for a in state.get("alerts") or [])
+    lines.extend(parallel_lines(state))
     if len(state["ranks"]) >= display.AGGREGATE_AT:  # a line per node, not per rank
         lines.extend(node_snapshot_lines(state["ranks"], width))
     else:
-        lines.extend(_rank_lines(state["ranks"], width))
+        lines.extend(_rank_lines(state["ranks"], width, mesh_axes(state), group_by))
     lines.extend(_info_lines(state, width))
     return "\n".join(lines)
 
 
-def _rank_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
-    """A row per rank, then each rank's `extra` values."""
+def parallel_lines(state: Mapping[str, Any]) -> list[str]:
+    """The mesh's shape, the pipeline's bubble and the MoE balance, a line each where the job
+    has them ("pipeline 1f1b, 2 stages x 4 microbatches: bubble measured 31% (median), theory
+    20%")."""
+    lines = []
+    mesh = state.get("mesh") or {}
+    shape = mesh.get("shape") if isinstance(mesh, Mapping) else None
+    if isinstance(shape, Mapping) and shape:
+        lines.append("mesh " + " x ".join(f"{d} {n}" for d, n in shape.items()))
+    lines.extend(line for line in (parallel_text.pipeline_line(state.get("pipeline")),
+                                   parallel_text.moe_line(state.get("moe"))) if line)
+    return lines
+
+
+def _rank_lines(ranks: list[dict[str, Any]], width: int, axes: list[str] | None = None,
+                group_by: str | None = None) -> list[str]:
+    """A row per rank (with a mesh column where the job has a mesh, grouped by the mesh axis
+    `group_by` under a heading per coordinate when given), then each rank's `extra`
+    values."""
     lines: list[str] = []
-    columns = display.rank_columns(dashboard=False)
+    columns = display.rank_columns(dashboard=False, seen=ranks)
+    coords = {r["rank"]: parallel_text.mesh_coords(r.get("mesh")) for r in ranks}
+    if axes:
+        mesh_width = parallel_text.mesh_width(coords.values(), axes)
+        columns = (*columns[:1], display.Column("mesh", "mesh", mesh_width, align_left=True),
+                   *columns[1:])
     cells = []
     for rank in ranks:
         values = snapshot_values(rank)
+        frame = {**rank, "mesh": parallel_text.mesh_text(coords[rank["rank"]], axes or [])}
         cells.append([clean(display.metric_text(c.metric, values) if c.metric else
-                            _frame_cell(c.key, rank), one_line=True) for c in columns])
+                            _frame_cell(c.key, frame), one_line=True) for c in columns])
     widths = [max([len(c.heading)] + [len(row[i]) for row in cells if c.key != "state"])
               for i, c in enumerate(columns)]
     state_at = [c.key for c in columns].index("state")
@@ -217,7 +263,13 @@ def _rank_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
         return " ".join(out) + "  " + texts[state_at]
 
     lines.append(line([c.heading for c in columns]))
-    lines.extend(line(row) for row in cells)
+    if group_by is None:
+        lines.extend(line(row) for row in cells)
+    else:
+        row_of = {r["rank"]: row for r, row in zip(ranks, cells, strict=True)}
+        for value, members in parallel_text.grouped(row_of, coords, group_by):
+            lines.append("── " + parallel_text.group_heading(group_by, value, members))
+            lines.extend(line(row_of[r]) for r in members)
     for rank in ranks:
         if rank.get("extra"):
             text = _short(display.flat_text(rank["extra"]), width)
@@ -229,8 +281,8 @@ def _info_lines(state: dict[str, Any], width: int) -> list[str]:
     """The run's info facts, hub notes, flag mismatches, toggles, collectives, the hang."""
     lines: list[str] = []
     for key, by_rank in sorted(state.get("info", {}).items()):
-        if key in ("fr_dump", "nccl_ras"):
-            continue  # shown with the hang
+        if key in ("fr_dump", "nccl_ras", "mesh", "pipeline"):
+            continue  # shown with the hang; the mesh column, the pipeline's line
         for text, ranks in _group_equal(by_rank).items():
             lines.append(f"info {key} (rank {ranks}): {_short(text, width)}")
     for note in state.get("hub_notes") or []:
@@ -249,7 +301,9 @@ def _info_lines(state: dict[str, Any], width: int) -> list[str]:
         from scalemon.state.flagstate import toggle_line
 
         lines.extend("toggle " + toggle_line(t) for t in state["toggles"][-5:])
-    lines.extend(_collectives_lines(state.get("collectives") or []))
+    rows = state.get("collectives") or []
+    lines.extend(_collectives_lines([r for r in rows if not parallel_text.is_p2p(r)]))
+    lines.extend(p2p_lines([r for r in rows if parallel_text.is_p2p(r)]))
     lines.extend(_hang_lines(state.get("hang")))
     return lines
 
@@ -293,6 +347,19 @@ def _collectives_lines(rows: list[dict[str, Any]], most: int = 8) -> list[str]:
     return out
 
 
+def p2p_lines(rows: list[dict[str, Any]], most: int = 16) -> list[str]:
+    """The job's sends and receives, a line per (group, src -> dst), largest total time
+    first."""
+    if not rows:
+        return []
+    out = ["point to point (global ranks; count, bytes, summed time, bytes per op over the "
+           "mean time):"]
+    out.extend(f"  {parallel_text.p2p_text(r)}" for r in rows[:most])
+    if len(rows) > most:
+        out.append(f"  ... {len(rows) - most} more (--json has them all)")
+    return out
+
+
 def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
     """The hang in words, then each rank's stack (innermost call last)."""
     if not hang:
@@ -304,9 +371,7 @@ def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
     for wait in hang.get("waits") or ():
         if not wait["culprit"]:
             out.append(f"  waiting  {wait['text']}")
-    for chain in (hang.get("chains") or ())[:8]:
-        if len(chain) > 2:
-            out.append("  waits for: " + " -> ".join(str(r) for r in chain))
+    out.extend(f"  waits for: {chain}" for chain in parallel_text.shown_chains(hang, most=8))
     for rank, stack in hang["stacks"].items():
         out.append(f"rank {rank} stack:")
         out.extend("  " + line for line in stack.rstrip().splitlines())

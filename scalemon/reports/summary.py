@@ -19,6 +19,7 @@ from typing import Any
 from scalemon.metrics import derived_values
 from scalemon.protocol import Message
 from scalemon.reports import stragglers
+from scalemon.reports.parallel_text import is_p2p
 from scalemon.state.fold import step_values
 
 SLOWEST_SHOWN = 3
@@ -47,6 +48,8 @@ class RunRecords:
     """rank -> step -> when the step message was sent (the rank's clock)."""
     heartbeat_max: dict[int, dict[str, float]] = field(default_factory=dict)
     """rank -> the largest `rss_bytes` and `gpu_mem_used_bytes` its heartbeats carried."""
+    bubbles: dict[int, dict[int, float]] = field(default_factory=dict)
+    """rank -> step -> the step's `pipeline_bubble` (ranks of a pipeline, steps with P2P)."""
 
 
 HEARTBEAT_MEMORY = ("rss_bytes", "gpu_mem_used_bytes")
@@ -74,6 +77,10 @@ def run_records(messages: Iterable[Message]) -> RunRecords:
         out.steps[rank] = {s: step_values(b, derived_values(b, own_rate=not derive))
                            for s, (_, b) in sorted(by_step.items())}
         out.step_t[rank] = {s: t for s, (t, _) in sorted(by_step.items())}
+        bubbles = {s: b["pipeline_bubble"] for s, (_, b) in sorted(by_step.items())
+                   if finite(b.get("pipeline_bubble")) is not None}
+        if bubbles:
+            out.bubbles[rank] = bubbles
     return out
 
 
@@ -141,7 +148,12 @@ def summarize(state: Mapping[str, Any], records: RunRecords,
         "hangs": _hangs(state, records),
         "first_failure": state.get("first_failure"),
         "toggles": list(state.get("toggles") or []),
-        "collectives": [_collective(c) for c in state.get("collectives") or []],
+        "collectives": [_collective(c) for c in state.get("collectives") or []
+                        if not is_p2p(c)],
+        "p2p": [_p2p(c) for c in state.get("collectives") or [] if is_p2p(c)],
+        "mesh": state.get("mesh"),
+        "pipeline": _pipeline(state, records),
+        "moe": state.get("moe"),
         "memory": _memory(records, sorted(set(by_rank) | set(records.steps))),
         "config": _config(state),
         "flags": _flags(state),
@@ -302,6 +314,23 @@ def _hangs(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any]:
 def _collective(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: row.get(k) for k in ("group", "op", "ranks", "count", "bytes", "time_p50_s",
                                     "time_total_s", "busbw_gbps")}
+
+
+def _p2p(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: row.get(k) for k in ("group", "op", "src", "dst", "count", "bytes", "time_s",
+                                    "bandwidth_bytes_per_s")}
+
+
+def _pipeline(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any] | None:
+    """The state's pipeline (schedule, stages, microbatches, theoretical and latest measured
+    bubble) and `measured_bubble_run`: median and p90 of every rank's `pipeline_bubble` over
+    the steps of the run; None without a pipeline."""
+    bubbles = [b for by_step in records.bubbles.values() for b in by_step.values()]
+    pipeline = state.get("pipeline")
+    if not pipeline and not bubbles:
+        return None
+    return {**(pipeline or {}),
+            "measured_bubble_run": _stats(bubbles, {"median": 0.5, "p90": 0.9})}
 
 
 def _memory(records: RunRecords, ranks: list[int]) -> dict[str, Any]:

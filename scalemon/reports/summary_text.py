@@ -9,6 +9,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.reports import stragglers
+from scalemon.reports.snapshot_text import p2p_lines, parallel_lines
 from scalemon.reports.summary import RANK_LINES_MAX, finite
 from scalemon.state.flagstate import toggle_line
 from scalemon.text import display
@@ -74,6 +75,7 @@ def summary_text(s: Mapping[str, Any]) -> str:
     if st["slowest"]:
         lines.append("  slowest: " + ", ".join(f"rank {r['rank']} ({_ms(r['median'])})"
                                                  for r in st["slowest"]))
+    lines.extend(_parallel_lines(s))
     lines.extend(_straggler_lines(s["stragglers"]))
     lines.extend(_hang_lines(s["hangs"], s["first_failure"]))
     if s["toggles"]:
@@ -82,6 +84,7 @@ def summary_text(s: Mapping[str, Any]) -> str:
         lines.append("collectives (count and bytes per rank; busbw GB/s):")
         lines.extend(f"  {c['group']} {c['op']}: {c['count']} x, {c['bytes']} bytes, busbw "
                      f"{_num(c['busbw_gbps'], '.3g')}" for c in s["collectives"])
+    lines.extend(p2p_lines(s.get("p2p") or []))
     mem = s["memory"]
     lines.append(f"peak memory: torch {_gib(mem['peak_bytes'])}, process RSS "
                  f"{_gib(mem['rss_bytes'])}")
@@ -94,6 +97,22 @@ def summary_text(s: Mapping[str, Any]) -> str:
     if versions:
         lines.append(f"versions: {versions}")
     return "\n".join(lines)
+
+
+def _parallel_lines(s: Mapping[str, Any]) -> list[str]:
+    """The mesh, the pipeline's bubble (and over the run) and the MoE balance: the lines of
+    `scalemon snapshot` (`snapshot_text.parallel_lines`)."""
+    lines = parallel_lines(s)
+    run = (s.get("pipeline") or {}).get("measured_bubble_run") or {}
+    if run.get("samples"):
+        at = next((i for i, line in enumerate(lines) if line.startswith("pipeline ")), None)
+        text = (f"bubble over the run: median {_pct(run['median'])} p90 {_pct(run['p90'])} "
+                f"({run['samples']} rank-steps)")
+        if at is None:
+            lines.append(text)
+        else:
+            lines[at] += f"; {text}"
+    return lines
 
 
 def _shown(per_rank: Mapping[str, Any], key: Any) -> list[tuple[str, Any]]:

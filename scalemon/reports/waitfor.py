@@ -84,6 +84,38 @@ def _rank_waits(rank: int, groups: dict[str, list[int]], laggards: _Laggards,
     return waits
 
 
+P2P_OPS = ("send", "recv")
+
+
+def _p2p_items(items: Any) -> list[tuple[str, str, int, float | None, Any]]:
+    """The well-formed rows of a rank's P2P in flight: (group, op, peer, issue time, bytes)."""
+    out = []
+    for item in items if isinstance(items, (list, tuple)) else ():
+        if not (isinstance(item, (list, tuple)) and len(item) >= 3 and item[1] in P2P_OPS
+                and type(item[2]) is int):
+            continue
+        t = item[3] if len(item) > 3 and type(item[3]) in (int, float) else None
+        out.append((str(item[0]), item[1], item[2], t, item[4] if len(item) > 4 else None))
+    return out
+
+
+def _p2p_wait(rank: int, p2p: dict[int, list[tuple[str, str, int, float | None, Any]]]
+              ) -> dict[str, Any] | None:
+    """What `rank` waits for in its P2P ops in flight (it is inside a P2P wait): recv(src)
+    waits for src; send(dst) for dst, unless dst has a recv from `rank` in flight (then both
+    sides issued it). The entry names the oldest op that waits for a rank (else the oldest);
+    its `for` is every rank one of them waits for."""
+    rows = [row for row in p2p.get(rank, ()) if row[2] != rank]
+    if not rows:
+        return None
+    awaited = [(group, op, peer, t, n) for group, op, peer, t, n in rows
+               if op == "recv" or not any(o == "recv" and p == rank and g == group
+                                          for g, o, p, _, _ in p2p.get(peer, ()))]
+    oldest = min(awaited or rows, key=lambda row: float("inf") if row[3] is None else row[3])
+    return {"group": oldest[0], "seq": None, "op": oldest[1], "peer": oldest[2],
+            "t": oldest[3], "for": sorted({row[2] for row in awaited})}
+
+
 def _desync(group: str, seq: int, ranks: tuple[int, ...],
             inflight: dict[int, list[list[Any]]]) -> dict[str, Any] | None:
     """Members of `group` that issued another op or size as #seq than the most did, or None
@@ -107,6 +139,7 @@ def wait_for_graph(
     gone: set[int] | frozenset[int] = frozenset(), *,
     finished: set[int] | frozenset[int] = frozenset(),
     inflight: dict[int, list[list[Any]]] | None = None,
+    p2p: dict[int, list[list[Any]]] | None = None,
 ) -> dict[str, Any] | None:
     """Who waits for whom in a hung job, and who is at the end of each chain; pure, from plain
     data, shared by the hub (heartbeats) and the Flight Recorder dump analysis.
@@ -119,11 +152,17 @@ def wait_for_graph(
     - `finished`: ranks that ended normally (they will issue nothing more);
     - `inflight[rank]`: collectives the rank issued and has not completed, as lists
       `[group, seq, op, issue_time, nbytes]` (the last two optional): names each op, and tells
-      a desync (another op or size at the same sequence number).
+      a desync (another op or size at the same sequence number);
+    - `p2p[rank]`: the point-to-point ops in flight of a rank inside a P2P wait, as lists
+      `[group, "send"|"recv", peer global rank, issue_time, nbytes]`.
 
     A living rank waits in group G when it issued more of G than it completed; it waits for
     the members of G that issued less than it did and for G's gone members, in collective
-    #(first the laggards did not issue). Following these edges from every waiting rank ends
+    #(first the laggards did not issue). A rank inside a P2P wait waits for its peers
+    (`_p2p_wait`: recv(src) for src, send(dst) for dst unless dst has the matching recv in
+    flight); that wait binds before its collectives' unless it waits for nobody, and its
+    entry is {"group", "seq": None, "op": "send"|"recv", "peer", "t", "for"}. A P2P wait whose
+    peers all issued their side is `stuck`. Following these edges from every waiting rank ends
     at ranks that wait for nobody: the culprits, each with a cause of `CAUSES` (`stuck`
     ranks are not counted as culprits). A rank that only waits for finished ranks is itself
     the end (`teardown`); ranks that only wait for each other are a `deadlock`.
@@ -133,13 +172,18 @@ def wait_for_graph(
     "waits" {rank: {"group", "seq", "op", "t", "for"}}, "causes" {rank: {"cause", ...}},
     "chains" (paths from ranks nobody waits for to a culprit), "desync" (list)}."""
     inflight = inflight or {}
+    p2p_rows = {r: rows for r, items in (p2p or {}).items() if (rows := _p2p_items(items))}
     gone, finished = set(gone), set(finished)
     waits: dict[int, dict[str, Any]] = {}
     laggards = _Laggards(status, members, gone, finished)
-    for rank, groups in status.items():
+    for rank in sorted(set(status) | set(p2p_rows)):
+        groups = status.get(rank, {})
         if rank in gone or rank in finished or not isinstance(groups, dict):
             continue
         found = _rank_waits(rank, groups, laggards, inflight)
+        point = _p2p_wait(rank, p2p_rows)
+        if point is not None:  # inside a P2P wait: it binds unless it waits for nobody
+            found = sorted([point, *found], key=lambda w: not w["for"])
         if found:
             waits[rank] = found[0]
     if not waits:
@@ -155,6 +199,8 @@ def wait_for_graph(
             awaited = alive_of[id(wait["for"])] = [r for r in wait["for"] if r not in finished]
         if wait["for"] and not awaited:
             causes[rank] = {"cause": "teardown", "for": wait["for"]}
+        elif not wait["for"] and wait["seq"] is None:  # both sides issued the P2P op
+            causes[rank] = {"cause": "stuck"}
         elif not wait["for"]:
             key = (wait["group"], wait["seq"])
             if key not in checked:
@@ -220,7 +266,7 @@ def _primary(waits: dict[int, dict[str, Any]], culprits: list[int]) -> tuple[Any
         wait = waits[min(waits)]
         return wait["group"], wait["seq"]
     first = culprits[0]
-    counts: dict[tuple[str, int], int] = {}
+    counts: dict[tuple[str, int | None], int] = {}
     has_first: dict[int, bool] = {}  # per shared list of awaited ranks
     for rank, wait in waits.items():
         key = id(wait["for"])
@@ -231,7 +277,7 @@ def _primary(waits: dict[int, dict[str, Any]], culprits: list[int]) -> tuple[Any
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return None, None
-    group, seq = min(counts, key=lambda k: (-counts[k], k))
+    group, seq = min(counts, key=lambda k: (-counts[k], k[0], -1 if k[1] is None else k[1]))
     return group, seq
 
 

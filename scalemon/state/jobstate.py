@@ -27,6 +27,8 @@ from scalemon.state import alerts as alerting
 from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.failures import first_line, is_peer_loss
 from scalemon.state.flagstate import FlagState
+from scalemon.state.mesh import job_mesh, pipeline_info, rank_coords
+from scalemon.state.p2p import P2PStats
 from scalemon.state.stepcomm import check_step_comm, set_step_comm
 from scalemon.text.ranks import ranks_text
 
@@ -99,6 +101,8 @@ class RankView:
     lateness: deque[float] | None = field(default=None, repr=False, metadata=_INTERNAL)
     collectives: CollectiveStats = field(default_factory=CollectiveStats, repr=False,
                                          metadata=_INTERNAL)
+    p2p: P2PStats = field(default_factory=P2PStats, repr=False, metadata=_INTERNAL)
+    """Its sends and receives per (group, op, src, dst) (`collectives` messages' `p2p`)."""
     comm_hook: bool = field(default=False, repr=False, metadata=_INTERNAL)
     """This process's `step` messages carry the gloo comm hook's all-reduce figures: they win
     over the recorder's (`collectives.steps`)."""
@@ -142,6 +146,8 @@ class JobState:
     """Process groups by name (the same on every rank): {"desc": str, "ranks": [int]}."""
     arrival: ArrivalTracker = field(default_factory=ArrivalTracker, repr=False)
     bad_collectives: int = 0
+    bad_p2p: int = 0
+    """Malformed `p2p` rows of `collectives` messages, skipped (the good ones are kept)."""
     hosts: set[str] = field(default_factory=set, repr=False)
     host_offsets: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)
     """Each host's ranks' latest `clock_offset_s` (one clock per host)."""
@@ -271,6 +277,8 @@ class JobState:
                 self._step_comm(view, b["steps"])
         except (KeyError, TypeError, ValueError):
             self.bad_collectives += 1  # counted, shown; the rest of the history goes on
+        if b.get("p2p") is not None:
+            self.bad_p2p += view.p2p.merge_wire(b["p2p"])
         if view.lateness is None:
             view.lateness = self.arrival.series(msg.rank)
 
@@ -292,6 +300,20 @@ class JobState:
 
     def _on_info(self, msg: Message, view: RankView) -> None:
         self.info.setdefault(msg.body["key"], {})[msg.rank] = msg.body["value"]
+
+    def mesh(self, rank: int) -> dict[str, int] | None:
+        """`rank`'s coordinates in the job's device mesh ({"pp": 0, "dp": 1, "tp": 0}): as
+        its agent said (info "mesh"), else from the groups named "mesh_<dim>"; None without."""
+        return rank_coords(self.info.get("mesh", {}), self.groups, rank)
+
+    def job_mesh(self) -> dict[str, Any] | None:
+        """The job's mesh: {"dims": [...], "shape": {dim: size}}, or None (`state.mesh`)."""
+        return job_mesh(self.info.get("mesh", {}), self.groups)
+
+    def pipeline(self) -> dict[str, Any] | None:
+        """The pipeline the script described (`Monitor.describe_pipeline`): {"schedule",
+        "stages", "microbatches", "virtual_stages"}, or None."""
+        return pipeline_info(self.info.get("pipeline", {}))
 
     def _on_exit(self, msg: Message, view: RankView) -> None:
         b = msg.body

@@ -144,16 +144,36 @@ FRAME_LEFT = (Column("rank", "rank", 4), Column("state", "state", 10, align_left
 FRAME_RIGHT = (Column("host", "host", 14, align_left=True),)
 
 
-def rank_columns(dashboard: bool = True) -> tuple[Column, ...]:
+def rank_columns(dashboard: bool = True, seen: Iterable[Mapping[str, Any]] | None = None
+                 ) -> tuple[Column, ...]:
     """The rank table's columns: rank, state and step, a column per metric of the table that
     has one (in table order), then the host. Without `dashboard`, the metrics only a
-    dashboard computes are left out (the `scalemon snapshot` table)."""
+    dashboard computes are left out (the `scalemon snapshot` table). With `seen`, the ranks'
+    values (name -> value maps), a metric shown only when seen (`Show.when_seen`) has its
+    column only where one of them has a value."""
+    shown = None if seen is None else seen_names(seen)
     middle = tuple(
         Column(m.name, m.show.heading, max(m.show.width, len(m.show.heading)), m)
         for m in metrics.COLUMNS
         if m.show is not None and (dashboard or m.source != "dashboard")
+        and (shown is None or not m.show.when_seen or m.name in shown)
     )
     return FRAME_LEFT + middle + FRAME_RIGHT
+
+
+WHEN_SEEN = tuple(m.name for m in metrics.COLUMNS if m.show is not None and m.show.when_seen)
+"""The metrics whose column the rank tables show only while some rank has a value."""
+
+
+def seen_names(values: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The `WHEN_SEEN` metrics that one of `values` (name -> value maps) has a value of."""
+    names = set(WHEN_SEEN)
+    found: set[str] = set()
+    for row in values:
+        found.update(n for n in names - found if row.get(n) is not None)
+        if found == names:
+            break
+    return found
 
 
 # --- many ranks: a row per node -------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""The collectives screen: durations and bus bandwidth by (group, op, size), the arrival
-lateness heat map, the ranks by lateness and the Flight Recorder's health on each rank."""
+"""The collectives screen: the pipeline's bubble and the MoE balance (where the job has them),
+durations and bus bandwidth by (group, op, size), sends and receives by (src -> dst), the
+arrival lateness heat map, the ranks by lateness and the Flight Recorder's health on each
+rank."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..safe_text import literal_text
 from ..views.collectives import (
     BUSBW_HELP,
     HEALTH_HEADINGS,
+    P2P_HEADINGS,
     TABLE_HEADINGS,
     Collectives,
     collectives,
@@ -27,7 +30,8 @@ from .base import DataScreen
 RANKING_ROWS = 32
 """Ranks listed by lateness at most (those whose recorder lost entries are listed too)."""
 RIGHT = {"n", "count", "bytes", "p50 ms", "p99 ms", "busbw GB/s", "late ms", "issued",
-         "completed", "recorder entries", "lost (ring wrapped)", "read ms", "read % of run"}
+         "completed", "recorder entries", "lost (ring wrapped)", "read ms", "read % of run",
+         "time", "bandwidth"}
 
 
 class CollectivesScreen(DataScreen):
@@ -44,7 +48,13 @@ class CollectivesScreen(DataScreen):
     def compose(self) -> ComposeResult:
         yield Static("collectives  ·  Esc back", id="coll-title")
         with VerticalScroll(id="coll-body"):
+            parallel = Static(id="coll-parallel")
+            parallel.display = False  # while the job has no pipeline nor MoE figures
+            yield parallel
             yield Static(id="coll-table")
+            p2p = Static(id="coll-p2p", classes="section")
+            p2p.display = False  # while no rank sent or received point to point
+            yield p2p
             yield Static(Text(BUSBW_HELP), id="coll-help")
             yield HeatMap(id="coll-heat", classes="section")
             yield Static(id="coll-ranks", classes="section")
@@ -59,7 +69,13 @@ class CollectivesScreen(DataScreen):
             return
         heat = self.query_one(HeatMap)
         view = collectives(data, heat.columns())
+        parallel = self.query_one("#coll-parallel", Static)
+        parallel.display = bool(view.parallel)
+        parallel.update(literal_text("\n".join(view.parallel), style="bold"))
         self.query_one("#coll-table", Static).update(_table(view))
+        p2p = self.query_one("#coll-p2p", Static)
+        p2p.display = bool(view.p2p)
+        p2p.update(_p2p(view))
         heat.show(view.heat)
         self.query_one("#coll-ranks", Static).update(_ranks(view))
 
@@ -84,6 +100,18 @@ def _table(view: Collectives) -> Table | Text:
         if row.size:
             cells[3] = literal_text("  " + row.cells[3], style=style)
         table.add_row(*cells)
+    return table
+
+
+def _p2p(view: Collectives) -> Table:
+    """Sends and receives by (src -> dst), global ranks; a send row is its sender's figures,
+    a recv row its receiver's."""
+    table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
+    for heading in P2P_HEADINGS:
+        table.add_column(heading, justify="right" if heading in RIGHT else "left",
+                         no_wrap=True)
+    for cells in view.p2p:
+        table.add_row(*(literal_text(c, style="dim" if c == NA else "") for c in cells))
     return table
 
 

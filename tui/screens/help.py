@@ -22,9 +22,12 @@ HELP_TEMPLATE = """\
   there `←` `→` go to the previous / next rank and `Esc` comes back
 - `n`: a row per node (host) instead of per rank, the default from {aggregate_at} ranks on;
   `Enter` on a node shows its ranks (`Esc` comes back), `n` goes back to a row per rank
+- `g`: group the rank table by an axis of the job's device mesh (`pp`, `dp`, `tp`...: a heading
+  per coordinate, its ranks under it); again for the next axis, then rank order again
 - `l`: loss and memory plots as one line per rank, or mean with a min..max band
-- `c`: collectives: durations and bus bandwidth by group, op and size, a rank x time heat map
-  of arrival lateness, the ranks by lateness and the Flight Recorder's health on each rank
+- `c`: collectives: the pipeline's bubble and the MoE balance, durations and bus bandwidth by
+  group, op and size, sends and receives by src -> dst, a rank x time heat map of arrival
+  lateness, the ranks by lateness and the Flight Recorder's health on each rank
 - `h`: hang view (shown by itself when the job hangs): who holds up whom, each rank's state,
   collectives in flight and Python stack; there `d` asks every rank for a Flight Recorder dump
   and shows scalemon's analysis of it: per group who issued and completed what, mismatches,
@@ -69,6 +72,14 @@ mean duration, n the ranks of the group, 1 GB = 1e9 B. A duration includes the w
 last rank, so a straggler lowers everyone's busbw. *n/a* says why: gloo records no durations
 (the agent times only DDP's all-reduce there), a barrier moves no data. A recorder whose ring
 wrapped between two reads lost entries: raise TORCH_FR_BUFFER_SIZE.
+
+**3-D parallel jobs.** Where the ranks reported their place in a device mesh, the *mesh*
+column has each rank's coordinates (`pp0 dp1 tp0`) and groups read by mesh dimension and
+ranks (`tp [2,3]`). Sends and receives are listed by (group, src -> dst) in global ranks. The
+pipeline line puts the measured bubble (the median over the ranks of the share of a step spent
+waiting for pipeline neighbours) beside the schedule's for equal stages ((p-1)/(m+p-1) for
+GPipe and 1F1B). A stage blocked in a receive waits for its sender: the hang view draws such
+chains with the op on each edge (`2 -recv-> 1 -recv-> 0`) and the culprit's cause at the end.
 
 **Flags.** A change takes effect by its tier: *live* (the ranks switch at the planned step
 boundary), *new comm* (read when a communicator is created: the demo trainer moves to a new

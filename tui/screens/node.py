@@ -52,7 +52,7 @@ class NodeScreen(DataScreen):
                  "Enter: a rank's detail  ·  Esc back")
         # Text, never markup: a host name is what a rank sent
         self.query_one("#node-title", Static).update(literal_text(title, one_line=True))
-        table.show_rows(view.rank_ids, view.rows)
+        table.show_rows(view.rank_ids, view.rows, view.columns)
 
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:
         """Format the rows that came into view at the next tick."""

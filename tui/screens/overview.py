@@ -2,7 +2,9 @@
 
 A job of `AGGREGATE_AT` ranks or more shows a row per node instead of per rank, under the
 slowest ranks, the lost or failed ones and a histogram of how late the ranks are; `n` switches
-between the two at any size. Enter on a node shows its ranks (`OpenNode`).
+between the two at any size. Enter on a node shows its ranks (`OpenNode`). Where the ranks
+reported their place in a device mesh, `g` groups the rank table by one mesh axis after the
+other, then no more.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ MODES = ("auto", "ranks", "nodes")
 class OverviewScreen(DataScreen):
     """Everything about the job on one screen."""
 
-    BINDINGS = [Binding("n", "toggle_nodes", "Per node/rank", show=False)]
+    BINDINGS = [Binding("n", "toggle_nodes", "Per node/rank", show=False),
+                Binding("g", "group_by", "Group by mesh axis")]
     DEFAULT_CSS = """
     OverviewScreen { layout: vertical; }
     OverviewScreen #plots { grid-size: 2 2; grid-gutter: 0 1; height: 1fr; min-height: 8; }
@@ -51,6 +54,9 @@ class OverviewScreen(DataScreen):
     def __init__(self) -> None:
         super().__init__()
         self.mode = "auto"
+        self.group_by: str | None = None
+        """The mesh axis the rank table is grouped by (None: in rank order)."""
+        self.axes: tuple[str, ...] = ()  # the mesh's axes, as of the last redraw
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
@@ -71,7 +77,7 @@ class OverviewScreen(DataScreen):
             "Enter: this rank's detail.  late ms = how much later the rank issues its "
             "collectives than the first rank (median of its last 100); allred ms (gloo) "
             "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log, "
-            "n: a row per node.")
+            "n: a row per node, g: group by a mesh axis (3-D parallel jobs).")
         self.query_one(NodeTable).tooltip = (
             "A row per node, trouble first: lost or failed ranks, then stragglers and slow "
             "nodes.  min / med / max over the node's ranks; one value: the node's worst.  "
@@ -90,14 +96,18 @@ class OverviewScreen(DataScreen):
         table, nodes = self.query_one(RankTable), self.query_one(NodeTable)
         visible = nodes.visible() if self.showing_nodes else table.visible()
         view = overview(data, now, plots=plots, visible=visible,
-                        nodes=None if self.mode == "auto" else self.mode == "nodes")
+                        nodes=None if self.mode == "auto" else self.mode == "nodes",
+                        group_by=self.group_by)
+        if view.axes != self.axes:  # `g` is offered where there is a mesh to group by
+            self.axes = view.axes
+            self.refresh_bindings()
         self.query_one(JobHeader).show(view.summary)
         if (view.nodes is not None) != self.showing_nodes:
             self._switch(view.nodes is not None)
         if view.nodes is not None:
             self._show_nodes(view.nodes)
         else:
-            table.show_rows(view.rank_ids, view.rows)
+            table.show_rows(view.rank_ids, view.rows, view.columns)
         if view.plots is not None:
             for name in PLOTS:
                 self.query_one(f"#plot-{name}", LinePlot).update_spec(view.plots[name])
@@ -117,6 +127,19 @@ class OverviewScreen(DataScreen):
     def action_toggle_nodes(self) -> None:
         """A row per node <-> a row per rank."""
         self.mode = "ranks" if self.showing_nodes else "nodes"
+        self.post_message(RedrawNeeded(plots=False))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """`g` (in the footer too) only where the ranks reported a device mesh."""
+        if action == "group_by":
+            return bool(self.axes)
+        return True
+
+    def action_group_by(self) -> None:
+        """Group the rank table by the next mesh axis; after the last, rank order again."""
+        order = [*self.axes, None]
+        at = order.index(self.group_by) if self.group_by in order else len(order) - 1
+        self.group_by = order[(at + 1) % len(order)]
         self.post_message(RedrawNeeded(plots=False))
 
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:

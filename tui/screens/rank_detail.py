@@ -88,7 +88,9 @@ class RankDetailScreen(DataScreen):
         self.query_one("#facts", Static).update(table)
         if plots:
             for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):
-                self.query_one(f"#detail-{group[0].name}", LinePlot).update_spec(spec)
+                plot = self.query_one(f"#detail-{group[0].name}", LinePlot)
+                plot.display = not spec.hidden
+                plot.update_spec(spec)
             self._show_extra_plots(detail.extra_plots)
 
     def _show_extra_plots(self, specs: dict[str, PlotSpec]) -> None:

@@ -1,17 +1,21 @@
-"""What the collectives screen draws, built from `DashboardData` under its lock: the table of
-collectives by (group, op, size) with durations and bus bandwidth, the rank x time heat map of
-arrival lateness, the ranking of ranks by lateness and each rank's Flight Recorder health.
+"""What the collectives screen draws, built from `DashboardData` under its lock: the pipeline's
+bubble and the MoE routing's balance in a line each, the table of collectives by (group, op,
+size) with durations and bus bandwidth, the sends and receives by (src -> dst), the rank x time
+heat map of arrival lateness, the ranking of ranks by lateness and each rank's Flight Recorder
+health.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import metrics
+from scalemon.reports import parallel_text
 from scalemon.reports.groups import collectives_table, group_desc
+from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
 from scalemon.text import display
 from scalemon.text.display import LATE, NA
 from scalemon.text.ranks import rank_list
@@ -23,6 +27,9 @@ BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gathe
               "t = mean duration, 1 GB = 1e9 B")
 TABLE_HEADINGS = ("group", "op", "n", "size", "count", "bytes", "p50 ms", "p99 ms",
                   "busbw GB/s", "note")
+P2P_HEADINGS = ("point to point", "group", "count", "bytes", "time", "bandwidth")
+"""The sends and receives table: "send 0 -> 2", its group, ops, bytes, summed time, bytes per
+op over the mean time."""
 BAR = 16
 """Width of the largest lateness' bar in the ranking."""
 HEAT_SPAN_S = 600.0
@@ -85,13 +92,19 @@ class Collectives:
     wrapped: list[tuple[int, int]]  # (rank, entries lost) of ranks whose ring wrapped
     groups: list[str]  # "default_pg: 8 ranks (0-7)"
     bad: int  # collectives messages the reducer could not fold
+    p2p: list[tuple[str, ...]] = field(default_factory=list)  # P2P_HEADINGS cells per row
+    parallel: list[str] = field(default_factory=list)  # the pipeline's and MoE's lines
 
 
 def collectives(data: DashboardData, heat_columns: int) -> Collectives:
     """The table, a heat map `heat_columns` wide, the ranking and the recorder health."""
     with data.lock:
         st = data.state
-        table = collectives_table(st.groups, st.ranks.values())
+        table = [row for row in collectives_table(st.groups, st.ranks.values())
+                 if not parallel_text.is_p2p(row)]  # sends and receives: their own table
+        p2p = [parallel_text.p2p_cells(row) for row in p2p_rows(st)]
+        parallel = [line for line in (parallel_text.pipeline_line(pipeline_json(st)),
+                                      parallel_text.moe_line(moe_json(st))) if line]
         samples = {r: list(dq) for r, dq in st.arrival.heat.items()}  # converted unlocked
         health = [_health(data, r) for r in sorted(st.ranks)]
         groups = [f"{group_desc(st.groups, name)}: {len(g['ranks'])} ranks "
@@ -105,7 +118,8 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
             h.cells = (h.cells[0], "█" * round(BAR * h.late_s / top), *h.cells[2:])
     wrapped = [(h.rank, h.lost) for h in health if h.lost > 0]
     heat = heat_map(samples, heat_columns)
-    return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad)
+    return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad, p2p,
+                       parallel)
 
 
 # ---- the table -----------------------------------------------------------------------------
@@ -126,7 +140,7 @@ def _table_rows(table: list[dict[str, Any]]) -> list[CollRow]:
 def _cells(row: dict[str, Any], size: str, first: bool = True) -> tuple[str, ...]:
     timed = row["time_p50_s"] is not None
     return (row["group"] if first else "", row["op"] if first else "", str(row["ranks"]),
-            size, str(row["count"]), nbytes(row["bytes"]), ms(row["time_p50_s"]),
+            size, str(row["count"]), parallel_text.nbytes(row["bytes"]), ms(row["time_p50_s"]),
             ms(row["time_p99_s"]), gbps(row["busbw_gbps"]), _note(row, timed))
 
 
@@ -153,16 +167,6 @@ def gbps(value: float | None) -> str:
     if value is None:
         return NA
     return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
-
-
-def nbytes(value: int) -> str:
-    """Bytes in binary units: 29.3 GiB."""
-    amount = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if amount < 1024 or unit == "TiB":
-            break
-        amount /= 1024
-    return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
 
 
 # ---- the heat map --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon.reports import parallel_text
 from scalemon.reports.frtrace import report_lines
 from scalemon.reports.groups import group_desc
 from scalemon.reports.hangs import job_hang
@@ -89,7 +90,8 @@ WHY_LINES = 24
 
 def _why(hang: dict[str, Any]) -> list[tuple[str, str]]:
     """Each culprit with its cause, then each waiting rank with what it waits in and for whom
-    (ranks alike together), then the wait-for chains."""
+    (ranks alike together), then the wait-for chains with the op on each edge ("2 -recv-> 1
+    -recv-> 0 (in Python: train.py:40 in step())")."""
     lines = [(c["text"], "culprit" if c["culprit"] else "waiting")
              for c in hang.get("causes") or ()]
     alike: dict[str, list[int]] = {}
@@ -99,11 +101,7 @@ def _why(hang: dict[str, Any]) -> list[tuple[str, str]]:
     lines += [(f"{_ranks(ranks)}: {text}", "waiting") for text, ranks in alike.items()]
     if len(lines) > WHY_LINES:
         lines = [*lines[:WHY_LINES], (f"(+{len(lines) - WHY_LINES} more)", "")]
-    chains = [c for c in hang.get("chains") or () if len(c) > 2]
-    if chains:
-        shown = "; ".join(" → ".join(str(r) for r in c) for c in chains[:4])
-        more = f" (+{len(chains) - 4})" if len(chains) > 4 else ""
-        lines.append((f"waits for: {shown}{more}", ""))
+    lines += [(f"waits for: {chain}", "") for chain in parallel_text.shown_chains(hang)]
     return lines
 
 
@@ -142,8 +140,25 @@ def _row(rank: int, role: str, info: dict[str, Any], groups: list[str],
     for label in groups:
         g = info["groups"].get(label)
         cells.append(f"{g['last_issued']}/{g['last_completed']}" if g else NA)
-    cells.append(_inflight(info["inflight"], labels, local_now))
+    inflight = _inflight(info["inflight"], labels, local_now)
+    p2p = _p2p_inflight(info.get("p2p_inflight") or [], labels, local_now)
+    cells.append("; ".join(p for p in (inflight, p2p) if p != "-") or "-")
     return HangRow(rank, role, tuple(cells))
+
+
+def _p2p_inflight(items: list[Any], labels: dict[str, str], local_now: float) -> str:
+    """"recv from 0 of stage_0_1 37 s" per P2P op in flight, or "-"."""
+    parts = []
+    for item in items[:3]:
+        if not isinstance(item, list) or len(item) < 3:
+            continue
+        group, op, peer = item[:3]
+        t = item[3] if len(item) > 3 else None
+        age = f" {local_now - t:.0f} s" if isinstance(t, (int, float)) else ""
+        way = "from" if op == "recv" else "to"
+        parts.append(f"{op} {way} {peer} of {labels.get(str(group), f'group {group}')}{age}")
+    more = f" (+{len(items) - 3})" if len(items) > 3 else ""
+    return "; ".join(parts) + more if parts else "-"
 
 
 def _inflight(items: list[Any], labels: dict[str, str], local_now: float) -> str:

@@ -10,21 +10,23 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from scalemon import metrics
 from scalemon.metrics import Metric
+from scalemon.reports import parallel_text
 from scalemon.reports.stragglers import MEASURE_NAMES
+from scalemon.state.jobstate import RankView
 from scalemon.text import display
-from scalemon.text.display import AGGREGATE_AT
+from scalemon.text.display import AGGREGATE_AT, Column
 
 from ..model import DashboardData
 from ..plotdata import Line, PlotSpec, scaled
 from . import nodes as nodeview
 from .header import Summary, median_step_s, straggler_measure, summary
 from .nodes import NodeView
-from .rows import Row, rank_row, rank_values
+from .rows import COLUMNS, Row, columns, heading_row, rank_row, rank_values
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
@@ -35,20 +37,25 @@ class Overview:
     """What the overview screen draws."""
 
     summary: Summary
-    rank_ids: list[int]  # every known rank, in order
+    rank_ids: list[int]  # every known rank, in order (grouped: headings' keys, negative, too)
     rows: list[Row]  # the rows asked for (all by default), in rank order; none for nodes
     plots: dict[str, PlotSpec] | None  # None when plots were not asked for
     nodes: NodeView | None = None  # a row per node instead of per rank, when asked for
+    columns: tuple[Column, ...] = COLUMNS  # the rank table's (a mesh column where known)
+    axes: tuple[str, ...] = ()  # the device mesh's axes, where ranks reported one
+    group_by: str | None = None  # the axis the table is grouped by (one of `axes`)
 
 
 def overview(data: DashboardData, now: float | None = None, plots: bool = True,
              visible: tuple[int, int] | None = None, *, nodes: bool | None = False,
-             ranks: Collection[int] | None = None) -> Overview:
+             ranks: Collection[int] | None = None, group_by: str | None = None) -> Overview:
     """Header figures, the table rows at positions `visible` (start, stop) of the sorted
     ranks (all when None: only what is on screen needs formatting) and, when `plots`,
     the four overview plots. `ranks`: only these ranks in the table (a node's). `nodes`:
     a row per node instead (`Overview.nodes`, `visible` then counts node rows); None: when
-    the job has `AGGREGATE_AT` ranks or more."""
+    the job has `AGGREGATE_AT` ranks or more. Where ranks reported their place in a device
+    mesh the table has a mesh column, and `group_by` (one of its axes) orders the ranks by
+    their coordinate on that axis under a heading per value."""
     now = time.time() if now is None else now
     with data.lock:
         median_step = median_step_s(data)
@@ -70,12 +77,53 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
             node_view = nodeview.node_view(
                 data, measure[0], MEASURE_NAMES.get(measure[1], ""), median_step, first,
                 lambda v: rank_values(v, now, late), visible)
-        else:
-            shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
-            rows = [rank_row(data.state.ranks[r], now, r in straggling, median_step, first)
-                    for r in shown]
+        table_columns, axes = COLUMNS, ()
+        if not nodes:
+            rank_ids, rows, table_columns, axes, group_by = _rank_rows(
+                data, rank_ids, visible, group_by,
+                lambda v, mesh, table: rank_row(v, now, v.rank in straggling, median_step,
+                                                first, mesh, table))
         specs = _overview_plots(data) if plots else None
-    return Overview(header, rank_ids, rows, specs, node_view)
+    return Overview(header, rank_ids, rows, specs, node_view, table_columns, axes,
+                    group_by if axes else None)
+
+
+def _rank_rows(data: DashboardData, rank_ids: list[int], visible: tuple[int, int] | None,
+               group_by: str | None,
+               row: Callable[[RankView, str | None, tuple[Column, ...]], Row]
+               ) -> tuple[list[int], list[Row], tuple[Column, ...], tuple[str, ...], str | None]:
+    """The rank table (call under the lock): its keys (grouped by the mesh axis `group_by`:
+    a heading, then that coordinate's ranks), the rows at positions `visible` (`row` makes a
+    rank's from its view and mesh cell), its columns (a mesh column where the job has a
+    mesh), the mesh's axes and the axis grouped by (None: not one of the axes)."""
+    st = data.state
+    mesh = st.job_mesh()
+    if mesh is None:
+        table = columns(None, (st.ranks[r] for r in rank_ids))
+        shown = rank_ids if visible is None else rank_ids[visible[0]:visible[1]]
+        return rank_ids, [row(st.ranks[r], None, table) for r in shown], table, (), None
+    axes = tuple(mesh["dims"])
+    width = max(len("mesh"), len(" ".join(f"{d}{max(0, n - 1)}"
+                                          for d, n in mesh["shape"].items())))
+    if group_by not in axes:
+        group_by = None
+    keys, headings = rank_ids, {}
+    if group_by is not None:
+        coords = {r: st.mesh(r) for r in rank_ids}
+        keys = []
+        for i, (value, members) in enumerate(parallel_text.grouped(rank_ids, coords,
+                                                                   group_by)):
+            headings[-1 - i] = (value, len(members))
+            keys.extend((-1 - i, *members))
+    table_columns = columns(width, (st.ranks[r] for r in rank_ids))
+    rows = []
+    for key in keys if visible is None else keys[visible[0]:visible[1]]:
+        if key < 0:
+            rows.append(heading_row(key, str(group_by), *headings[key], len(table_columns)))
+        else:
+            rows.append(row(st.ranks[key], parallel_text.mesh_text(st.mesh(key), list(axes)),
+                            table_columns))
+    return keys, rows, table_columns, axes, group_by
 
 
 def lines_per_rank(data: DashboardData) -> bool:

@@ -53,7 +53,9 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
                 scale=m.show.scale if m.show else 1.0))]
             spec = PlotSpec(title, unit=show.unit, lines=lines, log=show.log,
                             empty=FETCHING.format(rank=rank) if fetching
-                            else _why_empty(group[0], view))
+                            else _why_empty(group[0], view),
+                            # a pipeline's bubble: no panel of n/a on every other job's ranks
+                            hidden=show.when_seen and not lines and not fetching)
             if group[0].name == "loss_scale" and track is not None:
                 spec.marks, spec.marks_label = track.skipped.array(), "skipped step"
             plots.append(spec)

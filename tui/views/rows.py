@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scalemon import metrics, policy
@@ -13,6 +14,9 @@ from scalemon.text.display import NA, Column
 
 COLUMNS: tuple[Column, ...] = display.rank_columns()
 """The rank table: rank, state, step, one column per metric of the table that has one, host."""
+MESH_AT = 1
+"""Where the mesh column goes, when a rank reported its place in a device mesh: after the
+rank."""
 MONITOR_OFF = "mon. off"
 """The state cell of a rank whose agent switched itself off (the reason is in its detail)."""
 
@@ -27,7 +31,30 @@ class Row:
 
     rank: int
     cells: tuple[str, ...]
-    style: str  # "", "straggler", "lost", "exited", "stuck", "finished", "stopped", "alert"
+    style: str  # "", "straggler", "lost", "exited", "stuck", "finished", "stopped", "alert",
+    #              "heading" (a group-by heading, not a rank: `heading_row`)
+
+
+def columns(mesh_width: int | None = None, views: Iterable[RankView] | None = None
+            ) -> tuple[Column, ...]:
+    """The rank table's columns; with `mesh_width`, a "mesh" column that wide after the rank
+    ("pp0 dp1 tp0"); with `views`, a column shown only when seen (the pipeline bubble) only
+    where one of those ranks has a value."""
+    base = COLUMNS if views is None else display.rank_columns(
+        seen=(v.metrics for v in views))
+    if mesh_width is None:
+        return base
+    return (*base[:MESH_AT], Column("mesh", "mesh", mesh_width, align_left=True),
+            *base[MESH_AT:])
+
+
+def heading_row(key: int, axis: str, value: int | None, ranks: int, width: int) -> Row:
+    """The heading over the ranks of one value of the mesh axis the table is grouped by
+    ("tp 0" in the mesh column, "4 ranks" in the state column), keyed by `key` (negative: not
+    a rank), in a table of `width` columns with a mesh column (`columns`)."""
+    label = f"{axis} {value}" if value is not None else f"no {axis}"
+    count = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    return Row(key, ("──", label, count, *("",) * (width - 3)), "heading")
 
 
 def rank_values(v: RankView, now: float,
@@ -46,9 +73,12 @@ def rank_values(v: RankView, now: float,
 
 
 def rank_row(v: RankView, now: float, straggler: bool, median_step: float | None,
-             first_failed: int | None = None) -> Row:
-    """The row of rank `v`: `straggler` when the header names it, `median_step` (the running
-    ranks' median step time) for the stuck rule, `first_failed` the rank that failed first."""
+             first_failed: int | None = None, mesh: str | None = None,
+             table: tuple[Column, ...] = COLUMNS) -> Row:
+    """The row of rank `v` in the columns `table`: `straggler` when the header names it,
+    `median_step` (the running ranks' median step time) for the stuck rule, `first_failed`
+    the rank that failed first; `mesh`: the mesh column's text, where the table has one
+    (`columns`)."""
     state, style = v.state, ""
     phase, since = v.metrics["phase"], v.metrics["phase_since_s"]
     if v.state == "lost":
@@ -73,7 +103,7 @@ def rank_row(v: RankView, now: float, straggler: bool, median_step: float | None
         style = "straggler"
     values = rank_values(v, now)
     frame = {"rank": str(v.rank), "state": state, "step": NA if v.step is None else str(v.step),
-             "host": v.host or NA}
+             "host": v.host or NA, "mesh": NA if mesh is None else mesh}
     cells = tuple(display.metric_text(c.metric, values) if c.metric is not None else frame[c.key]
-                  for c in COLUMNS)
+                  for c in table)
     return Row(v.rank, cells, style)

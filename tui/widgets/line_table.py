@@ -37,6 +37,7 @@ ROW_STYLES = {
     "finished": Style(color="green"),
     "stopped": Style(color="cyan"),
     "alert": Style(color="white", bgcolor="red", bold=True),
+    "heading": Style(color="cyan", bold=True, underline=True),
 }
 NA_STYLE = Style(dim=True)
 
@@ -78,14 +79,28 @@ class LineTable(ScrollView, Generic[K], can_focus=True):
 
     def __init__(self, columns: tuple[Column, ...], *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.columns = columns
         self.keys: list[K] = []
         self.rows: dict[K, TableRow] = {}  # latest formatted row of every key shown so far
         self._strips: dict[K, tuple[tuple[str, tuple[str, ...]], Strip]] = {}
+        self._set_columns(columns)
+
+    def _set_columns(self, columns: tuple[Column, ...]) -> None:
+        self.columns = columns
         self._widths = [c.width + 2 * PAD for c in columns]
         self._total = sum(self._widths)
         self._head = self.header_texts()
-        self.virtual_size = Size(self._total, len(self._head))
+        self.virtual_size = Size(self._total, len(self.keys) + len(self._head))
+
+    def set_columns(self, columns: tuple[Column, ...]) -> bool:
+        """Show `columns` from now on (a column that comes and goes); the rows shown so far
+        are dropped until the next `show_keys` brings them in the new columns. True when the
+        columns changed."""
+        if columns == self.columns:
+            return False
+        self.rows, self._strips = {}, {}
+        self._set_columns(columns)
+        self.refresh()
+        return True
 
     # ---- for subclasses ------------------------------------------------------------------
 
