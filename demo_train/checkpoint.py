@@ -107,8 +107,8 @@ class Checkpointer:
         dcp = load_dcp()
         sharded: dict[str, Any] = {"model": dcp.state_dict.get_model_state_dict(state.model)}
         if not state.zero1:
-            sharded["optim"] = dcp.state_dict.get_optimizer_state_dict(state.model,
-                                                                       state.optimizer)
+            sharded["optim"] = dcp.state_dict.get_optimizer_state_dict(
+                state.model, state.optimizer, options=state.optimizer_options())
         with single_process_ok():
             dcp.save(sharded, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         if state.zero1:

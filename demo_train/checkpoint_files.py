@@ -53,6 +53,7 @@ class TrainState:
     data: Any  # ByteBatches: state_dict() / load_state_dict()
     scaler: Any = None  # torch.amp.GradScaler or None
     config: dict[str, Any] = field(default_factory=dict)
+    pipeline: bool = False  # `model` is this rank's pipeline stages: other ranks, other names
 
     @property
     def zero1(self) -> bool:
@@ -60,7 +61,17 @@ class TrainState:
 
     @property
     def optimizer_layout(self) -> str:
-        return "zero1-consolidated" if self.zero1 else "dcp"
+        if self.zero1:
+            return "zero1-consolidated"
+        return "dcp-flat" if self.pipeline else "dcp"
+
+    def optimizer_options(self) -> Any:
+        """DCP's options for the optimizer state. A pipeline's ranks hold different parameters,
+        so their param_groups differ, and DCP would save one rank's for all: flattened, each
+        parameter's hyperparameters are a key of their own (as torchtitan saves them)."""
+        if not self.pipeline:
+            return None
+        return load_dcp().state_dict.StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

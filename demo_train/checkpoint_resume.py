@@ -139,7 +139,7 @@ class Resumer:
         if meta["optimizer_layout"] != state.optimizer_layout:
             return (f"its optimizer state is {meta['optimizer_layout']!r} and this run needs "
                     f"{state.optimizer_layout!r}: resume with the same --zero stage family "
-                    "(ZeRO-1 vs the others)")
+                    "(ZeRO-1 vs the others), with --pp (dcp-flat) or without it")
         return _settings_mismatch(meta.get("config") or {}, state.config)
 
     def _set_aside(self, path: Path, problem: str | None) -> None:
@@ -299,7 +299,8 @@ def _optimizer_template(state: TrainState) -> dict[str, Any]:
     again, so that a run that does not resume after all starts like a new one."""
     optimizer = state.optimizer
     had_state = bool(optimizer.state)
-    optim_state = load_dcp().state_dict.get_optimizer_state_dict(state.model, optimizer)
+    optim_state = load_dcp().state_dict.get_optimizer_state_dict(
+        state.model, optimizer, options=state.optimizer_options())
     template = _detached_copy(optim_state)
     if not had_state:
         optimizer.state.clear()
@@ -342,7 +343,8 @@ def _commit(loaded: Loaded, state: TrainState) -> None:
         if hasattr(inner, "invalidate_tables"):
             inner.invalidate_tables()
     else:
-        load_dcp().state_dict.set_optimizer_state_dict(state.model, state.optimizer, loaded.optim)
+        load_dcp().state_dict.set_optimizer_state_dict(state.model, state.optimizer, loaded.optim,
+                                                       options=state.optimizer_options())
     mine = loaded.rank_state
     state.data.load_state_dict(mine["data"])
     if state.scaler is not None and mine["scaler"] is not None:

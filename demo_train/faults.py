@@ -2,13 +2,17 @@
 
     --inject-hang RANK:STEP    that rank stops before the collectives of step STEP (it sleeps
                                forever in phase "injected-hang"); the others wait in the
-                               gradient all-reduce until the job is killed
+                               gradient all-reduce until the job is killed. A pipeline stage
+                               stops before its sends of that step: its neighbours wait in
+                               recv, and the stages beyond them in theirs
     --inject-crash RANK:STEP   that rank raises before step STEP, in the first attempt only
                                (TORCHELASTIC_RESTART_COUNT == 0), so a job restarted by
                                `torchrun --max-restarts N` resumes and goes on
     --slow-rank RANK:SECONDS   that rank sleeps SECONDS before every backward (after its
                                forward): it computes slowly, reaches each gradient all-reduce
-                               last, and the others wait for it there (a straggler)
+                               last, and the others wait for it there (a straggler); a
+                               pipeline stage sleeps before the step's schedule, so its
+                               neighbours wait for its sends and receives
     --inject-desync RANK:STEP  at step STEP that rank all-reduces a tensor of another shape
                                than the others on the trainer's CPU group: where
                                TORCH_DISTRIBUTED_DEBUG=DETAIL wraps that group, torch's

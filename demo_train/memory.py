@@ -22,7 +22,7 @@ are not counted (the seed suggests up to 20% on top).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .model import GPTConfig
 
@@ -97,18 +97,32 @@ def estimate_memory(
     world_size: int = 1,
     activation_checkpointing: bool = False,
     fused_attention: bool = True,
+    tensor_parallel: int = 1,
+    pipeline: tuple[int, str, int] = (1, "1f1b", 1),
 ) -> MemoryEstimate:
-    """The seed formula for one rank of this configuration (see the module docstring)."""
+    """The seed formula for one rank of this configuration (see the module docstring).
+
+    `n_params`: the parameters this rank holds (its tp shards and pipeline stages);
+    `world_size`: the data-parallel ranks ZeRO shards over. `pipeline` (stages, schedule,
+    microbatches): a rank stores the activations of its layers (n_layer / stages) for the
+    microbatches in flight: all of them with GPipe, up to `stages` with 1F1B."""
     mixed = amp != "off"
     p_b, g_b, o_b = bytes_per_param(mixed)
     n = max(1, world_size)
     params = n_params * p_b / (n if zero >= 3 else 1)
     grads = n_params * g_b / (n if zero >= 2 else 1)
     optim = n_params * o_b / (n if zero >= 1 else 1)
+    stages, schedule, microbatches = pipeline
+    if stages > 1:
+        in_flight = microbatches if schedule == "gpipe" else min(stages, microbatches)
+        micro_batch = micro_batch // microbatches * in_flight
+        config = replace(config, n_layer=max(1, config.n_layer // stages))
     acts = activation_bytes(config, micro_batch, mixed_precision=mixed,
                             activation_checkpointing=activation_checkpointing,
-                            fused_attention=fused_attention)
+                            fused_attention=fused_attention, tensor_parallel=tensor_parallel)
     notes = (f"{'mixed precision ' + amp if mixed else 'fp32'}, ZeRO-{zero} over {n} rank(s), "
              f"{'activation checkpointing' if activation_checkpointing else 'all activations'}, "
-             f"attention scores {'not stored (fused SDPA)' if fused_attention else 'stored'}")
+             f"attention scores {'not stored (fused SDPA)' if fused_attention else 'stored'}"
+             + (f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "")
+             + (f", pipeline {stages} stages {schedule}" if stages > 1 else ""))
     return MemoryEstimate(round(params), round(grads), round(optim), acts, notes)

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .moe import MoE, moe_layers
+
 # -----------------------------------------------------------------------------
 # config
 
@@ -30,6 +32,12 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, like GPT-2
+    # mixture of experts (moe.py): 0 is the dense MLP; else each block's MLP is `experts`
+    # experts, each token routed to `moe_top_k` of them
+    experts: int = 0
+    moe_top_k: int = 2
+    capacity_factor: float = 1.25  # expert capacity = ceil(factor * tokens * k / experts)
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss added to the loss
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> GPTConfig:
@@ -54,29 +62,34 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through scaled_dot_product_attention."""
+    """Multi-head causal self-attention through scaled_dot_product_attention.
+
+    q, k and v are separate projections (not one `c_attn` of 3 x n_embd outputs) so that
+    tensor parallelism (tensor_parallel.py) can shard each by output columns into whole heads:
+    a rank then holds n_head / tp heads, and `forward` reads the local head count from the
+    projected width."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, nh, T, hs)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T, _ = x.size()
+        # (B, T, heads * hs) -> (B, heads, T, hs); heads is n_head / tp under tensor parallel
+        q, k, v = (proj(x).view(B, T, -1, self.head_size).transpose(1, 2)
+                   for proj in (self.c_q, self.c_k, self.c_v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # re-assemble this rank's heads
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -102,7 +115,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.experts else MoE(
+            config.n_embd, config.experts, config.moe_top_k, config.capacity_factor,
+            bias=config.bias, dropout=config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -176,6 +191,9 @@ class GPT(nn.Module):
             loss = F.cross_entropy(
                 logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
             )
+            aux = [m.aux_loss for m in moe_layers(self) if m.aux_loss is not None]
+            if aux:  # the MoE load-balancing losses of this forward, summed over layers
+                loss = loss + self.config.moe_aux_coef * torch.stack(aux).sum()
         return logits, loss
 
     def flops_per_token(self) -> int:
@@ -183,7 +201,16 @@ class GPT(nn.Module):
         estimate_mfu: 6N for the weights plus 12*L*H*Q*T for attention."""
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        return 6 * self.num_params() + 12 * L * H * Q * T
+        return 6 * self.active_params() + 12 * L * H * Q * T
+
+    def active_params(self) -> int:
+        """`num_params()` counting of each MoE layer's experts only the `moe_top_k` a token
+        runs through (whichever are held here: under expert parallelism a rank holds some)."""
+        n = self.num_params()
+        for layer in moe_layers(self):
+            per_expert = sum(p.numel() for p in next(iter(layer.experts.values())).parameters())
+            n -= (len(layer.experts) - layer.top_k) * per_expert
+        return n
 
 
 # -----------------------------------------------------------------------------

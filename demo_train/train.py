@@ -11,6 +11,12 @@
     # (--resume-or-start: the first attempt has no checkpoint to resume from)
     torchrun --nproc-per-node 2 --max-restarts 1 -- demo_train/train.py --max-steps 20 \\
         --ckpt-dir runs/ckpt --ckpt-every 5 --resume-or-start --inject-crash 1:7
+    # a mixture of experts: 4 experts per MLP, two on each rank (all_to_all dispatch)
+    torchrun --nproc-per-node 2 -- demo_train/train.py --experts 4 --ep 2 --max-steps 50
+    # pipeline x tensor parallel on one DeviceMesh (pp 2 x dp 1 x tp 2); data parallel fills
+    # the rest of the world (8 ranks: dp 2); the losses are those of one rank
+    torchrun --nproc-per-node 4 -- demo_train/train.py --pp 2 --tp 2 --sequence-parallel \\
+        --pp-schedule 1f1b --microbatches 4
     # GPT-2 (124M) shapes on one GPU, bf16 and torch.compile
     python demo_train/train.py --preset gpt2-124m --amp bf16 --compile --batch-size 8
 
@@ -20,7 +26,9 @@ loss (every step, without waiting for the GPU), tokens/s and MFU (measured betwe
 steps; MFU where the GPU's peak is known), timings, memory and the memory estimate to the job's
 scalemon hub. The flags are documented large-scale training techniques; each lives in a module:
 precision.py (--amp), parallel.py (--zero, --optimizer, --compile, --grad-accum's no_sync),
-checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*).
+layout.py, parallel3d.py, pipeline.py and tensor_parallel.py (--pp, --tp, the mesh),
+checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*), moe.py
+(--experts, --ep).
 
 --resume stops (exit code 1, one line) when there is no usable checkpoint, naming the ones set
 aside as corrupt; --resume-or-start starts from step 0 then, saying so. A mistaken flag value

@@ -13,9 +13,12 @@ from typing import NoReturn
 from scalemon.options import int_at_least, number
 
 from .faults import rank_delay, rank_step
+from .layout import layout_problem
 from .model import PRESETS
 from .parallel import COMPILE_SCOPES, DEVICES, OPTIMIZERS, compile_scope
+from .pipeline import SCHEDULES, pipeline_problem
 from .precision import AMP_MODES
+from .tensor_parallel import check_divisible
 
 positive_int = int_at_least(1)  # a job that trains nothing is a mistake to say
 non_negative_int = int_at_least(0)
@@ -82,6 +85,30 @@ def parse_args(argv: list[str] | None = None, description: str | None = None
                         "--compile is auto: the model, each block under FSDP2 (--zero 2/3)")
     p.add_argument("--tf32", default="on", choices=("on", "off"),
                    help="CUDA: fp32 matmuls on TF32 tensor cores (precision.py)")
+    # the DeviceMesh: world = pp x dp x tp (layout.py); data parallel fills what is left
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel ranks: attention heads and MLP columns split over them")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorms and dropout on a slice of the sequence each")
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages (consecutive layers each, torch.distributed.pipelining)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES,
+                   help="the pipeline schedule (interleaved: 2 virtual stages per rank)")
+    p.add_argument("--microbatches", type=positive_int,
+                   help="microbatches per --batch-size in the pipeline (default: --pp)")
+    # mixture of experts (moe.py): expert parallel ranks are a split of the data parallel ones
+    p.add_argument("--experts", type=non_negative_int, default=0,
+                   help="experts per MoE MLP (0: the dense MLP)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert parallel ranks: the experts spread over them, tokens sent to "
+                        "their expert's rank by all_to_all (divides the data parallel size)")
+    p.add_argument("--moe-top-k", type=positive_int, default=2,
+                   help="experts each token is routed to (default 2)")
+    p.add_argument("--capacity-factor", type=number(0.0, above=True), default=1.25,
+                   help="expert capacity = ceil(factor x tokens x top-k / experts) per rank; "
+                        "tokens past it are dropped (the residual carries them) and counted")
+    p.add_argument("--moe-aux-coef", type=number(0.0), default=0.01,
+                   help="weight of the load-balancing loss added to the loss (default 0.01)")
     # checkpoints
     p.add_argument("--ckpt-dir", help="save checkpoints here (and on SIGTERM)")
     p.add_argument("--ckpt-every", type=non_negative_int, default=100,
@@ -136,8 +163,78 @@ def flag_conflict(args: argparse.Namespace, world_size: int) -> str | None:
         if planted is not None and planted.rank >= world_size:
             return (f"--{flag.replace('_', '-')} {planted} names rank {planted.rank}, and this "
                     f"job has {world_size} rank(s)")
+    problem = mesh_conflict(args, world_size) or moe_conflict(args)
+    if problem:
+        return problem
     try:
         compile_scope(args.compile, sharded=args.zero >= 2 and world_size > 1)
     except ValueError as e:
         return str(e)
+    return None
+
+
+def mesh_conflict(args: argparse.Namespace, world_size: int) -> str | None:
+    """What is wrong with the --pp/--tp layout and its combination with the other flags, or
+    None; fills in --microbatches (default: --pp)."""
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    elif args.pp == 1:
+        return "--microbatches is for a pipeline: it needs --pp 2 or more"
+    if args.sequence_parallel and args.tp == 1:
+        return "--sequence-parallel needs --tp 2 or more (it splits what tensor parallel repeats)"
+    experts, ep = getattr(args, "experts", 0) or 0, getattr(args, "ep", 1) or 1
+    problem = layout_problem(world_size, args.pp, args.tp, ep, experts)
+    if problem or (args.pp == 1 and args.tp == 1):
+        return problem
+    config = PRESETS[args.preset]
+    block_size = args.block_size or config.block_size
+    if args.tp > 1:
+        problem = check_divisible(config.n_head, config.n_embd, args.tp)
+        if problem:
+            return problem
+        if args.sequence_parallel and block_size % args.tp:
+            return (f"--sequence-parallel splits the {block_size} positions of a sequence "
+                    f"over --tp {args.tp} ranks: make --block-size a multiple of {args.tp}")
+    if args.pp > 1:
+        problem = pipeline_problem(args.pp, args.pp_schedule, args.microbatches,
+                                   args.batch_size, args.grad_accum, config.n_layer)
+        if problem:
+            return problem
+    what = " and ".join(f"--{n} {getattr(args, n)}" for n in ("pp", "tp") if getattr(args, n) > 1)
+    if experts:
+        return f"--experts with {what} is not supported: MoE runs with data parallel ranks"
+    if args.zero == 1:
+        return (f"--zero 1 with {what} is not supported (ZeroRedundancyOptimizer wants DDP and "
+                "plain tensors): use --zero 0, 2 or 3")
+    if args.amp == "fp16":
+        return (f"--amp fp16 with {what} is not supported (GradScaler would skip steps on some "
+                "stages or shards only): use --amp bf16 or off")
+    if args.compile:
+        return f"--compile with {what} is not supported: leave it out"
+    if args.tp > 1 and args.optimizer.startswith("fused"):
+        return (f"--optimizer {args.optimizer} needs plain tensors, and --tp makes the sharded "
+                "parameters DTensors: use --optimizer torch or torch-fused")
+    return None
+
+
+def moe_conflict(args: argparse.Namespace) -> str | None:
+    """What is wrong with the MoE flags and their combination with the others, or None (the
+    sizes against the world are layout_problem's)."""
+    if not args.experts:
+        moe_flags = [f for f, default in (("moe_top_k", 2), ("capacity_factor", 1.25),
+                                          ("moe_aux_coef", 0.01)) if getattr(args, f) != default]
+        if moe_flags:
+            return f"--{moe_flags[0].replace('_', '-')} needs --experts (a MoE model)"
+        return None
+    if args.moe_top_k > args.experts:
+        return (f"--moe-top-k {args.moe_top_k} routes each token to more experts than "
+                f"--experts {args.experts}")
+    if args.ep > 1 and args.zero:
+        return (f"--zero {args.zero} with --ep {args.ep} is not supported (ZeRO and FSDP2 shard "
+                "over every data parallel rank, and the experts differ per rank): use --zero 0")
+    if args.ep > 1 and args.amp == "fp16":
+        return (f"--amp fp16 with --ep {args.ep} is not supported (GradScaler would skip steps on "
+                "the ranks whose own experts overflowed only): use --amp bf16 or off")
+    if args.ep > 1 and args.compile:
+        return f"--compile with --ep {args.ep} is not supported (all_to_all with split sizes)"
     return None

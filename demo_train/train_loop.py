@@ -5,30 +5,40 @@ SIGTERM checkpoints; it runs a `Trainer` that train_setup.py built."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from .checkpoint import TermSignal
+from .moe import sync_expert_grads
 from .parallel import any_rank, gradient_sync
 from .precision import autocast
 from .train_setup import Trainer, print0
 from .train_stats import SyncClock, finish
 
 
-def forward_backward(t: Trainer, step: int) -> torch.Tensor:
+def forward_backward(t: Trainer, step: int) -> torch.Tensor | None:
     """Gradients of one step's batch, over --grad-accum micro-batches with the gradient
-    all-reduce on the last only; returns the step's mean loss (detached)."""
+    all-reduce on the last only; returns the step's mean loss (detached), None on a pipeline
+    rank without the last stage."""
     device, accum = t.env.device, t.args.grad_accum
     x, y = t.data.next_batch()  # batch_size * grad_accum sequences, cut into micro-batches
     if device.type == "cuda":  # from pinned memory the copies below do not wait for the GPU
         x, y = x.pin_memory(), y.pin_memory()
+    if t.placed is not None and t.placed.pipeline is not None:
+        return pipeline_forward_backward(t, x.to(device, non_blocking=True),
+                                         y.to(device, non_blocking=True))
     total = torch.zeros((), device=device)
     for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
         last = i == accum - 1
         with gradient_sync(t.module, enabled=last):
+            if t.moe is not None:
+                t.moe.begin()
             with autocast(t.amp, device):
                 _, loss = t.module(xb.to(device, non_blocking=True),
                                    yb.to(device, non_blocking=True))
+            if t.moe is not None:
+                t.moe.end()
             loss = loss / accum
             scaled = t.scaler.scale(loss) if t.scaler is not None else loss
             if last:
@@ -36,7 +46,23 @@ def forward_backward(t: Trainer, step: int) -> torch.Tensor:
                 t.faults.before_backward()
             scaled.backward()
         total += loss.detach()
+    if t.mesh is not None and t.layout.ep > 1:  # the experts DDP left out (moe.py)
+        sync_expert_grads(t.model, t.mesh.group("dp_rest"), t.layout.dp)
+    if t.placed is not None:  # tp with data parallel: the dp all-reduce (FSDP2 did it)
+        t.placed.sync_grads()
     return total
+
+
+def pipeline_forward_backward(t: Trainer, x: torch.Tensor, y: torch.Tensor
+                              ) -> torch.Tensor | None:
+    """One schedule step over the whole batch (--grad-accum x --microbatches microbatches),
+    then the tied embedding's and the data-parallel gradient sums; the mean loss on the rank
+    holding the last stage, None elsewhere."""
+    with autocast(t.amp, t.env.device):
+        t.faults.before_backward()  # a slow rank: late into its forwards and sends
+        loss = t.placed.pipeline.step(x, y)
+    t.placed.sync_grads()
+    return loss
 
 
 def optimizer_step(t: Trainer) -> None:
@@ -73,6 +99,10 @@ def train(t: Trainer) -> int:
         optimizer_step(t)
         logged = step % t.log_every == 0 or step == args.max_steps
         measured: dict[str, float] = {}
+        if logged and t.placed is not None and t.placed.pipeline is not None:
+            # the last stage has the loss: every stage gets it on logged steps (a collective
+            # of the pp group; other steps a stage without it logs loss None)
+            loss = t.placed.pipeline.share_loss(loss, env.device)
         if logged:
             value = read_loss(loss)  # a sync point
             steps, seconds = clock.lap(step, time.perf_counter())
@@ -80,8 +110,9 @@ def train(t: Trainer) -> int:
             measured["tokens_per_s"] = tokens_per_s
             if t.peak_flops is not None:
                 measured["mfu"] = t.flops_per_token * tokens_per_s / t.peak_flops
+        moe = t.moe.take() if t.moe is not None else {}  # tensors: read on logged steps only
         if t.monitor is not None:
-            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step, **measured)
+            t.monitor.log(step, loss=loss, tokens=t.tokens_per_step, **measured, **moe)
             stats["agent_totals_s"].append(t.monitor.agent_time_total_s)  # for bench/
         if logged and env.rank == 0:
             print(f"step {step} loss {value:.4f}", flush=True)
@@ -89,6 +120,8 @@ def train(t: Trainer) -> int:
             stats["steps"].append(step)
             stats["losses"].append(value)
             stats["loss_scales"].append(scale)
+            if moe:
+                report_moe(moe, stats)
         if args.step_delay:
             slept = time.perf_counter()
             time.sleep(args.step_delay)
@@ -105,6 +138,18 @@ def train(t: Trainer) -> int:
                 return TermSignal.EXIT_CODE
     finish(t, stats, clock, 0)
     return 0
+
+
+def report_moe(moe: dict[str, Any], stats: dict[str, list]) -> None:
+    """Print rank 0's MoE figures of a logged step and keep them for --stats-json (each read
+    waits for the GPU: logged steps only)."""
+    imbalance, dropped = float(moe["moe_imbalance"]), int(moe["moe_dropped_tokens"])
+    aux = float(moe["moe_aux_loss"])
+    print(f"moe: imbalance {imbalance:.2f}, dropped {dropped} tokens, aux loss {aux:.3f}",
+          flush=True)
+    for key, value in (("moe_imbalance", imbalance), ("moe_dropped_tokens", dropped),
+                       ("moe_aux_loss", aux)):
+        stats.setdefault(key, []).append(value)
 
 
 def read_loss(loss: torch.Tensor) -> float:

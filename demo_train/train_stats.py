@@ -49,7 +49,8 @@ def finish(t: Trainer, stats: dict[str, list], clock: SyncClock, code: int) -> N
         mfu = (f", MFU {100 * t.flops_per_token * tokens_per_s / t.peak_flops:.1f}%"
                if t.peak_flops else ", MFU n/a (device peak unknown)")
         print0(env, f"throughput: {tokens_per_s:,.0f} tokens/s per rank, "
-                    f"{tokens_per_s * env.world_size:,.0f} in all{mfu}")
+                    f"{tokens_per_s * t.layout.dp:,.0f} in all (over {t.layout.dp} data-parallel "
+                    f"replica(s)){mfu}")
     if env.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(env.device)
         summary["mem_peak_bytes"] = peak

@@ -122,7 +122,7 @@ def test_flops_per_token_tiny() -> None:
     per_block = sum(
         [
             2 * C,  # ln_1
-            C * 3 * C + 3 * C,  # c_attn
+            C * 3 * C + 3 * C,  # c_q, c_k, c_v
             C * C + C,  # attn c_proj
             2 * C,  # ln_2
             C * 4 * C + 4 * C,  # c_fc
