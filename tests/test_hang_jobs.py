@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 HANG_AFTER_S = 5.0
 JOB = REPO / "tests" / "jobs" / "hang_scenarios.py"
-NPROC = {"disjoint": 4}
+NPROC = {"disjoint": 4, "mesh_tp": 4}
 
 
 def start(scenario: str, home: Path, out: Path) -> tuple[subprocess.Popen, Path]:
@@ -222,3 +222,45 @@ def check_dashboard(home: Path, needles: tuple[str, ...]) -> None:
             await until(pilot, shown, timeout=30)
 
     asyncio.run(scenario())
+
+
+def test_a_pipeline_stage_stopped_before_its_send_is_named_alone(home, job):
+    """Issue #36: stage 0 of a 3-stage send/recv pipeline stays in Python before its send;
+    stage 1 waits in recv from 0, stage 2 in recv from 1. gloo's Flight Recorder records no
+    send/recv: the agent's own P2P record names the peers. Stage 0 alone is the culprit, with
+    its stack, at the end of the chain 2 -> 1 -> 0."""
+    log = job("pipeline")
+    state = named(home, log, "pipeline", lambda h: h["culprits"] == [0] and framed(h, 0)
+                  and len(h["waits"]) == 2)
+    hang = state["hang"]
+    assert causes(hang) == {0: "python"} and hang["waiting"] == [1, 2]
+    by = waits(hang)
+    assert (by[1]["op"], by[1]["for"]) == ("recv", [0]), by[1]
+    assert (by[2]["op"], by[2]["for"]) == ("recv", [1]), by[2]
+    assert hang["chains"] == [[2, 1, 0]]
+    assert re.search(r"recv from rank 0", by[1]["text"]), by[1]["text"]
+    assert hang["causes"][0]["text"].startswith("rank 0: python, hang_scenarios.py:")
+    text = format_snapshot(state)
+    assert re.search(r"culprit  rank 0: python, hang_scenarios\.py:\d+ in stall_in_python\(\)",
+                     text), text
+    check_dashboard(home, ("rank 0: python, hang_scenarios.py:", "recv from rank 0",
+                           "recv from rank 1", "culprit"))
+
+
+def test_a_tp_rank_stopped_in_a_mesh_is_named_with_its_mesh_groups(home, job):
+    """A 2x2 (dp, tp) DeviceMesh; rank 3 stays in Python before its tp all_reduce: rank 2
+    waits for it in tp [2,3], rank 0 for rank 2 in dp [0,2], rank 1 for rank 3 in dp [1,3].
+    Groups are named by their mesh dimension, and each rank has its mesh coordinates."""
+    log = job("mesh_tp")
+    state = named(home, log, "mesh_tp", lambda h: h["culprits"] == [3] and framed(h, 3)
+                  and len(h["waits"]) == 3)
+    hang = state["hang"]
+    assert causes(hang) == {3: "python"} and hang["waiting"] == [0, 1, 2]
+    by = waits(hang)
+    assert (by[2]["group"], by[2]["for"]) == ("tp [2,3]", [3]), by[2]
+    assert (by[0]["group"], by[0]["for"]) == ("dp [0,2]", [2]), by[0]
+    assert (by[1]["group"], by[1]["for"]) == ("dp [1,3]", [3]), by[1]
+    assert sorted(hang["chains"]) == [[0, 2, 3], [1, 3]]
+    meshes = {r["rank"]: r["mesh"] for r in state["ranks"]}
+    assert meshes == {0: {"dp": 0, "tp": 0}, 1: {"dp": 0, "tp": 1}, 2: {"dp": 1, "tp": 0},
+                      3: {"dp": 1, "tp": 1}}, meshes

@@ -16,6 +16,12 @@ Every rank runs `WARMUP` steps of collectives (each step logged), then at step `
 - desync:   rank 2 issues an all_gather where the others issue an all_reduce.
 - teardown: ranks 0,1 finish (`scalemon.agent.finish`) and go on with work of their own,
             rank 2 waits in a final barrier only it calls.
+- pipeline: a 3-stage send/recv pipeline (stage r = rank r, each step stage 0 sends to 1, 1
+            receives and sends to 2, then an all_reduce of the default group): stage 0 stays
+            in Python before its send: rank 1 waits in recv from 0, rank 2 in recv from 1.
+- mesh_tp:  4 ranks on a 2x2 DeviceMesh (dp, tp): each step a tp all_reduce, then a dp one;
+            rank 3 stays in Python before its tp all_reduce: rank 2 waits for it in tp [2,3],
+            ranks 0,1 for rank 2 (and 3) in their dp groups.
 
 Each rank prints "rank R: SCENARIO at step S" when it reaches the fault; stalls are bounded
 (`STALL_S`) so that a forgotten job ends by itself.
@@ -36,7 +42,8 @@ import scalemon.agent as sm
 WARMUP = 6
 HANG_STEP = WARMUP + 1
 STALL_S = 300.0
-SCENARIOS = ("default", "chain", "disjoint", "dead", "desync", "teardown")
+SCENARIOS = ("default", "chain", "disjoint", "dead", "desync", "teardown", "pipeline",
+             "mesh_tp")
 
 
 def stall_in_python() -> None:
@@ -78,6 +85,19 @@ def step_collectives(scenario: str, rank: int, world: int, groups: dict, fault: 
             stall_in_python()
         dist.all_reduce(x, group=pair)
         dist.all_reduce(x)
+    elif scenario == "pipeline":
+        if rank > 0:
+            dist.recv(x, rank - 1)
+        if fault and rank == 0:
+            stall_in_python()
+        if rank < world - 1:
+            dist.send(x, rank + 1)
+        dist.all_reduce(x)
+    elif scenario == "mesh_tp":
+        if fault and rank == 3:
+            stall_in_python()
+        dist.all_reduce(x, group=groups["mesh"]["tp"].get_group())
+        dist.all_reduce(x, group=groups["mesh"]["dp"].get_group())
     elif scenario == "desync" and fault and rank == 2:
         dist.all_gather(list(torch.empty(256 * world).chunk(world)), x)
     else:
@@ -102,6 +122,10 @@ def main() -> int:
     if scenario == "disjoint":
         groups["a"] = dist.new_group([0, 1], group_desc="pair_a")
         groups["b"] = dist.new_group([2, 3], group_desc="pair_b")
+    if scenario == "mesh_tp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        groups["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     sm.init(config={"job": f"hang_{scenario}"})
     for step in range(1, HANG_STEP + 1):
         fault = step == HANG_STEP
