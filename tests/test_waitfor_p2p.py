@@ -106,3 +106,19 @@ def test_the_hang_says_who_waits_in_which_recv_and_names_the_stage_with_its_stac
     assert hang["waits"][0]["peer"] == 0 and hang["waits"][0]["seq"] is None
     assert hang["causes"][0]["frame"] == "stage.py:7 in stage0()"
     assert hang["ranks"]["1"]["p2p_inflight"] == inflight[1]
+
+
+def test_a_waiting_ranks_frame_is_its_own_code_not_the_agents_timed_wait():
+    """A rank blocked in recv has the agent's timed `Work.wait` innermost in its stack (in a
+    checkout the agent is the repo's agent/, not under site-packages): its frame is the
+    script's line that called recv."""
+    import importlib.util
+
+    from scalemon.reports.hangs import user_frame
+
+    agent_dir = importlib.util.find_spec("scalemon.agent").submodule_search_locations[0]
+    stack = (f'  File "/home/u/train.py", line 90, in step\n    dist.recv(x, 0)\n'
+             f'  File "/x/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",'
+             f' line 2799, in recv\n    work.wait()\n'
+             f'  File "{agent_dir}/p2p.py", line 222, in wait\n    result = fn(work)\n')
+    assert user_frame(stack) == "train.py:90 in step()"

@@ -4,6 +4,8 @@ and for whom, groups by name and ranks (`job_hang`)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,8 +19,22 @@ if TYPE_CHECKING:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)', re.M)
+
+
+def _agent_dirs() -> tuple[str, ...]:
+    """Where this install's agent lives (`scalemon.agent` is the repo's agent/ in a checkout),
+    found without importing it: its wrappers sit in a waiting rank's stack (the timed
+    `Work.wait`) but are not the user's code."""
+    try:
+        spec = importlib.util.find_spec("scalemon.agent")
+    except (ImportError, ValueError):
+        return ()
+    places = spec.submodule_search_locations if spec is not None else None
+    return tuple(os.path.realpath(d) + os.sep for d in places or ())
+
+
 _NOT_USER = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "scalemon/agent/",
-             "/torch/")
+             "/torch/", *_agent_dirs())
 
 
 def user_frame(stack: str | None) -> str | None:
