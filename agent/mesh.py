@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from scalemon.state.mesh import mesh_axes
+
 from . import c10d
 
 MESH_PREFIX = "mesh_"
@@ -32,25 +34,22 @@ def mesh_of(mesh: Any) -> dict[str, Any] | None:
 def mesh_from_groups(groups: Mapping[Any, str], rank: int,
                      ranks_of: Callable[[Any], list[int]]) -> dict[str, Any] | None:
     """The `mesh` info found in `groups` (group -> name) whose desc is `mesh_<dim>`; None where
-    there is none. A dimension made by flattening others (`mesh_dp_cp`) is left out."""
-    coords: dict[str, int] = {}
-    shape: dict[str, int] = {}
+    there is none. A dimension made by flattening others (`mesh_dp_all`) is left out
+    (`scalemon.state.mesh.mesh_axes`)."""
+    found: dict[str, list[int]] = {}
     for pg in list(groups):
         desc = str(getattr(pg, "group_desc", "") or "")
         if not desc.startswith(MESH_PREFIX) or len(desc) == len(MESH_PREFIX):
             continue
         dim = desc[len(MESH_PREFIX):]
         ranks = sorted(ranks_of(pg))
-        if dim in coords or rank not in ranks:
-            continue
-        coords[dim], shape[dim] = ranks.index(rank), len(ranks)
-    for dim in list(coords):
-        parts = dim.split("_")
-        if len(parts) > 1 and all(p in coords for p in parts):
-            del coords[dim], shape[dim]
-    if not coords:
+        if dim not in found and rank in ranks:
+            found[dim] = ranks
+    axes = mesh_axes(found)  # the hub's rule: no flattened dimension, no "default"
+    if not axes:
         return None
-    return {"coords": coords, "shape": shape, "source": "groups"}
+    return {"coords": {dim: ranks.index(rank) for dim, ranks in axes.items()},
+            "shape": {dim: len(ranks) for dim, ranks in axes.items()}, "source": "groups"}
 
 
 class MeshWatcher:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,7 +71,7 @@ class OpIds:
 class P2PRecord:
     """One P2P op as the training thread issued it."""
 
-    __slots__ = ("group", "op", "peer", "nbytes", "t", "perf", "seconds", "work")
+    __slots__ = ("group", "op", "peer", "nbytes", "t", "perf", "seconds", "_work")
 
     def __init__(self, group: Any, op: str, peer: int | None, nbytes: int, work: Any) -> None:
         self.group = group  # the process group object
@@ -81,6 +82,21 @@ class P2PRecord:
         self.perf = time.perf_counter()
         self.seconds: float | None = None  # issue to completion, once a wait() saw it
         self.work = work  # until its wait() returned
+
+    @property
+    def work(self) -> Any:
+        """The op's Work until its wait() returned (None after, or once the script dropped
+        it: a weak reference, so that a Work never waited for, and its tensors, are not kept
+        alive here)."""
+        ref = self._work
+        return ref() if ref is not None else None
+
+    @work.setter
+    def work(self, work: Any) -> None:
+        try:
+            self._work = weakref.ref(work) if work is not None else None
+        except TypeError:  # a Work type without weak references: none kept
+            self._work = None
 
 
 class StepP2P:
@@ -168,21 +184,26 @@ class P2PTimer:
             return  # another timer of this process has them
         # a pybind11 method is an `instancemethod` in the class's dict, which getattr unwraps:
         # the dict's own object is what goes back (the unwrapped function would not bind)
-        for name, op in (("send", "send"), ("recv", "recv"), ("recv_anysource", "recv")):
-            self._originals[name] = vars(group_cls)[name]
-            setattr(group_cls, name, self._wrap_issue(getattr(group_cls, name), op,
-                                                      name != "recv_anysource"))
-        self._originals["wait"] = vars(work_cls)["wait"]
-        work_cls.wait = self._wrap_wait(work_cls.wait)
+        try:
+            for name, op in (("send", "send"), ("recv", "recv"), ("recv_anysource", "recv")):
+                original = vars(group_cls)[name]
+                setattr(group_cls, name, self._wrap_issue(getattr(group_cls, name), op,
+                                                          name != "recv_anysource"))
+                self._originals[name] = original
+            original = vars(work_cls)["wait"]
+            work_cls.wait = self._wrap_wait(work_cls.wait)
+            self._originals["wait"] = original
+        except BaseException:  # all or nothing: what was replaced goes back
+            self.remove()
+            raise
 
     def remove(self) -> None:
         """Put the original methods back."""
         if self._classes is None or not self._originals:
             return
         group_cls, work_cls = self._classes
-        for name in ("send", "recv", "recv_anysource"):
-            setattr(group_cls, name, self._originals[name])
-        work_cls.wait = self._originals["wait"]
+        for name, original in self._originals.items():  # what install replaced, no more
+            setattr(work_cls if name == "wait" else group_cls, name, original)
         self._originals.clear()
 
     def _wrap_issue(self, fn: Callable[..., Any], op: str, has_peer: bool) -> Callable[..., Any]:
@@ -227,7 +248,8 @@ class P2PTimer:
                     pass
                 raise
             try:  # noqa: SIM105
-                timer._waited(record, t, done, True)
+                # wait(timeout) returns False when the op did not complete in time
+                timer._waited(record, t, done, result is not False)
             except Exception:
                 pass
             return result

@@ -67,17 +67,22 @@ class P2PReader:
         now = time.time()
         kept: deque[P2PRecord] = deque()
         for record in pending:
-            seconds = record.seconds
-            if seconds is None and record.work is not None and now - record.t < P2P_HELD_S:
+            waiting = record.work is not None  # first: the training thread sets seconds, then
+            seconds = record.seconds  # drops the work
+            if seconds is None and waiting and now - record.t < P2P_HELD_S:
                 kept.append(record)
                 continue
-            peer = -1 if record.peer is None else record.peer
-            src, dst = (rank, peer) if record.op == "send" else (peer, rank)
-            p2p.add(str(names.get(record.group, "?")), record.op, src, dst, record.nbytes,
-                    seconds)
-        while len(kept) > PENDING_KEPT:
-            kept.popleft()
+            self._add(p2p, record, names, rank, seconds)
+        while len(kept) > PENDING_KEPT:  # counted now, without their durations
+            self._add(p2p, kept.popleft(), names, rank, None)
         self._pending = kept
+
+    @staticmethod
+    def _add(p2p: P2PStats, record: P2PRecord, names: Any, rank: int,
+             seconds: float | None) -> None:
+        peer = -1 if record.peer is None else record.peer
+        src, dst = (rank, peer) if record.op == "send" else (peer, rank)
+        p2p.add(str(names.get(record.group, "?")), record.op, src, dst, record.nbytes, seconds)
 
     def _own_rank(self) -> int:
         if self._rank is None:

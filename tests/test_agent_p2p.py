@@ -106,6 +106,13 @@ def test_the_mesh_is_found_from_groups_named_by_dimension():
     assert found == {"coords": {"dp": 1, "tp": 1}, "shape": {"dp": 2, "tp": 2},
                      "source": "groups"}
     assert mesh_from_groups({Group("default_pg", [0, 1]): "0"}, 0, lambda g: g.ranks) is None
+    # a flattened dimension whose name is not its parts' (the demo's "dp_all", torchtitan's
+    # "dp"), and torch's "default" for a dimension that reuses the default group: no axes
+    groups = {Group("mesh_pp", [0, 4]): "1", Group("mesh_dp", [0, 2]): "2",
+              Group("mesh_ep", [0, 1]): "3", Group("mesh_dp_all", [0, 1, 2, 3]): "4",
+              Group("mesh_default", [0, 1, 2, 3, 4, 5, 6, 7]): "0"}
+    assert mesh_from_groups(groups, 0, lambda g: g.ranks)["coords"] == {"pp": 0, "dp": 0,
+                                                                         "ep": 0}
 
 
 # --- real gloo ranks -------------------------------------------------------------------------

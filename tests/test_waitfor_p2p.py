@@ -41,8 +41,29 @@ def test_a_send_whose_receiver_posted_its_recv_is_stuck_not_a_culprit():
     p2p = {0: [["0", "send", 1, 1.0, 8]], 1: [["0", "recv", 0, 1.0, 8]]}
     found = wait_for_graph({0: {}, 1: {}}, {"0": (0, 1)}, p2p=p2p)
     assert found["culprits"] == [] and found["waits"][0]["for"] == []
-    assert found["waits"][1]["for"] == [0]
-    assert found["causes"] == {0: {"cause": "stuck"}}
+    assert found["waits"][1]["for"] == []  # its sender issued the send: neither holds up
+    assert found["causes"] == {0: {"cause": "stuck"}, 1: {"cause": "stuck"}}
+
+
+def test_1f1b_stages_exchanging_both_ways_are_no_deadlock_the_tp_rank_in_python_is_named():
+    """pp2 x tp2: stages 0 and 2 each have a send and a recv to the other in flight (1F1B's
+    batched exchange, matched), and rank 0 also waits in its tp all_reduce for rank 1, which
+    is in Python. Not a deadlock of 0 and 2: rank 1 alone is the culprit."""
+    p2p = {0: [["pp", "send", 2, 1.0, 8], ["pp", "recv", 2, 1.0, 8]],
+           2: [["pp", "send", 0, 1.0, 8], ["pp", "recv", 0, 1.0, 8]]}
+    status = {0: {"tp01": [5, 4], "pp": [0, 0]}, 1: {"tp01": [4, 4]},
+              2: {"tp23": [5, 5], "pp": [0, 0]}, 3: {"tp23": [5, 5]}}
+    members = {"tp01": (0, 1), "tp23": (2, 3), "pp": (0, 2)}
+    found = wait_for_graph(status, members, p2p=p2p)
+    assert found["culprits"] == [1], found["causes"]
+    assert found["causes"][1] == {"cause": "python"}
+    assert found["waits"][0]["group"] == "tp01" and found["waits"][0]["for"] == [1]
+    assert found["causes"][2] == {"cause": "stuck"}
+
+
+def test_a_receive_from_any_source_blames_no_rank_minus_one():
+    found = wait_for_graph({1: {}}, {"0": (0, 1)}, p2p={1: [["0", "recv", -1, 1.0, 4]]})
+    assert found is None or -1 not in found["culprits"]
 
 
 def test_sends_to_each_other_are_a_deadlock_and_gone_and_finished_peers_end_chains():

@@ -92,7 +92,7 @@ def _p2p_items(items: Any) -> list[tuple[str, str, int, float | None, Any]]:
     out = []
     for item in items if isinstance(items, (list, tuple)) else ():
         if not (isinstance(item, (list, tuple)) and len(item) >= 3 and item[1] in P2P_OPS
-                and type(item[2]) is int):
+                and type(item[2]) is int and item[2] >= 0):  # -1: any source, not known
             continue
         t = item[3] if len(item) > 3 and type(item[3]) in (int, float) else None
         out.append((str(item[0]), item[1], item[2], t, item[4] if len(item) > 4 else None))
@@ -102,15 +102,17 @@ def _p2p_items(items: Any) -> list[tuple[str, str, int, float | None, Any]]:
 def _p2p_wait(rank: int, p2p: dict[int, list[tuple[str, str, int, float | None, Any]]]
               ) -> dict[str, Any] | None:
     """What `rank` waits for in its P2P ops in flight (it is inside a P2P wait): recv(src)
-    waits for src; send(dst) for dst, unless dst has a recv from `rank` in flight (then both
-    sides issued it). The entry names the oldest op that waits for a rank (else the oldest);
-    its `for` is every rank one of them waits for."""
+    waits for src, unless src has a send to `rank` in flight; send(dst) for dst, unless dst
+    has a recv from `rank` in flight (either way both sides issued it: 1F1B stages exchange a
+    send and a recv each way at once). The entry names the oldest op that waits for a rank
+    (else the oldest); its `for` is every rank one of them waits for."""
     rows = [row for row in p2p.get(rank, ()) if row[2] != rank]
     if not rows:
         return None
+    other = {"send": "recv", "recv": "send"}
     awaited = [(group, op, peer, t, n) for group, op, peer, t, n in rows
-               if op == "recv" or not any(o == "recv" and p == rank and g == group
-                                          for g, o, p, _, _ in p2p.get(peer, ()))]
+               if not any(o == other[op] and p == rank and g == group
+                          for g, o, p, _, _ in p2p.get(peer, ()))]
     oldest = min(awaited or rows, key=lambda row: float("inf") if row[3] is None else row[3])
     return {"group": oldest[0], "seq": None, "op": oldest[1], "peer": oldest[2],
             "t": oldest[3], "for": sorted({row[2] for row in awaited})}

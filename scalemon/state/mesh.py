@@ -40,12 +40,22 @@ def mesh_groups(groups: Mapping[str, Mapping[str, Any]], rank: int) -> dict[str,
         if desc.startswith(MESH_DESC_PREFIX) and len(desc) > len(MESH_DESC_PREFIX) \
                 and rank in ranks:
             found.setdefault(desc[len(MESH_DESC_PREFIX):], sorted(ranks))
+    return mesh_axes(found)
+
+
+def mesh_axes(found: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The axes among one rank's mesh dimensions `found` ({dim: the group's sorted ranks}):
+    without a flattened dimension (its group holds another dimension's group of more than one
+    rank: "dp_all", "dp_shard_cp") and without "default" (torch's name for a dimension that
+    reuses the default group, whose own name is lost). The agent (`agent/mesh.py`) and the hub
+    apply this one rule."""
     sets = {dim: set(ranks) for dim, ranks in found.items()}
     flat = {dim for dim, ranks in sets.items()
             if any(other != dim and len(inner) > 1 and inner <= ranks
                    and (len(inner) < len(ranks) or len(other) < len(dim))
                    for other, inner in sets.items())}
-    return {dim: ranks for dim, ranks in found.items() if dim not in flat}
+    return {dim: list(ranks) for dim, ranks in found.items()
+            if dim not in flat and dim != "default"}
 
 
 def rank_coords(infos: Mapping[int, Any], groups: Mapping[str, Mapping[str, Any]],
