@@ -160,6 +160,7 @@ class Recorder:
         self._host_calls: dict[tuple[str, int], list] = {}  # (group, seq) -> HostCall (gloo)
         self._taken: dict[tuple, None] = {}  # recent collectives taken, across rings
         self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
+        self._call_due: dict[tuple[str, int], float] = {}  # taken before their host call: until
         self._awaiting_items: dict[tuple[str, int], Any] = {}  # their StepComm items
         self.p2p_reader = P2PReader(p2p)
         self.step_comm = StepComm(step_marks)  # each step's all-reduces (`log()` boundaries)
@@ -433,6 +434,11 @@ class Recorder:
             elif call is not None:
                 self._awaiting[(group, seq)] = key
                 self._host_calls[(group, seq)] = call  # its duration may come later
+            elif self.host_calls is not None and not e.get("is_p2p"):
+                # gloo: the entry exists from the enqueue, the host timer's call only once the
+                # call returned; read in between, its call comes with a later read
+                self._awaiting[(group, seq)] = key
+                self._call_due[(group, seq)] = time.monotonic() + HELD_BACK_S
             if not e.get("is_p2p"):
                 issues.append([group, seq, created])
                 if is_all_reduce(op):
@@ -462,18 +468,24 @@ class Recorder:
     def _time_awaiting(self, stats: CollectiveStats) -> None:
         """Durations of taken gloo collectives that completed since, into their rows."""
         items = self._awaiting_items
+        due, now = self._call_due, time.monotonic()
         for ident, key in list(self._awaiting.items()):
             call = self._host_calls.get(ident)
             if call is None:
+                if due.get(ident, 0.0) > now:
+                    continue  # its host call has not come yet
                 del self._awaiting[ident]
+                due.pop(ident, None)
                 if ident in items:
                     items.pop(ident).timed(None)
             elif call[3] is not None:
                 stats.row(*key).add_time(call[3])
                 del self._awaiting[ident], self._host_calls[ident]
+                due.pop(ident, None)
                 if ident in items:
                     items.pop(ident).timed(call[3])
         _trim(self._awaiting, HOST_CALLS_KEPT)
+        _trim(due, HOST_CALLS_KEPT)
         for ident in list(itertools.islice(items, max(0, len(items) - HOST_CALLS_KEPT))):
             items.pop(ident).timed(None)
 
