@@ -244,6 +244,7 @@ def test_a_pipeline_stage_stopped_before_its_send_is_named_alone(home, job):
     assert re.search(r"culprit  rank 0: python, hang_scenarios\.py:\d+ in stall_in_python\(\)",
                      text), text
     check_dashboard(home, ("rank 0: python, hang_scenarios.py:", "recv from rank 0",
+                           "2 -recv-> 1 -recv-> 0",
                            "recv from rank 1", "culprit"))
 
 
