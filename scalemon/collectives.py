@@ -212,6 +212,9 @@ P2P_FIELDS = ("group", "op", "src", "dst", "count", "bytes", "time_s", "timed")
 """The columns of one row of `collectives.p2p` (1.11): the group's name, "send" or "recv", the
 sender's and the receiver's global ranks, how many ops and bytes, their summed duration (s) and
 how many of them had one."""
+P2P_OPS = ("send", "recv")
+P2PKey = tuple[str, str, int, int]
+"""(group name, op, src global rank, dst global rank)."""
 
 _P2P_NAME = re.compile(r"^(?:\w+:)?(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
 
@@ -227,24 +230,75 @@ def p2p_group_ranks(profiling_name: str) -> tuple[str, int, int] | None:
     return (op, left, right) if arrow == "->" else (op, right, left)
 
 
+@dataclass
+class P2PRow:
+    """Send or recv ops of one (group, op, src, dst): how many, how big, how long."""
+
+    count: int = 0
+    bytes: int = 0
+    time_s: float = 0.0
+    """Summed duration of the `timed` ones (seconds)."""
+    timed: int = 0
+
+    def add(self, nbytes: int, seconds: float | None) -> None:
+        """Count one op (`seconds`: its duration, None where unknown)."""
+        self.count += 1
+        self.bytes += nbytes
+        if seconds is not None:
+            self.time_s += seconds
+            self.timed += 1
+
+    def merge(self, other: P2PRow) -> None:
+        """Add another row of the same key."""
+        self.count += other.count
+        self.bytes += other.bytes
+        self.time_s += other.time_s
+        self.timed += other.timed
+
+
+def parse_p2p_row(item: Any) -> tuple[P2PKey, P2PRow]:
+    """One wire row (`P2P_FIELDS`) as (key, row); ValueError for a malformed one."""
+    if type(item) is not list or len(item) != len(P2P_FIELDS):
+        raise ValueError(f"bad p2p row {item!r}")
+    group, op, src, dst, count, nbytes, time_s, timed = item
+    ints = (src, dst, count, nbytes, timed)
+    if not (isinstance(group, str) and op in P2P_OPS and all(type(v) is int for v in ints)
+            and type(time_s) in (int, float) and min(count, nbytes, timed) >= 0
+            and time_s >= 0 and min(src, dst) >= 0):
+        raise ValueError(f"bad p2p row {item!r}")
+    return (group, op, src, dst), P2PRow(count, nbytes, float(time_s), timed)
+
+
 class P2PStats:
-    """Rows by (group, op, src, dst), as the agent sends them (`P2P_FIELDS`)."""
+    """Rows by (group, op, src, dst): what an agent counts and sends (`add`, `to_wire`), and
+    what a rank sent, summed over its `collectives` messages (`merge_wire`)."""
 
     def __init__(self) -> None:
-        self.rows: dict[tuple[str, str, int, int], list] = {}
+        self.rows: dict[P2PKey, P2PRow] = {}
 
     def add(self, group: str, op: str, src: int, dst: int, nbytes: int,
             seconds: float | None) -> None:
         """Count one op (`seconds`: its duration, None where unknown)."""
         row = self.rows.get((group, op, src, dst))
         if row is None:
-            row = self.rows[(group, op, src, dst)] = [0, 0, 0.0, 0]
-        row[0] += 1
-        row[1] += nbytes
-        if seconds is not None:
-            row[2] += seconds
-            row[3] += 1
+            row = self.rows[(group, op, src, dst)] = P2PRow()
+        row.add(nbytes, seconds)
 
     def to_wire(self) -> list[list[Any]]:
         """Rows as lists in `P2P_FIELDS` order."""
-        return [[g, op, src, dst, *row] for (g, op, src, dst), row in self.rows.items()]
+        return [[g, op, src, dst, row.count, row.bytes, row.time_s, row.timed]
+                for (g, op, src, dst), row in self.rows.items()]
+
+    def merge_wire(self, rows: Any) -> int:
+        """Add the rows of a message; returns how many were malformed (skipped)."""
+        if not isinstance(rows, list):
+            return 1
+        bad = 0
+        for item in rows:
+            try:
+                key, row = parse_p2p_row(item)
+            except ValueError:
+                bad += 1
+                continue
+            self.rows.setdefault(key, P2PRow()).merge(row)
+        return bad

@@ -17,12 +17,11 @@ from collections import deque
 from typing import Any
 
 import scalemon
-from scalemon.collectives import CollectiveStats, StatRow
+from scalemon.collectives import CollectiveStats, P2PRow, P2PStats, StatRow
 from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.flagstate import FlagState, LogLine, RankFlags
 from scalemon.state.fold import JobFold, RankTrack, StepAcc
 from scalemon.state.jobstate import JobState, RankView
-from scalemon.state.p2p import P2PRow, P2PStats
 from scalemon.state.series import Marks, Series
 
 FORMAT = 1

@@ -11,9 +11,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from scalemon.collectives import P2P_OPS
 from scalemon.text.display import NA
 
-P2P_OPS = ("send", "recv")
 """The `op` of a point-to-point row of the collectives table."""
 
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from scalemon import metrics
+from scalemon.collectives import P2PKey, P2PRow
 from scalemon.reports.groups import group_desc, group_label
 from scalemon.state.jobstate import JobState, RankView
-from scalemon.state.p2p import Key, P2PRow
 
 _NUMBER = (int, float)
 
@@ -44,7 +44,7 @@ def p2p_rows(st: JobState) -> list[dict[str, Any]]:
     keys of a `groups.collectives_table` row (`ranks` 2, `sizes` empty, bus factor 1) and
     `src`, `dst` (global ranks), `time_s` (summed measured time) and
     `bandwidth_bytes_per_s` (bytes per op over the mean measured time; None untimed)."""
-    pooled: dict[Key, P2PRow] = {}
+    pooled: dict[P2PKey, P2PRow] = {}
     for view in st.ranks.values():
         for key, row in view.p2p.rows.items():
             pooled.setdefault(key, P2PRow()).merge(row)

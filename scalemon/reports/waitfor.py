@@ -8,6 +8,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from scalemon.collectives import P2P_OPS
+
 CAUSES = ("gone", "python", "desync", "teardown", "deadlock", "stuck")
 """Why a rank at the end of a wait-for chain holds the others up: its process is gone; it is
 alive and waits in no collective (in Python: a loop, I/O, a sleep, a branch that skips the
@@ -82,9 +84,6 @@ def _rank_waits(rank: int, groups: dict[str, list[int]], laggards: _Laggards,
     waits.sort(key=lambda w: (not w["for"], -(w["t"] or 0.0),
                               -len(laggards.members[w["group"]]), w["group"]))
     return waits
-
-
-P2P_OPS = ("send", "recv")
 
 
 def _p2p_items(items: Any) -> list[tuple[str, str, int, float | None, Any]]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalemon import metrics
-from scalemon.collectives import CollectiveStats
+from scalemon.collectives import CollectiveStats, P2PStats
 from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import HUB_RANK, Message
 from scalemon.state import alerts as alerting
@@ -28,7 +28,6 @@ from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.failures import first_line, is_peer_loss
 from scalemon.state.flagstate import FlagState
 from scalemon.state.mesh import job_mesh, pipeline_info, rank_coords
-from scalemon.state.p2p import P2PStats
 from scalemon.state.stepcomm import check_step_comm, set_step_comm
 from scalemon.text.ranks import ranks_text
 
