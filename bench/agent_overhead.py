@@ -44,13 +44,14 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -66,11 +67,6 @@ GPU_BLOCK_SIZE = 1024
 GPU_BATCH_SIZE = 16  # sequences per forward: 16k tokens a step, as nanoGPT's 124M on one GPU
 GPU_LOG_EVERY = 10  # the trainer's default on CUDA, written out so the bench does not drift
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_command(args: argparse.Namespace, mode: str, stats: Path, port: int) -> list[str]:

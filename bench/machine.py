@@ -1,5 +1,5 @@
-"""What machine a benchmark ran on, for its results file (bench scripts import this module from
-their own directory)."""
+"""What machine a benchmark ran on, for its results file, and a free port on it for a
+benchmark's torchrun rendezvous (bench scripts import this module from their own directory)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import socket
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,3 +39,10 @@ def append_result(stem: str, result: dict) -> Path:
     path.write_text(json.dumps(runs, indent=1) + "\n")
     print(f"saved {path.relative_to(RESULTS.parent.parent)}")
     return path
+
+
+def free_port() -> int:
+    """A free TCP port on this machine's loopback (torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,16 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import append_result, cpu_name
+from machine import append_result, cpu_name, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "demo_train" / "train.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(home: Path) -> dict[str, str]:

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machine import cpu_model
+from machine import cpu_model, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -117,12 +116,6 @@ DEFAULTS = {  # kind -> steps, warm-up steps dropped, rounds
     "gpu": (60, 20, 3),
 }
 
-
-def free_port() -> int:
-    """A free TCP port for torchrun's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(flags: tuple[str, ...], steps: int, nproc: int, stats: Path) -> list[str]:
