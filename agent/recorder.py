@@ -135,7 +135,6 @@ class Recorder:
         self.current_step = current_step
         self.nccl = nccl
         self.host_calls = host_calls  # HostCall lists from the gloo timer (hosttiming.py)
-        self.p2p = p2p  # the gloo P2P wrappers (p2p.py); None on NCCL
         self.on_status: Callable[[], None] | None = None  # after each read (mesh discovery)
         self.warnings = warnings or Warnings()
         self.status_every_s = status_every_s
@@ -162,7 +161,7 @@ class Recorder:
         self._awaiting: dict[tuple[str, int], tuple[str, str, int]] = {}  # taken, untimed
         self._call_due: dict[tuple[str, int], float] = {}  # taken before their host call: until
         self._awaiting_items: dict[tuple[str, int], Any] = {}  # their StepComm items
-        self.p2p_reader = P2PReader(p2p)
+        self.p2p_reader = P2PReader(p2p)  # `p2p`: the gloo P2P wrappers (p2p.py); None on NCCL
         self.step_comm = StepComm(step_marks)  # each step's all-reduces (`log()` boundaries)
         self._timed_groups: set[int] = set()
         self._stop = threading.Event()

@@ -437,7 +437,7 @@ class Run:
                 self.host_timer = HostTimer()
                 self.host_timer.install()
                 self.recorder.host_calls = self.host_timer.calls
-                self.recorder.p2p = self.recorder.p2p_reader.timer = self.host_timer.p2p
+                self.recorder.p2p_reader.timer = self.host_timer.p2p
         except Exception as exc:  # collectives may lack durations; training goes on
             self.warnings.once("settle-backend", "scalemon: switching the monitor to gloo "
                                "failed (%s: %s); collectives may have no durations",
