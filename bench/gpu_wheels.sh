@@ -5,7 +5,7 @@
 #
 # Run it in the checkout that the `run` calls send (a session's own checkout; a helper's call
 # also sends that one, not the helper's worktree). It (re)makes the folder .whl/ in the repo root:
-#   - the wheels of the packages scalemon needs that the GPU image lacks (pyzmq, textual and
+#   - the wheels of the packages scalemon needs that the GPU image lacks (pyzmq, py-spy, textual and
 #     textual's mdit-py-plugins, linkify-it-py, platformdirs), for CPython 3.12 manylinux
 #     x86_64, pinned to the versions .venv has (`.venv/bin/python -m pip freeze`): nothing can
 #     be fetched there;
@@ -37,7 +37,7 @@ if [[ ! -x $PY ]]; then
 fi
 # what the GPU image lacks (/work/.library/device/KINDS.md, 'Python packages already there');
 # textual's other needs (rich, pygments, markdown-it-py, typing-extensions) are there
-NEEDED=(pyzmq textual mdit-py-plugins linkify-it-py platformdirs)
+NEEDED=(pyzmq textual mdit-py-plugins linkify-it-py platformdirs py-spy)
 # more, should gpu_checks.sh's setup.txt say one of those is too old there: GPU_WHEELS_EXTRA=rich
 read -r -a extra <<<"${GPU_WHEELS_EXTRA:-}"
 NEEDED+=("${extra[@]}")
