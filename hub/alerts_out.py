@@ -11,7 +11,11 @@ request, never a rank's message. An alert fires when a condition appears in the 
   look for `STRAGGLER_STEPS` steps of its own;
 * `memory`: a rank's device memory in use (NVML's, else the allocator's reserved, else allocated
   bytes) is over `MEMORY_FRACTION` of the device's total;
-* `rank_lost`: a rank's state becomes `lost`.
+* `rank_frozen`, `rank_gone`, `rank_unreachable`, `rank_silent`: a running rank stopped
+  sending and the hub says which (`protocol.SILENT_RANK_STATES`): its process exists but sends
+  nothing (the text says where it is stuck, from its stacks read from outside); its process
+  ended without reporting an exit; its node's relay is silent too; nothing on its node can look
+  at its process. A rank that goes from one to another (frozen, then gone) alerts again.
 
 Sending is rate-limited: one alert per (kind, rank) every `PER_KEY_S`, and `PER_MINUTE` alerts
 a minute over all; a suppressed alert is logged and audited, and the next alert sent says how
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from scalemon import settings
+from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.reports import stragglers as rule
 from scalemon.reports.hangs import job_hang
 from scalemon.state import alerts as alerting
@@ -60,8 +65,11 @@ SUPPRESSIONS_AUDITED = 20
 as one entry (a job that loses thousands of ranks at once must not fill the disk)."""
 OUTPUT_FILE = "alerts.log"
 
-HANG, STRAGGLER, MEMORY, RANK_LOST = "hang", "straggler", "memory", "rank_lost"
-KINDS = (*alerting.KINDS, HANG, STRAGGLER, MEMORY, RANK_LOST)
+HANG, STRAGGLER, MEMORY = "hang", "straggler", "memory"
+RANK_KINDS = {state: f"rank_{state}" for state in SILENT_RANK_STATES}
+"""The alert kind of each word the hub says of a rank that stopped sending: `rank_frozen`,
+`rank_gone`, `rank_unreachable`, `rank_silent`."""
+KINDS = (*alerting.KINDS, HANG, STRAGGLER, MEMORY, *RANK_KINDS.values())
 
 Key = tuple[str, int | None]
 
@@ -259,10 +267,11 @@ class AlertsOut:
                     kind, rank, a.get("since_step"),
                     alerting.alert_text(kind, [rank], a.get("since_step"), a.get("value")),
                     a.get("value"), a.get("since_step"), state, wall)
-            if view.state == "lost":
-                out[(RANK_LOST, rank)] = self._alert(
-                    RANK_LOST, rank, view.step,
-                    f"rank {rank} lost: {view.state_reason or 'no reason given'}",
+            kind = RANK_KINDS.get(view.state)
+            if kind is not None:
+                why = (view.where if view.state == "frozen" else None) or view.state_reason
+                out[(kind, rank)] = self._alert(
+                    kind, rank, view.step, f"rank {rank} {view.state}: {why or 'no reason given'}",
                     None, view.ended_t, state, wall)
             if view.state != "running":
                 continue

@@ -20,6 +20,7 @@ from .audit import Audit
 from .auth import KeyGate
 from .limits import clip
 from .liveness import Liveness
+from .looks import Looks
 from .relay_book import RelayBook
 from .sockets import FanOut
 
@@ -39,6 +40,8 @@ class HubCore:
     liveness: Liveness
     audit: Audit
     relays: RelayBook
+    looks: Looks
+    """Looks at ranks' processes from outside (stacks), under way and done."""
     topic: bytes
     """The feed's topic: the history's identity."""
     rank_records: dict[int, array] = field(default_factory=dict)

@@ -4,10 +4,10 @@ analysis of it (`scalemon.reports.frtrace`).
 The hub queues a `dump_fr` command for each rank (delivered on the agents' next sync); each
 agent writes its recorder to `<run dir>/fr/<time>/rank_<rank>` from its own thread and reports
 back with an `fr_dump` info. Once every rank answered, or after `WAIT_S`, the hub notes what it
-knows of the job (groups, ranks gone, each silent rank's last heartbeat) in `context.json`,
-has `scalemon dump --dir` analyse the directory in a process of its own and writes the
-analysis to `analysis.json` and to the history. A rank that wrote no dump is named with the
-reason: on a hang, that is a finding.
+knows of the job (groups, ranks gone, the last heartbeat of each rank that wrote none) in
+`context.json`, has `scalemon dump --dir` analyse the directory in a process of its own and
+writes the analysis to `analysis.json` and to the history. A rank that wrote no dump is named
+with the reason: on a hang, that is a finding.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scalemon.reports import frtrace
+from scalemon.state.jobstate import VANISHED_STATES
 
 WAIT_S = 15.0
 """How long the ranks have to write their dumps."""
@@ -28,6 +29,14 @@ ANALYSIS_MAX_CHARS = 20_000
 ANALYSIS_TIMEOUT_S = 300.0
 REPORT_MAX_BYTES = 256 << 10
 """The analysis in the history record at most; beyond, the per-rank rows stay in the file."""
+SILENT_MEANING = {
+    "frozen": "its process exists but sends nothing (its agent's thread cannot run)",
+    "gone": "its process ended without reporting an exit",
+    "unreachable": "its node's relay is silent too; taken for ended",
+    "silent": "nothing on its node can look at its process; taken for ended",
+}
+"""Why a rank that stopped sending wrote no dump, by the hub's word for it
+(`protocol.SILENT_RANK_STATES`)."""
 
 
 class FrDump:
@@ -109,17 +118,21 @@ class FrDump:
 def job_context(state: Any, asked: list[int], written: list[int],
                 errors: dict[int, str]) -> dict[str, Any]:
     """What the hub knows that the dumps do not say (call on the hub's thread): the groups'
-    ranks, who is gone, why each silent rank gave nothing, their last heartbeat's status, each
-    rank's P2P ops in flight as its last heartbeat said (gloo's recorder keeps none)."""
-    gone = sorted(r for r, v in state.ranks.items() if v.state in ("lost", "exited"))
+    ranks, who is gone (exited, or gone, unreachable or silent: taken for ended; a frozen
+    rank's process exists), why each rank that wrote no dump gave nothing, their last
+    heartbeat's status, each rank's P2P ops in flight as its last heartbeat said (gloo's
+    recorder keeps none)."""
+    gone = sorted(r for r, v in state.ranks.items() if v.state in (*VANISHED_STATES, "exited"))
     missing = {}
     for rank in sorted(set(asked) - set(written)):
         view = state.ranks.get(rank)
         if rank in errors:
             missing[rank] = f"its agent could not write it: {errors[rank]}"
-        elif rank in gone and view.state == "lost":
-            missing[rank] = (f"lost ({view.state_reason or 'no message'}): its process is "
-                             "dead, stopped or cut off from the hub")
+        elif view is not None and view.state in SILENT_MEANING:
+            missing[rank] = (f"{view.state} ({view.state_reason or 'no message'}): "
+                             f"{SILENT_MEANING[view.state]}")
+            if view.state == "frozen" and view.where:
+                missing[rank] += f"; {view.where}"
         elif rank in gone:
             missing[rank] = f"its process exited ({view.state_reason or 'no reason given'})"
         else:

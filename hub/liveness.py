@@ -1,21 +1,28 @@
-"""Rank liveness: which running ranks went silent or lost their process, and when a job whose
-ranks all stopped counts as abandoned. The hub records what this finds (hub/server.py)."""
+"""Rank liveness told truthfully: a running rank that stopped sending is `frozen` (its process
+exists; its stacks, read from outside, say where), `gone` (its process ended without reporting
+an exit), `unreachable` (its node's relay is silent too) or `silent` (nothing on its node can
+look at its process); never one word for all four. Also when a job whose ranks all stopped
+counts as abandoned. The hub records what this finds (hub/server.py)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from scalemon.home.jobfile import pid_alive
+from scalemon.proc.facts import process_facts
 from scalemon.state.jobstate import JobState, RankView
 
+from .looks import Looks
 from .relay_book import RelayBook
 
 RELAY_SILENT_S = 3.0
-"""A lost rank's reason names its node's relay once that has not reported for this long."""
+"""A silent rank is `unreachable` once its node's relay has not reported for this long."""
 
 
 class Liveness:
-    """When each rank last spoke, and which of this host's rank processes were seen alive."""
+    """When each rank last spoke, which of this host's rank processes were seen alive, and
+    which silent ranks' processes are being looked at."""
 
     def __init__(self, lost_after_s: float, linger_s: float, host: str) -> None:
         self.lost_after_s = lost_after_s
@@ -24,10 +31,13 @@ class Liveness:
         self.last_recv: dict[int, float] = {}
         self.last_any_recv = time.monotonic()
         self._seen_alive: set[int] = set()
+        self._looking: dict[int, float] = {}  # silent ranks whose look is under way -> silent s
+        self.errors_said: set[str] = set()
 
     def heard(self, rank: int, now: float) -> None:
         """Rank `rank` sent a message at `now` (monotonic)."""
         self.last_recv[rank] = self.last_any_recv = now
+        self._looking.pop(rank, None)
 
     def note_pid(self, view: RankView | None) -> None:
         """Look at a rank's pid as its hello arrives, so a rank killed before the next
@@ -47,33 +57,118 @@ class Liveness:
             return False
         return pid in self._seen_alive
 
-    def lost(self, state: JobState, relays: RelayBook, now: float) -> list[tuple[int, str]]:
-        """The running ranks to mark lost now, each with the reason."""
+    def check(self, state: JobState, relays: RelayBook, looks: Looks,
+              now: float) -> list[dict[str, Any]]:
+        """The `rank_state` bodies to record now: running ranks silent for `lost_after_s`
+        (their looks asked for), frozen ranks whose process ended since."""
         found = []
         for rank, view in list(state.ranks.items()):
+            if view.state == "frozen":
+                pid = self.local_pid(view)
+                if pid and self.process_gone(pid):
+                    found.append(_gone(rank, pid, "after it froze"))
+                continue
             if view.state != "running":
                 continue
             silent = now - self.last_recv.get(rank, now)
-            if silent > self.lost_after_s:
-                reason = f"no message for {silent:.1f} s"
-                relay_silent = relays.silent_for(view.host, now)
-                if relay_silent is not None and relay_silent > RELAY_SILENT_S:
-                    reason += (f" (its node's relay has not reported for {relay_silent:.1f} s: "
-                               "see relay.log on that node)")
-            elif (pid := self.local_pid(view)) and self.process_gone(pid):
-                reason = f"process {pid} is gone without reporting an exit (killed?)"
-            else:
+            pid = self.local_pid(view)
+            if rank in self._looking:  # its node's relay looks; unless it fell silent too
+                if not pid and (body := self._unreachable(rank, view, silent, relays, now)):
+                    del self._looking[rank]
+                    found.append(body)
                 continue
-            found.append((rank, reason))
+            if silent <= self.lost_after_s:
+                if pid and self.process_gone(pid):  # killed between two messages
+                    found.append(_gone(rank, pid))
+                continue
+            body = self._silent(rank, view, silent, relays, looks, now)
+            if body is not None:
+                found.append(body)
         return found
 
+    def _silent(self, rank: int, view: RankView, silent: float, relays: RelayBook,
+                looks: Looks, now: float) -> dict[str, Any] | None:
+        """What to say of a running rank silent for `silent` s: gone or frozen at once on
+        this host, unreachable or silent for a node that cannot look; None while a relay
+        looks (the look's answer decides: `on_look`)."""
+        quiet = f"no message for {silent:.1f} s"
+        pid = self.local_pid(view)
+        if pid:
+            if self.process_gone(pid):
+                return _gone(rank, pid)
+            if pid not in self._seen_alive:
+                return {"target": rank, "state": "silent",
+                        "reason": f"{quiet}; process {pid} is not visible from the hub on "
+                                  f"{self.host} (a container's own process ids?)"}
+            facts = process_facts(pid)
+            self._looking[rank] = silent
+            looks.ask(rank, pid, view.host, now)
+            return {"target": rank, "state": "frozen", "process": facts.to_wire(),
+                    "reason": f"{quiet}; process {pid} is alive ({facts.state_word}): "
+                              "reading its stacks"}
+        if body := self._unreachable(rank, view, silent, relays, now):
+            return body
+        why = looks.ask(rank, view.pid, view.host, now)
+        if why is not None:
+            return {"target": rank, "state": "silent",
+                    "reason": f"{quiet}; its process cannot be looked at: {why}"}
+        self._looking[rank] = silent
+        return None
+
+    @staticmethod
+    def _unreachable(rank: int, view: RankView, silent: float, relays: RelayBook,
+                     now: float) -> dict[str, Any] | None:
+        """`unreachable` when the rank's node's relay has been silent for `RELAY_SILENT_S`."""
+        relay_silent = relays.silent_for(view.host, now)
+        if relay_silent is None or relay_silent <= RELAY_SILENT_S:
+            return None
+        return {"target": rank, "state": "unreachable",
+                "reason": f"no message for {silent:.1f} s, and its node's relay ({view.host}) "
+                          f"has not reported for {relay_silent:.1f} s: see relay.log on that "
+                          "node"}
+
+    def on_look(self, state: JobState, look: dict[str, Any]) -> dict[str, Any] | None:
+        """The `rank_state` body a finished look at a silent rank calls for (frozen with
+        where it is stuck, or gone), None for a look at a rank that spoke again (or that
+        `scalemon stacks` asked for)."""
+        rank = look["rank"]
+        silent = self._looking.pop(rank, None)
+        view = state.ranks.get(rank)
+        if silent is None or view is None or view.state not in ("running", "frozen"):
+            return None
+        process, pid = look.get("process"), look.get("pid") or view.pid
+        if look.get("error"):
+            return {"target": rank, "state": "silent",
+                    "reason": f"no message for {silent:.1f} s; {look['error']}"}
+        if isinstance(process, dict) and (not process.get("exists")
+                                          or process.get("state") == "Z"):
+            return {**_gone(rank, pid or 0), "process": process}
+        where = f"frozen {look['where']}" if look.get("where") else None
+        stacks = look.get("reading") or {}
+        how = (process or {}).get("state_word") or "alive"
+        cpu = {True: ", CPU time moving", False: ", CPU time not moving"}.get(
+            (process or {}).get("cpu_moving"), "")
+        reason = f"no message for {silent:.1f} s; process {pid} is alive ({how}{cpu})"
+        if not where:
+            error = stacks.get("error") if isinstance(stacks, dict) else None
+            reason += f"; its stacks could not be read: {error}" if error else ""
+        return {"target": rank, "state": "frozen", "reason": reason, "process": process,
+                "where": where}
+
     def lifecycle_state(self, state: JobState, now: float) -> str:
-        """The job state, plus `abandoned`: every rank seen has stopped or is lost and none
-        spoke for `linger_s`, though fewer than world_size ever reported (ranks elsewhere)."""
+        """The job state, plus `abandoned`: every rank seen has stopped or is gone and none
+        spoke for `linger_s`, though fewer than world_size ever reported (ranks elsewhere),
+        or the launcher's restart never came."""
         job_state = state.state
         views = state.ranks.values()
-        if (job_state in ("running", "degraded", "stopping") and views
-                and all(v.state != "running" for v in views)
+        if (job_state in ("running", "degraded", "stopping", "restarting") and views
+                and all(v.state not in ("running", "frozen") for v in views)
                 and now - self.last_any_recv >= self.linger_s):
             return "abandoned"
         return job_state
+
+
+def _gone(rank: int, pid: int, when: str = "") -> dict[str, Any]:
+    after = f" {when}" if when else ""
+    return {"target": rank, "state": "gone",
+            "reason": f"process {pid} ended{after} without reporting an exit (killed?)"}

@@ -148,14 +148,22 @@ def families(state: JobState, job: str, now: float | None = None) -> list[Metric
     out: list[Metric] = []
     step = GaugeMetricFamily("scalemon_step", "Latest step number of the rank.",
                              labels=RANK_LABELS)
-    up = GaugeMetricFamily("scalemon_rank_up", "1 while the rank runs, 0 once it exited, "
-                           "finished, restarts or is lost.", labels=RANK_LABELS)
+    up = GaugeMetricFamily("scalemon_rank_up", "1 while the rank runs, 0 once it stopped "
+                           "sending (frozen, gone, unreachable, silent), exited, finished, was "
+                           "stopped or restarts.", labels=RANK_LABELS)
+    rank_state = GaugeMetricFamily(
+        "scalemon_rank_state", "1 for the rank's current state: running; frozen (its process "
+        "exists but sends nothing: the job hangs on it), gone (its process ended without "
+        "reporting an exit), unreachable (its node's relay is silent too), silent (nothing on "
+        "its node can look at its process); exited, finished, stopped, restarting.",
+        labels=[*RANK_LABELS, "state"])
     labels = [[job, str(view.rank), view.host or ""] for view in views]
     for view, names in zip(views, labels, strict=True):
         if view.step is not None:
             step.add_metric(names, view.step)
         up.add_metric(names, 1 if view.state == "running" else 0)
-    out += [step, up]
+        rank_state.add_metric([*names, view.state], 1)
+    out += [step, up, rank_state]
     for gauge in RANK_GAUGES:
         family = GaugeMetricFamily(f"scalemon_{gauge.name}", gauge.help, labels=RANK_LABELS)
         for view, names in zip(views, labels, strict=True):

@@ -28,6 +28,7 @@ from .frdump import FrDump
 from .ingest import Intake
 from .limits import check_name, clip
 from .sockets import FanOut
+from .stacks import StacksRequests
 from .toggles import ToggleRefused, Toggles
 
 log = logging.getLogger("scalemon.hub")
@@ -55,6 +56,7 @@ class Requests:
         self._dump: FrDump | None = None
         self._pending_dump_record = False
         self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
+        self.stacks = StacksRequests(core)
 
     def serve(self, rpc: zmq.Socket) -> None:
         """Answer the requests waiting on `rpc` (at most 100 a turn)."""
@@ -118,9 +120,12 @@ class Requests:
             return {"t0": args["t"], "t": time.time(), "hang_after_s": core.state.hang_after_s,
                     "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
         if op == "relay":
-            core.relays.report(check_name("relay.node", args["node"]), args["pid"],
-                               args["stats"])
-            return {"t0": args["t"], "t": time.time()}
+            node = check_name("relay.node", args["node"])
+            core.relays.report(node, args["pid"], args["stats"])
+            core.looks.answered(node, args.get("probes") or [])
+            return {"t0": args["t"], "t": time.time(), "probe": core.relays.take_asks(node)}
+        if op == "stacks":
+            return self.stacks.answer(args, time.monotonic())
         if op == "command":
             core.audit.write({"event": "command", "name": clip(args["name"], 100),
                               **peer.who()})

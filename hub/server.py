@@ -11,7 +11,8 @@ Sockets (see `scalemon.home.address.HubAddress`):
 `Hub` sets up, polls and keeps house; it is composed of its parts, beside it: the `Intake`
 (`ingest.py`: frames in, records out) and the `Requests` (`rpc.py`: the requests' op table,
 toggles, dumps), which share the job's records and books through one `HubCore` (`core.py`);
-`sockets.py` makes and binds the sockets, `liveness.py` finds lost ranks and abandoned jobs.
+`sockets.py` makes and binds the sockets, `liveness.py` tells frozen, gone, unreachable and
+silent ranks apart and finds abandoned jobs, `looks.py` reads silent ranks' stacks from outside.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .core import HubCore
 from .ingest import Intake
 from .limits import raise_open_files_limit, reason_class
 from .liveness import Liveness
+from .looks import Looks
 from .openmetrics import Exporter
 from .relay_book import RelayBook
 from .rpc import Requests
@@ -110,7 +112,8 @@ class Hub:
             job=job, run_dir=self.run_dir, host=host, history=history,
             fold=JobFold(job=job, world_size=world_size, hang_after_s=hang_after_s),
             liveness=Liveness(lost_after_s, linger_s, host), audit=Audit(self.run_dir),
-            relays=RelayBook(lost_after_s=max(lost_after_s, 10.0)),
+            relays=(relays := RelayBook(lost_after_s=max(lost_after_s, 10.0))),
+            looks=Looks(host, relays),
             topic=protocol.feed_topic(history.identity))
         self.intake = Intake(self.core)
         self.replay_skipped: Counter[str] = Counter()
@@ -326,6 +329,7 @@ class Hub:
 
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         error = self.history.write_error
+        self.core.looks.close()
         lost = self.history.close()
         if self.guard is not None:
             self.guard.close()
@@ -380,10 +384,12 @@ class Hub:
         self.relays.advance(now)
         while self.relays.records:
             self.intake.record(feed, "relay", self.relays.records.pop(0))
-        for rank, reason in self.core.liveness.lost(self.state, self.relays, now):
-            log.warning("rank %d lost: %s", rank, reason)
-            self.intake.record(feed, "rank_state",
-                               {"target": rank, "state": "lost", "reason": reason})
+        liveness = self.core.liveness
+        for body in liveness.check(self.state, self.relays, self.core.looks, now):
+            log.warning("rank %d %s: %s", body["target"], body["state"], body["reason"])
+            self.intake.record(feed, "rank_state", body)
+        for look in self.core.looks.take(now):
+            self._record_look(feed, look)
         if self.alerts_out is not None:  # $SCALEMON_ALERT_CMD (hub/alerts_out.py)
             self.alerts_out.check(self.state, now)
         if self.exporter is not None:
@@ -400,6 +406,27 @@ class Hub:
             if now - self._ended_since >= wait_s:
                 log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
+
+    def _record_look(self, feed: FanOut, look: dict[str, Any]) -> None:
+        """A look at a silent rank's process finished: its stacks, then what it tells of the
+        rank (frozen and where, or gone); a reader that cannot read stacks is said once."""
+        body = self.core.liveness.on_look(self.state, look)
+        if body is None:
+            return  # a rank that spoke again, or a look `scalemon stacks` asked for
+        reading = look.get("reading")
+        if isinstance(reading, dict):
+            self.intake.record(feed, "rank_stacks", {
+                "target": look["rank"], "reading": reading, "process": look.get("process"),
+                "reader": look.get("reader")})
+            error = reading.get("error")
+            said = self.core.liveness.errors_said
+            if isinstance(error, str) and error and error not in said and len(said) < 16:
+                said.add(error)
+                self.intake.record(feed, "hub_note", {
+                    "kind": "stacks", "text": f"{look.get('reader')} cannot read the stacks "
+                                              f"of rank {look['rank']}'s process: {error}"})
+        log.warning("rank %d %s: %s", body["target"], body["state"], body["reason"])
+        self.intake.record(feed, "rank_state", body)
 
     def _check_keys(self) -> None:
         """Cut the live connections of keys removed from `authorized` (or given another
@@ -438,9 +465,9 @@ class Hub:
         if self.state.stop is None:
             return
         for rank, view in sorted(self.state.ranks.items()):
-            if view.state == "running":
+            if view.state in ("running", "frozen"):
                 self.intake.record(feed, "rank_state", {
-                    "target": rank, "state": "lost",
+                    "target": rank, "state": "silent",
                     "reason": "the hub stopped before the rank reported its end"})
         self._ending_state = self.core.liveness.lifecycle_state(self.state, time.monotonic())
 

@@ -187,6 +187,7 @@ class Relay:
             if sock is not None:
                 sock.close(linger=0)
         self._ingest = self._rpc = self._push = self._dealer = None
+        self.report.looks.close()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
         self._lock_file.close()

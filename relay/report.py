@@ -4,18 +4,22 @@ the recent round trips."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import zmq
 
 from scalemon import protocol
 
+from .looks import RelayLooks
+
 REPORT_S = 2.0
+PROBES_BYTES = 256 << 10
+"""Looks one report carries at most, packed (the hub's rpc socket takes 1 MiB messages)."""
 OWN_ID = b"relay"
 """The routing frame of the relay's own requests on its DEALER (ranks' ids start with 0)."""
 
@@ -33,6 +37,9 @@ class Report:
         self._next = 0.0
         self.answered: float | None = None
         """time.monotonic() of the hub's last answer; None since (re)connecting."""
+        self.looks = RelayLooks()
+        """Looks at the node's ranks' processes the hub asked for (1.12)."""
+        self._probes: list[dict[str, Any]] = []  # finished looks not yet reported
 
     def reset(self) -> None:
         """A new hub (or the same at a new address): start over, round trips quick again."""
@@ -51,14 +58,31 @@ class Report:
                     stats: Callable[[], dict[str, Any]]) -> None:
         """Send the report (`stats()`) when due, or again when the last one went unanswered."""
         overdue = self._sent is not None and now - self._sent > 5.0
-        if (self._sent is None or overdue) and now >= self._next:
+        self._probes.extend(self.looks.take())
+        looks_due = bool(self._probes) and self._sent is None
+        if (self._sent is None or overdue) and (now >= self._next or looks_due):
+            probes = self._next_probes()
             request = protocol.encode_request("relay", node=self.node, pid=os.getpid(),
-                                              t=time.time(), stats=stats())
-            with contextlib.suppress(zmq.Again):
+                                              t=time.time(), stats=stats(),
+                                              **({"probes": probes} if probes else {}))
+            try:
                 dealer.send_multipart([OWN_ID, request], zmq.NOBLOCK)
                 self._sent = now
+            except zmq.Again:
+                self._probes[:0] = probes  # in the next report
             # round trips are quick at first (3 in a second) so the clock is known early
             self._next = now + (self.every_s if len(self._round_trips) >= 3 else 0.3)
+
+    def _next_probes(self) -> list[dict[str, Any]]:
+        """The finished looks one report carries: up to `PROBES_BYTES` of them (a reading is
+        bounded, see `scalemon.proc.stacks`); the rest go in the next reports."""
+        taken, size = [], 0
+        while self._probes:
+            size += len(msgpack.packb(self._probes[0], use_bin_type=True))
+            if taken and size > PROBES_BYTES:
+                break
+            taken.append(self._probes.pop(0))
+        return taken
 
     def read_reply(self, frame: bytes) -> None:
         """Take the hub's answer to a report: it answered now, and with its clock."""
@@ -73,6 +97,7 @@ class Report:
         if not reply.get("ok", True):
             self._warn("refused", f"the hub refused the relay's report: {reply.get('error')}")
             return
+        self.looks.ask(reply.get("probe"))
         t0, hub_t = reply.get("t0"), reply.get("t")
         if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
             self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))

@@ -20,9 +20,20 @@ STRAGGLER_MIN_S = 0.010
 STRAGGLER_STEP_SHARE = 0.1
 """...and at least this share of the median step time."""
 
-NODE_STATES = ("failed", "lost", "restarting", "stuck", "straggler", "running", "finished")
+NODE_STATES = ("failed", "gone", "unreachable", "silent", "frozen", "restarting", "stuck",
+               "straggler", "running", "finished")
 """What a rank is, worst first (`rank_status`); a node's worst state is the first of these that
-one of its ranks is in."""
+one of its ranks is in. `gone`, `unreachable`, `silent` and `frozen` are the hub's words for a
+running rank that stopped sending (`protocol.SILENT_RANK_STATES`): its process ended without
+reporting an exit; its node's relay is silent too; nothing on its node can look at its process;
+its process exists but sends nothing (the job hangs on it)."""
+GONE_KINDS = ("gone", "unreachable", "silent")
+"""The `rank_kind`s of a rank that stopped sending and is taken for ended (a node row counts
+them together in its `gone` column; the rank's own word is in its worst state and the rank
+table)."""
+TROUBLE_KINDS = ("failed", *GONE_KINDS, "frozen")
+"""The `rank_kind`s listed above a big job's node table and first in its order: the ranks that
+failed or stopped sending."""
 
 
 def stuck_after_s(median_step_s: float | None) -> float:
@@ -44,15 +55,22 @@ def straggler_bar(median_step_s: float | None) -> float:
 
 
 def rank_kind(state: str, exit_code: int | None) -> str:
-    """What a node row counts a rank as: running (restarting included), lost, failed (exited
-    other than with 0) or finished (exited with 0, or stopped by its user, too)."""
+    """What a node row counts a rank as: running (restarting included), frozen, gone,
+    unreachable or silent (the hub's word for a rank that stopped sending; `lost`, of a hub
+    before 1.12, reads as `silent`, as the reducer reads it), failed (exited other than with
+    0) or finished (exited with 0, or stopped by its user, too)."""
+    if state in _SILENT_KINDS:
+        return state
     if state == "lost":
-        return "lost"
+        return "silent"
     if state == "stopped":
         return "finished"
     if state == "exited":
         return "finished" if exit_code == 0 else "failed"
     return "finished" if state == "finished" else "running"
+
+
+_SILENT_KINDS = frozenset((*GONE_KINDS, "frozen"))
 
 
 def rank_status(state: str, exit_code: int | None, phase: str | None,

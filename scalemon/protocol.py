@@ -24,7 +24,7 @@ import msgpack
 
 from scalemon import metrics
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 11)
+PROTOCOL_VERSION: tuple[int, int] = (1, 12)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -56,6 +56,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "world_size": ((int,), True),
         "local_rank": ((int,), True),
         "restart_count": ((int,), False),
+        "max_restarts": ((int,), False),  # 1.12: the launcher's restart budget (torchrun's)
         "agent_version": ((str,), False),
         "torch_version": (_OPT_STR, False),
         "device": (_OPT_STR, False),
@@ -182,12 +183,26 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "gap_s": ((float, int, type(None)), False),
         "text": (_OPT_STR, False),
     },
-    # Written by the hub: a rank changed state (`state` is one of RANK_STATES).
+    # Written by the hub: a rank changed state (`state` is one of RANK_STATES); (1.12)
+    # `process`: what the hub or the node's relay read of the rank's process
+    # (`scalemon.proc.facts.ProcessFacts.to_wire`), `where`: where a frozen rank is stuck, in
+    # words, from its stacks read from outside.
     "rank_state": {
         "target": ((int,), True),
         "state": ((str,), True),
         "reason": (_OPT_STR, False),
         "exit_code": (_OPT_INT, False),
+        "process": (_OPT_DICT, False),
+        "where": (_OPT_STR, False),
+    },
+    # Written by the hub (1.12): a silent rank's stacks, read from outside its process by the
+    # hub or its node's relay (`scalemon.proc.stacks.StackReading.to_wire`), with the facts of
+    # its process read at the same time.
+    "rank_stacks": {
+        "target": ((int,), True),
+        "reading": ((dict,), True),
+        "process": (_OPT_DICT, False),
+        "reader": (_OPT_STR, False),
     },
     # Written by the hub (1.5): the job's user asked to stop it (RPC `stop` on the control
     # socket, e.g. `scalemon demo`'s quit); ranks that end after it are `stopped`, not failed.
@@ -204,8 +219,14 @@ STEP_COMM_FIELDS = ("step", "count", "timed", "time_s", "bytes", "issue_t")
 collectives (every group, p2p excluded), how many had a duration, their summed duration (s;
 null when none had one), their summed bytes, the first one's issue time (Unix s, rank's clock)."""
 
-RANK_STATES = ("running", "lost", "exited", "finished")
-HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop")
+SILENT_RANK_STATES = ("frozen", "gone", "unreachable", "silent")
+"""What the hub says of a running rank that stopped sending (1.12; `lost` before): `frozen`
+(its process exists: stacks read from outside say where it is), `gone` (its process ended
+without reporting an exit), `unreachable` (its node's relay is silent too), `silent` (nothing
+on its node can look at its process). `docs/protocol.md` and the README say the same."""
+RANK_STATES = ("running", *SILENT_RANK_STATES, "exited", "finished", "lost")
+"""`lost` is read in histories of hubs before 1.12 (the reducer takes it as `silent`)."""
+HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop", "rank_stacks")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
 
 
@@ -440,7 +461,11 @@ RPC_OPS = {
     "sync": {"rank": int, "t": float},
     # a node's relay reports itself (its clock `t`, and `stats`: received, forwarded and
     # dropped message counts since it started); the reply carries the hub's `t`, as for sync
-    "relay": {"node": str, "pid": int, "t": float, "stats": dict},
+    "relay": {"node": str, "pid": int, "t": float, "stats": dict,
+              # 1.12: what the relay read of the processes the hub asked it to look at (the
+              # reply's `probe`: [{"rank", "pid", "native"}]), as [{"rank", "pid", "process",
+              # "reading"}]
+              "probes": (list, False)},
     # a dashboard asks the hub to have every rank do something (see hub.COMMANDS)
     "command": {"name": str},
     # change a flag on every rank (`scalemon.flags`); `control` peers only (OP_ROLES).
@@ -458,6 +483,11 @@ RPC_OPS = {
     # rank `rank`'s latest records numbered below `before`, at most `limit`, oldest first
     # (a big job's rank detail): {"records": [bytes], "head": int, "complete": bool}
     "rank_records": {"rank": int, "before": int, "limit": int},
+    # 1.12: read ranks' stacks from outside their processes (all ranks when `ranks` is empty;
+    # `native` frames too). `id` 0 starts a reading, whose id the reply gives; asked again with
+    # that id, the reply has what came so far: {"id", "done", "ranks": {rank: {"reading",
+    # "process", "reader"} or {"error"}}}
+    "stacks": {"ranks": list, "native": bool, "id": int},
 }
 RANK_RECORDS_KEPT = 4096
 """The hub serves `rank_records` from each rank's latest this many record numbers."""
@@ -474,6 +504,7 @@ OP_ROLES: dict[str, tuple[str, ...]] = {
     "fetch": ("watch", "control"),
     "seed": ("watch", "control"),
     "rank_records": ("watch", "control"),
+    "stacks": ("control",),  # reading a stack stops the process for a moment
     **{op: ("control",) for op in CONTROL_OPS},
 }
 """The roles (`scalemon.home.keys.ROLES`) that may make each request (1.8). The hub knows a peer's
@@ -500,8 +531,11 @@ def decode_request(frame: bytes) -> tuple[str, dict[str, Any]]:
     if type(op) is not str or op not in RPC_OPS:
         raise ProtocolError(f"unknown request op {op!r}; known: {sorted(RPC_OPS)}")
     args = {}
-    for name, typ in RPC_OPS[op].items():
+    for name, spec in RPC_OPS[op].items():
+        typ, required = spec if isinstance(spec, tuple) else (spec, True)
         value = obj.get(name)
+        if value is None and not required:
+            continue
         if type(value) is not typ:
             raise ProtocolError(f"request {op}.{name} is {value!r}, expected {typ.__name__}")
         args[name] = value

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,9 +17,16 @@ import pytest
 
 from conftest import FakeRank, wait_for
 from scalemon.home.history import run_dir
-from scalemon.hub.alerts_out import ALERT_CMD_ENV, PER_MINUTE, STRAGGLER_STEPS, AlertsOut
+from scalemon.hub.alerts_out import (
+    ALERT_CMD_ENV,
+    KINDS,
+    PER_MINUTE,
+    RANK_KINDS,
+    STRAGGLER_STEPS,
+    AlertsOut,
+)
 from scalemon.link.client import HubClient
-from scalemon.protocol import HUB_RANK, Message
+from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state.jobstate import JobState
 
 APPEND = "import sys\nwith open(sys.argv[1], 'a') as f:\n    f.write(sys.stdin.read())\n"
@@ -60,14 +68,18 @@ def hub_alerts(hub) -> list:
         client.close()
 
 
-def test_nan_alert_runs_the_command_once_rate_limited_then_rank_lost(
-        start_hub, zctx, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nan_alert_runs_the_command_once_rate_limited_then_rank_gone(
+        start_hub, zctx, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
     out = tmp_path / "alerts.jsonl"
     monkeypatch.setenv(ALERT_CMD_ENV, alert_cmd(tmp_path, APPEND, out))
     hub = start_hub("alertA", "--lost-after", "3")
     ranks = [FakeRank(zctx, hub.address, "alertA", r) for r in range(2)]
-    for r in ranks:
-        r.hello()
+    # rank 1's process: a real one on the hub's host, killed below without an exit message
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    request.addfinalizer(victim.kill)
+    ranks[0].hello()
+    ranks[1].hello(pid=victim.pid)
     ranks[0].step(1, loss=math.nan)
     [alert] = beating(ranks[0], lambda: alerts_in(out, "loss_not_finite"))
     assert (alert["rank"], alert["step"], alert["job"], alert["value"]) == (0, 1, "alertA", None)
@@ -78,13 +90,16 @@ def test_nan_alert_runs_the_command_once_rate_limited_then_rank_lost(
     ranks[0].step(3, loss=math.nan)
     beating(ranks[0], lambda: [e for e in audit(home, "alertA") if e["event"] == "alert"
                                and e["kind"] == "loss_not_finite" and e["sent"] is False])
-    [lost] = beating(ranks[0], lambda: alerts_in(out, "rank_lost"))  # rank 1 fell silent
-    assert lost["rank"] == 1 and "no message for" in lost["text"]
+    victim.kill()
+    victim.wait()
+    [gone] = beating(ranks[0], lambda: alerts_in(out, "rank_gone"))  # its process ended
+    assert gone["rank"] == 1 and gone["text"].startswith(
+        f"rank 1 gone: process {victim.pid} ended without reporting an exit")
     assert len(alerts_in(out, "loss_not_finite")) == 1
 
     entries = audit(home, "alertA")
     sent = sorted((e["kind"], e["rank"]) for e in entries if e["event"] == "alert" and e["sent"])
-    assert sent == [("loss_not_finite", 0), ("rank_lost", 1)]
+    assert sent == [("loss_not_finite", 0), ("rank_gone", 1)]
     suppressed = next(e for e in entries if e["event"] == "alert" and not e["sent"])
     assert "at most one per 60 s" in suppressed["why"]
     beating(ranks[0], lambda: len([e for e in audit(home, "alertA")
@@ -195,7 +210,7 @@ def test_global_cap_suppresses_and_the_next_alert_says_how_many() -> None:
     out = AlertsOut("unit", book, sent.append, state)
     for r in range(PER_MINUTE + 2):
         state.apply(Message("rank_state", "unit", HUB_RANK, r, time.time(),
-                            {"target": r, "state": "lost", "reason": "gone"}))
+                            {"target": r, "state": "gone", "reason": "killed?"}))
     fired = out.check(state, 10.0)
     assert len(fired) == PER_MINUTE + 2 and len(sent) == PER_MINUTE
     held = [e for e in book.entries if e["event"] == "alert" and not e["sent"]]
@@ -203,3 +218,60 @@ def test_global_cap_suppresses_and_the_next_alert_says_how_many() -> None:
     state.apply(Message("step", "unit", 0, 50, time.time(), {"step": 5, "loss": math.nan}))
     out.check(state, 75.0)
     assert sent[-1]["kind"] == "loss_not_finite" and sent[-1]["suppressed"] == 2
+
+
+def test_a_rank_that_stops_sending_alerts_by_the_hubs_word() -> None:
+    """One alert kind per word (`rank_frozen`, `rank_gone`, `rank_unreachable`,
+    `rank_silent`), its text the word and why: a frozen rank's where-text when known."""
+    sent: list[dict] = []
+    state = _state(ranks=5)
+    out = AlertsOut("unit", Book(), sent.append, state)
+    where = ("frozen in native code holding the GIL: sleep <- freeze_holding_the_gil() at "
+             "faults.py:11")
+    said = [(0, {"state": "frozen", "reason": "no message for 5.0 s", "where": where,
+                 "process": {"pid": 100, "exists": True, "state_word": "sleeping"}}),
+            (1, {"state": "gone", "reason": "process 101 ended without reporting an exit"}),
+            (2, {"state": "unreachable", "reason": "its node's relay is silent"}),
+            (3, {"state": "silent", "reason": "no reader on its node"}),
+            (4, {"state": "lost", "reason": "no message for 5.0 s"})]  # a hub before 1.12
+    for seq, (rank, body) in enumerate(said):
+        state.apply(Message("rank_state", "unit", HUB_RANK, seq, time.time(),
+                            {"target": rank, **body}))
+    out.check(state, 10.0)
+    assert [(a["kind"], a["rank"], a["text"]) for a in sent] == [
+        ("rank_frozen", 0, f"rank 0 frozen: {where}"),
+        ("rank_gone", 1, "rank 1 gone: process 101 ended without reporting an exit"),
+        ("rank_unreachable", 2, "rank 2 unreachable: its node's relay is silent"),
+        ("rank_silent", 3, "rank 3 silent: no reader on its node"),
+        ("rank_silent", 4, "rank 4 silent: no message for 5.0 s")]
+    assert not [k for k in KINDS if "lost" in k]
+    assert {RANK_KINDS[w] for w in SILENT_RANK_STATES} <= set(KINDS)
+
+    sent.clear()  # the frozen rank's process is killed: a new word, a new alert
+    state.apply(Message("rank_state", "unit", HUB_RANK, 10, time.time(),
+                        {"target": 0, "state": "gone",
+                         "reason": "process 100 ended after it froze without reporting an exit"}))
+    out.check(state, 20.0)
+    assert [(a["kind"], a["rank"]) for a in sent] == [("rank_gone", 0)]
+
+
+def test_a_frozen_rank_that_speaks_again_and_freezes_again_alerts_twice() -> None:
+    sent: list[dict] = []
+    state = _state(ranks=2)
+    out = AlertsOut("unit", Book(), sent.append, state)
+
+    def freeze(seq: int) -> None:
+        state.apply(Message("rank_state", "unit", HUB_RANK, seq, time.time(),
+                            {"target": 1, "state": "frozen", "reason": "no message for 5 s"}))
+
+    freeze(0)
+    out.check(state, 10.0)
+    out.check(state, 20.0)  # still frozen: nothing new
+    assert [a["kind"] for a in sent] == ["rank_frozen"]
+    assert sent[0]["text"] == "rank 1 frozen: no message for 5 s"  # no where-text yet
+    _step(state, 1, 7, time.time())  # it speaks again: running
+    assert state.ranks[1].state == "running"
+    out.check(state, 30.0)
+    freeze(1)
+    out.check(state, 100.0)  # past the per-rank limit of one a minute
+    assert [a["kind"] for a in sent] == ["rank_frozen", "rank_frozen"]

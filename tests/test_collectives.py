@@ -232,6 +232,25 @@ def test_bad_collectives_rows_are_counted_and_the_rest_goes_on():
     assert st.bad_collectives == 1 and st.ranks[0].step == 1
 
 
+def test_a_rank_never_heard_from_is_named_as_such_not_as_python_without_a_stack():
+    st = JobState(hang_after_s=10.0)
+    for rank in (0, 2):  # rank 1 died before its agent's first message
+        st.apply(hello(rank, 3))
+    groups = {"0": {"desc": "default_pg", "ranks": [0, 1, 2]}}
+    st.apply(msg("collectives", 0, 1, {"groups": groups, "stats": [], "issues": []}))
+    for rank in (0, 2):
+        st.apply(msg("step", rank, 2, {"step": 4}, t=1000.0))
+        st.apply(msg("heartbeat", rank, 3, {
+            "phase": "allreduce", "dropped": 0, "groups": {"0": [10, 9]},
+            "inflight": [["0", 10, "all_reduce", 1000.5]]}, t=1020.0))
+    hang = snapshot_json(st, now=1037.5)["hang"]
+    assert hang["culprits"] == [1] and hang["causes"][0]["cause"] == "unheard"
+    assert hang["text"].startswith("rank 1: never reported to the hub: its process did not "
+                                   "start, or ended before its agent's first message; never "
+                                   "issued all_reduce #10"), hang["text"]
+    assert "no stack yet" not in hang["text"]
+
+
 def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     st = JobState(hang_after_s=10.0)
     for rank in (0, 1, 2):
@@ -268,12 +287,31 @@ def test_a_hang_names_the_rank_that_never_issued_and_carries_every_stack():
     assert "HUNG: rank 1 never issued all_reduce #10 of default_pg [0,1,2]" in text
     assert "  state HUNG  " in text.splitlines()[0]  # not "running"
     assert 'rank 1 stack:\n    File "train.py", line 1, in rank1' in text
-    st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "lost",
-                                                      "reason": "process 101 is gone"}))
+    # frozen in native code: its stacks read from outside name where, and stand for its stack
+    where = "frozen in native code holding the GIL: sleep <- stuck() at train.py:9"
+    st.apply(msg("rank_stacks", protocol.HUB_RANK, 1, {"target": 1, "reader": "hub on h0",
+                                                       "reading": {
+        "pid": 101, "tool": "py-spy 0.4.3", "native": True, "error": None, "took_s": 0.1,
+        "t": 1038.0, "threads": [{"thread_id": 7, "name": "MainThread", "os_thread_id": 101,
+                                  "active": True, "owns_gil": True, "frames": [
+                                      {"name": "sleep", "file": "libc.so.6", "line": 0,
+                                       "native": True},
+                                      {"name": "stuck", "file": "train.py", "line": 9,
+                                       "native": False}]}]}}))
+    st.apply(msg("rank_state", protocol.HUB_RANK, 2, {"target": 1, "state": "frozen",
+                                                      "reason": "no message for 5.2 s",
+                                                      "where": where}))
+    hang = job_hang(st, now=1039.0)
+    assert hang["culprits"] == [1] and hang["gone"] == []
+    assert hang["causes"][0]["cause"] == "frozen"
+    assert f"rank 1: {where}; never issued all_reduce #10" in hang["text"]
+    assert "read from outside the process by hub on h0" in hang["stacks"]["1"]
+    assert "stuck" in hang["stacks"]["1"]
+    st.apply(msg("rank_state", protocol.HUB_RANK, 3, {"target": 1, "state": "gone",
+                                                      "reason": "process 101 ended"}))
     hang = job_hang(st, now=1040.0)
     assert hang["culprits"] == [1] and hang["gone"] == [1]
-    assert "rank 1: lost: process 101 is gone; never issued all_reduce #10" in hang["text"]
-    assert "no stack: the rank is lost" in hang["stacks"]["1"]
+    assert "rank 1: gone: process 101 ended; never issued all_reduce #10" in hang["text"]
 
 
 # --- the agent's reader -----------------------------------------------------------------------

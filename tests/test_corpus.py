@@ -123,7 +123,7 @@ def run_job(home: Path, name: str) -> Outcome:
         if done.returncode == 0:
             last = json.loads(done.stdout)
         return len(last["ranks"]) == nproc and all(
-            r["state"] in ("exited", "finished", "lost") for r in last["ranks"])
+            r["state"] in ("exited", "finished", "gone", "silent") for r in last["ranks"])
 
     with contextlib.suppress(AssertionError):  # the tests say what is missing
         wait_for(ended, timeout=60, interval=0.5)

@@ -149,7 +149,7 @@ def test_sigkill_of_a_rank_shows_lost_within_5_s(home, victim):
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         view = wait_for(
-            lambda: (r := snapshot(home, "e2e4")["ranks"][victim])["state"] in ("lost", "exited")
+            lambda: (r := snapshot(home, "e2e4")["ranks"][victim])["state"] in ("gone", "exited")
             and r, timeout=5)
         assert time.monotonic() - killed <= 5.0
         assert view["state_reason"]

@@ -371,23 +371,33 @@ def test_the_hub_says_why_each_rank_gave_nothing():
     from scalemon.hub.frdump import WAIT_S, job_context
     from scalemon.state.jobstate import JobState, RankView
 
-    state = JobState(job="j", world_size=6)
-    state.ranks = {r: RankView(rank=r) for r in range(5)}
-    state.ranks[1].state, state.ranks[1].state_reason = "lost", "no message for 5.2 s"
+    state = JobState(job="j", world_size=9)
+    state.ranks = {r: RankView(rank=r) for r in range(8)}
+    state.ranks[1].state, state.ranks[1].state_reason = "gone", "process 7 ended (killed?)"
     state.ranks[2].state, state.ranks[2].state_reason = "exited", "killed by SIGKILL"
     state.ranks[4].metrics["groups"] = {"0": [11, 11]}
-    state.groups = {"0": {"desc": "default_pg", "ranks": list(range(6))}}
-    context = job_context(state, asked=[0, 1, 2, 3, 4], written=[0],
+    state.ranks[5].state, state.ranks[5].state_reason = "frozen", "no message for 5.2 s"
+    state.ranks[5].where = "frozen in native code holding the GIL: sleep <- f() at x.py:3"
+    state.ranks[6].state, state.ranks[6].state_reason = "unreachable", "relay silent"
+    state.ranks[7].state = "silent"
+    state.groups = {"0": {"desc": "default_pg", "ranks": list(range(9))}}
+    context = job_context(state, asked=list(range(8)), written=[0],
                           errors={3: "OSError: [Errno 28] No space left on device"})
     assert context["missing"] == {
-        "1": "lost (no message for 5.2 s): its process is dead, stopped or cut off from the hub",
+        "1": "gone (process 7 ended (killed?)): its process ended without reporting an exit",
         "2": "its process exited (killed by SIGKILL)",
         "3": "its agent could not write it: OSError: [Errno 28] No space left on device",
         "4": f"no answer within {WAIT_S:g} s (stuck in C++ holding the GIL, or its agent "
              "thread is gone)",
-        "5": "never reported to the hub (its agent is off or never started)"}
-    assert context["gone"] == [1, 2] and context["heartbeat"] == {"4": {"0": [11, 11]}}
-    assert context["members"] == {"0": [0, 1, 2, 3, 4, 5]}
+        "5": "frozen (no message for 5.2 s): its process exists but sends nothing (its agent's "
+             "thread cannot run); frozen in native code holding the GIL: sleep <- f() at x.py:3",
+        "6": "unreachable (relay silent): its node's relay is silent too; taken for ended",
+        "7": "silent (no message): nothing on its node can look at its process; taken for "
+             "ended",
+        "8": "never reported to the hub (its agent is off or never started)"}
+    # a frozen rank's process exists: not among the gone
+    assert context["gone"] == [1, 2, 6, 7] and context["heartbeat"] == {"4": {"0": [11, 11]}}
+    assert context["members"] == {"0": list(range(9))}
     assert context["descs"] == {"0": "default_pg"}
 
 

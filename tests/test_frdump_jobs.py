@@ -92,9 +92,9 @@ def test_dump_of_a_hung_2_rank_gloo_job_names_the_rank_that_never_issued(home, t
                                    "default_pg [0,1]")
 
         pid = next(r["pid"] for r in state["ranks"] if r["rank"] == 1)
-        os.kill(pid, signal.SIGSTOP)  # alive, but neither it nor its agent answers
+        os.kill(pid, signal.SIGSTOP)  # alive, but neither it nor its agent answers: frozen
         try:
-            wait_for(lambda: (s := snapshot(home)) and s["ranks"][1]["state"] == "lost",
+            wait_for(lambda: (s := snapshot(home)) and s["ranks"][1]["state"] == "frozen",
                      timeout=60, interval=0.5)
             done = dump(home, "--json")
         finally:
@@ -102,7 +102,8 @@ def test_dump_of_a_hung_2_rank_gloo_job_names_the_rank_that_never_issued(home, t
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(done.stdout)
         assert report["read"] == [0] and list(report["missing"]) == ["1"]
-        assert report["missing"]["1"].startswith("lost (")
+        assert report["missing"]["1"].startswith("frozen (")
+        assert "its process exists but sends nothing" in report["missing"]["1"]
         assert done.stderr.strip().splitlines() == [
             f"scalemon dump: rank 1 gave no dump: {report['missing']['1']}"]
         assert report["culprit"]["culprits"] == [1] and report["culprit"]["waiting"] == [0]

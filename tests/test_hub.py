@@ -196,7 +196,7 @@ def test_garbage_is_counted_and_logged_and_loses_no_valid_message(start_hub, zct
         protocol.decode_reply(rpc_bad.recv_multipart()[-1])
 
 
-def test_silent_rank_turns_lost_and_comes_back(start_hub, zctx):
+def test_a_silent_rank_whose_process_exists_turns_frozen_and_comes_back(start_hub, zctx):
     hub = start_hub("jobE", "--lost-after", "1.0")
     ranks = [FakeRank(zctx, hub.address, "jobE", r) for r in range(2)]
     for r in ranks:
@@ -207,13 +207,15 @@ def test_silent_rank_turns_lost_and_comes_back(start_hub, zctx):
         time.sleep(0.2)
     views = hub_state(hub)["state"]["ranks"]
     assert views[0]["state"] == "running"
-    assert views[1]["state"] == "lost" and "no message" in views[1]["state_reason"]
-    assert hub_state(hub)["state"]["state"] == "degraded"
+    # its process (this test's own) exists: frozen, not ended, the job runs on (and hangs)
+    assert views[1]["state"] == "frozen" and "no message" in views[1]["state_reason"]
+    assert views[1]["process"]["pid"] == os.getpid() and views[1]["process"]["exists"]
+    assert hub_state(hub)["state"]["state"] == "running"
     ranks[1].heartbeat()
     wait_for(lambda: hub_state(hub)["state"]["ranks"][1]["state"] == "running")
 
 
-def test_dead_process_is_lost_before_the_heartbeat_timeout(start_hub, zctx):
+def test_a_dead_process_is_gone_before_the_heartbeat_timeout(start_hub, zctx):
     hub = start_hub("jobF", "--lost-after", "30")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     rank = FakeRank(zctx, hub.address, "jobF", 0)
@@ -222,9 +224,9 @@ def test_dead_process_is_lost_before_the_heartbeat_timeout(start_hub, zctx):
     victim.kill()
     victim.wait()
     killed = time.monotonic()
-    wait_for(lambda: hub_state(hub)["state"]["ranks"][0]["state"] == "lost", timeout=5)
+    wait_for(lambda: hub_state(hub)["state"]["ranks"][0]["state"] == "gone", timeout=5)
     assert time.monotonic() - killed < 5
-    assert "gone" in hub_state(hub)["state"]["ranks"][0]["state_reason"]
+    assert f"process {victim.pid} ended" in hub_state(hub)["state"]["ranks"][0]["state_reason"]
 
 
 def test_exit_messages_set_finished_and_exited_and_the_hub_lingers_then_leaves(start_hub, zctx):

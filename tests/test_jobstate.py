@@ -44,7 +44,7 @@ def test_rank_and_job_states_follow_hellos_losses_and_exits():
     state.apply(hello(1))
     state.apply(msg("rank_state", HUB_RANK, 1, {"target": 1, "state": "lost",
                                                 "reason": "no message for 5.1 s"}))
-    assert state.ranks[1].state == "lost"
+    assert state.ranks[1].state == "silent"  # a hub before 1.12 said lost: nothing looked
     assert state.ranks[1].state_reason == "no message for 5.1 s"
     assert state.state == "degraded"
     state.apply(msg("step", 1, 1, {"step": 1}))  # it speaks again
@@ -81,9 +81,9 @@ def test_messages_of_a_newer_minor_type_change_nothing_but_bookkeeping():
     assert view.seq_seen == 1 and view.step is None and state.messages == 1
 
 
-def lost(rank: int, reason: str = "process 101 is gone without reporting an exit (killed?)",
+def lost(rank: int, reason: str = "process 101 ended without reporting an exit (killed?)",
          seq: int = 1) -> Message:
-    return msg("rank_state", HUB_RANK, seq, {"target": rank, "state": "lost", "reason": reason})
+    return msg("rank_state", HUB_RANK, seq, {"target": rank, "state": "gone", "reason": reason})
 
 
 def two_ranks() -> JobState:
@@ -103,14 +103,14 @@ def test_ranks_that_end_after_the_users_stop_are_stopped_not_lost_or_failed():
     views = state.ranks
     assert [views[0].state, views[1].state] == ["stopped", "stopped"]
     assert views[0].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
-                                     "process 101 is gone without reporting an exit (killed?))")
+                                     "process 101 ended without reporting an exit (killed?))")
     assert views[1].state_reason.startswith("stopped by user (") and views[1].exit_code == 143
     assert state.state == "stopped" and state.failed() == [] and state.first_failure() is None
     as_json = snapshot_json(state, now=2.0)
     assert as_json["state"] == "stopped" and as_json["stop"]["user"] == "ann"
     state.apply(hello(0, seq=0))  # the job id runs again: the old stop no longer holds
     state.apply(lost(0))
-    assert state.stop is None and state.ranks[0].state == "lost"
+    assert state.stop is None and state.ranks[0].state == "gone"
 
 
 def test_crashed_lost_hung_and_stopped_are_distinct_job_states():
@@ -239,3 +239,46 @@ def test_tokens_per_s_is_the_scripts_own_else_tokens_over_step_time():
                    "extra": {"tokens_per_s": 1000.0}}, own_rate=False)["tokens_per_s"] == 1000.0
     state.apply(step(0, 4, 4, tokens=512, step_time_s=0.25))  # a step it did not measure
     assert state.ranks[0].value("tokens_per_s") == 1000.0  # its last own value stands
+
+
+def attempt_hello(rank: int, count: int, t: float) -> Message:
+    return msg("hello", rank, 0, {"host": "h", "pid": 100 + rank + 10 * count, "world_size": 2,
+                                  "local_rank": rank, "restart_count": count,
+                                  "max_restarts": 1}, t=t)
+
+
+def test_a_torchrun_restart_is_one_job_whose_attempts_keep_the_first_failure():
+    state = JobState()
+    for rank in (0, 1):
+        state.apply(attempt_hello(rank, 0, t=1.0))
+    state.apply(msg("step", 0, 1, {"step": 4}, t=2.0))
+    state.apply(msg("step", 1, 1, {"step": 4}, t=2.0))
+    state.apply(msg("exit", 1, 2, {"reason": "exception", "exit_code": 1,
+                                   "error": "InjectedCrash: --inject-crash 1:5"}, t=3.0))
+    state.apply(msg("rank_state", HUB_RANK, 1, {"target": 0, "state": "gone",
+                                                "reason": "process 100 ended"}, t=3.5))
+    # every rank of attempt 1 ended, and torchrun has a restart left: not crashed, restarting
+    assert state.state == "restarting"
+    assert state.hang_possible() is False
+    for rank in (0, 1):
+        state.apply(attempt_hello(rank, 1, t=5.0))
+    assert state.state == "running" and state.ranks[1].error is None
+    state.apply(msg("step", 0, 1, {"step": 12}, t=8.0))
+    for rank in (0, 1):
+        state.apply(msg("exit", rank, 2, {"reason": "finished", "exit_code": 0}, t=9.0))
+    assert state.state == "finished" and state.first_failure() is None
+    first, second = snapshot_json(state, now=10.0)["attempts"]
+    assert first["attempt"] == 0 and first["how"] == "crashed" and first["end"] == 3.5
+    assert first["start"] == 1.0 and first["last_step"] == 4
+    assert first["first_failure"].startswith("rank 1 failed first (step 4): InjectedCrash")
+    assert second == {"attempt": 1, "start": 5.0, "end": 9.0, "how": "finished",
+                      "first_failure": None, "last_step": 12}
+    # a crash in the last attempt is the job's end: crashed
+    again = JobState()
+    for count in (0, 1):
+        for rank in (0, 1):
+            again.apply(attempt_hello(rank, count, t=1.0 + count))
+        for rank in (0, 1):
+            again.apply(msg("exit", rank, 1, {"reason": "exception", "exit_code": 1,
+                                              "error": "boom"}, t=1.5 + count))
+    assert again.state == "crashed" and len(again.attempts_json()) == 2

@@ -19,11 +19,11 @@ FOLDERS = {"scalemon": "scalemon", "hub": "scalemon.hub", "agent": "scalemon.age
 TOP = "top"
 """The tables and rules at the top of scalemon/ (protocol, metrics, flags, policy, settings,
 collectives, options): the lowest layer."""
-CORE_PACKAGES = ("text", "home", "state", "reports", "link", "cli")
+CORE_PACKAGES = ("text", "home", "state", "reports", "link", "proc", "cli")
 """The core's subpackages, each a layer of its own (`scalemon.<name>`)."""
 PROCESSES = ("hub", "agent", "relay", "tui", "demo_train")
 """The packages of the processes built on the core (`scalemon.<name>`)."""
-CORE = {TOP, "text", "home", "state", "reports", "link"}
+CORE = {TOP, "text", "home", "state", "reports", "link", "proc"}
 """What a process may import: the core, without the CLI."""
 # layer -> the layers it may import at module level
 ALLOWED = {
@@ -31,8 +31,9 @@ ALLOWED = {
     "text": {TOP, "text"},
     "home": {TOP, "text", "home"},
     "state": {TOP, "text", "state"},
-    "reports": {TOP, "text", "state", "reports"},
+    "reports": {TOP, "text", "state", "proc", "reports"},
     "link": {TOP, "text", "home", "state", "link"},
+    "proc": {TOP, "text", "proc"},
     "cli": CORE | {"cli"},
     "agent": CORE | {"agent"},
     "hub": CORE | {"hub"},

@@ -160,8 +160,8 @@ def test_crashed_lost_and_hung_jobs_keep_their_own_states(home: Path, tmp_path: 
             assert state["first_failure"]["rank"] == 1
             assert "InjectedCrash" in state["first_failure"]["error"]
         elif case == "lost":
-            assert state["ranks"][1]["state"] == "lost"
-            assert state["first_failure"]["state"] == "lost"
+            assert state["ranks"][1]["state"] == "gone"  # killed: its process ended
+            assert state["first_failure"]["state"] == "gone"
         else:
             assert state["hang"] is not None and state["hang"]["culprits"] == [1]
             assert [r["state"] for r in state["ranks"]] == ["running", "running"]

@@ -24,6 +24,7 @@ from scalemon.collectives import CollectiveStats
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.hub.openmetrics import RANK_GAUGES, families, parse_address
+from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state.jobstate import JobState
 
 GROUP = "0"
@@ -176,22 +177,68 @@ def test_scrapes_while_ranks_join_and_step_all_parse(start_hub, zctx, home):
     assert hub.proc.poll() is None
 
 
-def test_a_lost_rank_reads_down(start_hub, zctx, home):
+def rank_states(found: dict, job: str) -> dict[int, str]:
+    """{rank: state} of the `scalemon_rank_state` samples of value 1."""
+    out = {}
+    for (name, labels), value in found.items():
+        d = dict(labels)
+        if name == "scalemon_rank_state" and d.get("job") == job and value == 1:
+            assert int(d["rank"]) not in out, "one state per rank"
+            out[int(d["rank"])] = d["state"]
+    return out
+
+
+def test_a_rank_whose_process_is_killed_reads_down_and_gone(start_hub, zctx, home, request):
     hub = start_hub("omL", "--metrics", ":0", "--lost-after", "0.5", "--world-size", "2")
     url = job_file(home, "omL").metrics_url
     assert url.startswith("http://127.0.0.1:")  # ":PORT" alone: loopback
+    # rank 1's process: a real one on the hub's host, killed without an exit message
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    request.addfinalizer(victim.kill)
     ranks = [FakeRank(zctx, hub.address, "omL", r) for r in (0, 1)]
-    for rank in ranks:
-        rank.hello(world_size=2)
+    for rank, pid in zip(ranks, (None, victim.pid), strict=True):
+        rank.hello(world_size=2, pid=pid)
         rank.step(1)
 
-    def rank1_down() -> dict | None:
+    def both_running() -> bool:
+        for rank in ranks:
+            rank.heartbeat()
+        return rank_states(samples(scrape(url)), "omL") == {0: "running", 1: "running"}
+
+    wait_for(both_running, timeout=20)
+    victim.kill()
+    victim.wait()
+
+    def rank1_gone() -> dict | None:
         ranks[0].heartbeat()
         found = samples(scrape(url))
-        return found if rank_value(found, "scalemon_rank_up", "omL", 1) == 0 else None
+        return found if rank_states(found, "omL").get(1) == "gone" else None
 
-    found = wait_for(rank1_down, timeout=20)
+    found = wait_for(rank1_gone, timeout=20)
+    assert rank_value(found, "scalemon_rank_up", "omL", 1) == 0
     assert rank_value(found, "scalemon_rank_up", "omL", 0) == 1
+    assert rank_states(found, "omL") == {0: "running", 1: "gone"}
+
+
+def test_the_rank_state_family_says_the_hubs_word_for_each_rank():
+    state = JobState(job="x")
+    for r in range(6):
+        state.apply(Message("hello", "x", r, 0, 100.0, {"host": "h", "pid": 10 + r,
+                                                        "world_size": 6, "local_rank": r}))
+    for seq, (r, word) in enumerate({1: "frozen", 2: "gone", 3: "unreachable", 4: "silent",
+                                     5: "lost"}.items(), 1):  # lost: a hub before 1.12
+        state.apply(Message("rank_state", "x", HUB_RANK, seq, 101.0,
+                            {"target": r, "state": word, "reason": "no message for 5 s"}))
+    by_name = {f.name: f for f in families(state, "x", now=102.0)}
+    states = {s.labels["rank"]: s.labels["state"] for s in by_name["scalemon_rank_state"].samples
+              if s.value == 1}
+    assert states == {"0": "running", "1": "frozen", "2": "gone", "3": "unreachable",
+                      "4": "silent", "5": "silent"}
+    up = {s.labels["rank"]: s.value for s in by_name["scalemon_rank_up"].samples}
+    assert up == {"0": 1, **{str(r): 0 for r in range(1, 6)}}
+    doc = by_name["scalemon_rank_state"].documentation
+    assert all(word in doc for word in SILENT_RANK_STATES) and "lost" not in doc
+    assert "lost" not in by_name["scalemon_rank_up"].documentation
 
 
 def test_scalemon_help_names_the_metrics_variables():

@@ -151,6 +151,6 @@ def requirements(wheel: Path) -> dict[str, set[str]]:
 
 def test_the_base_install_leaves_the_training_stack_to_the_extras(wheel: Path):
     needs = requirements(wheel)
-    assert needs[""] == {"textual", "pyzmq", "msgpack", "psutil", "prometheus_client"}
+    assert needs[""] == {"textual", "pyzmq", "msgpack", "psutil", "prometheus_client", "py-spy"}
     assert {"torch", "nvidia-ml-py"} <= needs["agent"]
     assert {"torch", "triton", "numpy"} <= needs["demo"]

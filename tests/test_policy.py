@@ -8,11 +8,12 @@ import re
 import pytest
 
 from scalemon import policy
-from scalemon.protocol import HUB_RANK, Message
+from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.reports import snapshot_text
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.stragglers import stragglers_json
-from scalemon.state.jobstate import JobState
+from scalemon.state.jobstate import VANISHED_STATES, JobState
+from scalemon.text import display
 from scalemon.tui.views import nodes as nodeview
 
 
@@ -37,11 +38,27 @@ def test_the_straggler_bar_is_ten_ms_and_a_tenth_of_a_step(median, bar):
     ("exited", None, None, None, False, "failed"),
     ("stopped", None, None, None, False, "finished"),
     ("finished", 0, None, None, False, "finished"),
-    ("lost", None, "allreduce", 30.0, False, "lost"),
+    ("frozen", None, "allreduce", 30.0, False, "frozen"),
+    ("gone", None, "allreduce", 30.0, False, "gone"),
+    ("unreachable", None, None, None, False, "unreachable"),
+    ("silent", None, None, None, False, "silent"),
+    ("lost", None, "allreduce", 30.0, False, "silent"),  # a hub before 1.12: read as silent
 ])
 def test_rank_status(state, code, phase, since, straggler, status):
     assert policy.rank_status(state, code, phase, since, straggler, 10.0) == status
     assert status in policy.NODE_STATES
+
+
+def test_the_node_words_are_the_hubs_words_for_a_rank_that_stopped_sending():
+    assert set(policy.GONE_KINDS) == set(VANISHED_STATES)
+    assert {*policy.GONE_KINDS, "frozen"} == set(SILENT_RANK_STATES)
+    assert set(policy.TROUBLE_KINDS) <= set(policy.NODE_STATES)
+    assert "lost" not in policy.NODE_STATES
+    for word in SILENT_RANK_STATES:
+        assert policy.rank_kind(word, None) == word
+    # a rank that failed or stopped sending puts its node first, whatever the word
+    assert {display.node_order_key(kind, None, False, None, 0)[0]
+            for kind in policy.TROUBLE_KINDS} == {0}
 
 
 def test_snapshot_and_dashboard_classify_ranks_alike():
@@ -57,16 +74,16 @@ def test_snapshot_and_dashboard_classify_ranks_alike():
         apply("heartbeat", r, {"phase": "forward", "phase_since_s": 1.0, "dropped": 0})
     apply("heartbeat", 1, {"phase": "allreduce", "phase_since_s": 60.0, "dropped": 0})
     apply("exit", 2, {"reason": "exception", "exit_code": 1, "error": "boom"})
-    apply("rank_state", HUB_RANK, {"target": 3, "state": "lost", "reason": "gone"})
+    apply("rank_state", HUB_RANK, {"target": 3, "state": "gone", "reason": "killed?"})
     apply("exit", 4, {"reason": "finished", "exit_code": 0})
-    expected = {0: "running", 1: "stuck", 2: "failed", 3: "lost", 4: "finished"}
+    expected = {0: "running", 1: "stuck", 2: "failed", 3: "gone", 4: "finished"}
     stuck_after = policy.stuck_after_s(0.1)
     ranks = snapshot_json(st, now=101.0)["ranks"]
     snapshot = {r["rank"]: snapshot_text._snapshot_worst(r, {}, 0.01, stuck_after) for r in ranks}
     dashboard = {r: nodeview.rank_status(v, False, stuck_after) for r, v in st.ranks.items()}
     assert snapshot == dashboard == expected
     text = "\n".join(snapshot_text.node_snapshot_lines(ranks))
-    for host, status in (("h1", "stuck"), ("h2", "failed"), ("h3", "lost")):
+    for host, status in (("h1", "stuck"), ("h2", "failed"), ("h3", "gone")):
         assert any(line.startswith(host) and f" {status} " in line for line in text.splitlines())
 
 

@@ -220,16 +220,22 @@ def test_rates_while_running():
     assert stalled.state == "stalled" and stalled.steps_per_s == 0.0
 
 
-def test_lost_rank_and_band_mode_for_many_ranks():
+def test_ranks_that_stop_sending_by_the_hubs_word_and_band_mode_for_many_ranks():
     sim = SimJob(ranks=16)
     msgs = sim.run(20)
-    msgs.append(Message("rank_state", "sim", -1, 1, sim.end_t(20) + 6,
-                        {"target": 3, "state": "lost", "reason": "no message for 5.1 s"}))
+    t = sim.end_t(20) + 6
+    said = {3: "gone", 5: "frozen", 7: "unreachable", 9: "lost"}  # lost: a hub before 1.12
+    msgs += [Message("rank_state", "sim", -1, i, t, {"target": r, "state": word,
+                                                     "reason": "no message for 5.1 s"})
+             for i, (r, word) in enumerate(said.items(), 1)]
     data = DashboardData()
     data.apply_messages(msgs)
-    view = overview(data, now=sim.end_t(20) + 6)
-    assert view.summary.state == "degraded" and "lost ranks: 3" in view.summary.state_text
-    assert view.rows[3].style == "lost" and view.rows[3].cells[1] == "lost"
+    view = overview(data, now=t)
+    assert view.summary.state == "degraded"
+    assert view.summary.state_text == "degraded, frozen: 5; gone: 3; unreachable: 7; silent: 9"
+    for rank, word in {3: "gone", 5: "frozen", 7: "unreachable", 9: "silent"}.items():
+        assert view.rows[rank].style == word and view.rows[rank].cells[1] == word
+    assert not any("lost" in row.cells[1] for row in view.rows)
     loss = view.plots["loss"]
     assert [line.band for line in loss.lines] == [True, False]  # 16 ranks: band + mean
 

@@ -1,9 +1,11 @@
 """Thousands of ranks on one screen: from `AGGREGATE_AT` ranks on the overview has a row per
-node, the slowest and the lost or failed ranks always in view, a histogram of how late the
-ranks are, and Enter on a node shows its ranks; `scalemon snapshot` text does the same.
+node, the slowest ranks and those that failed or stopped sending always in view, a histogram
+of how late the ranks are, and Enter on a node shows its ranks; `scalemon snapshot` text does
+the same.
 
 The big job: 1024 simulated GPU ranks on 128 hosts (8 each), rank 517 (node64) reaching the
-collectives 30 ms late, ranks 100 (node12) and 1001 (node125) lost.
+collectives 30 ms late, rank 100 (node12) gone (killed), rank 1001 (node125) frozen in native
+code holding the GIL.
 """
 
 from __future__ import annotations
@@ -43,18 +45,29 @@ from scalemon.tui.widgets.rank_table import RankTable
 from scalemon.tui.widgets.watch import HistogramPanel, TextPanel
 
 RANKS, STEPS = 1024, 10
-STRAGGLER, LOST = 517, (100, 1001)
+STRAGGLER, GONE, FROZEN = 517, 100, 1001
+STOPPED = (GONE, FROZEN)
+"""The ranks that stopped sending."""
+GONE_REASON = "process 4242 ended without reporting an exit (killed?)"
+WHERE = "frozen in native code holding the GIL: sleep <- freeze_holding_the_gil() at faults.py:11"
+PROCESS = {"pid": 5001, "exists": True, "state": "S", "state_word": "sleeping", "cpu_s": 12.5,
+           "cpu_moving": False, "threads": 5}
 NODE = {c.key: i for i, c in enumerate(NODE_COLUMNS)}
 COL = {c.key: i for i, c in enumerate(COLUMNS)}
 
 
 def big_job_messages(sim: SimJob, steps: int = STEPS) -> list[Message]:
-    """`steps` steps of every rank (a collectives round at step 10), then two ranks lost."""
+    """`steps` steps of every rank (a collectives round at step 10), then a rank gone and one
+    frozen, as the hub says them."""
     messages = sim.run(steps)
     t = sim.end_t(steps) + 0.1
-    messages += [Message("rank_state", sim.job, HUB_RANK, i, t,
-                         {"target": r, "state": "lost", "reason": "no message for 30 s"})
-                 for i, r in enumerate(LOST)]
+    messages += [
+        Message("rank_state", sim.job, HUB_RANK, 0, t,
+                {"target": GONE, "state": "gone", "reason": GONE_REASON}),
+        Message("rank_state", sim.job, HUB_RANK, 1, t,
+                {"target": FROZEN, "state": "frozen", "process": PROCESS, "where": WHERE,
+                 "reason": "no message for 30.0 s; process 5001 is alive (sleeping, CPU time "
+                           "not moving)"})]
     return messages
 
 
@@ -82,13 +95,17 @@ def test_a_big_job_gets_a_row_per_node_trouble_first(big):
     assert view.rows == [] and view.nodes is not None  # no row per rank was formatted
     nodes = view.nodes
     assert len(nodes.hosts) == len(set(nodes.hosts)) == RANKS // 8
-    # lost first (in rank order), then the straggler's node, then the others in order
+    # a rank that stopped sending first (in rank order), then the straggler's node, then the
+    # others in order
     assert nodes.hosts[:4] == ["node12", "node125", "node64", "node0"]
     assert nodes.hosts[3:] == [f"node{i}" for i in range(128) if i not in (12, 125, 64)]
     rows = {row.host: row for row in nodes.rows}
-    lost = rows["node12"].cells
-    assert lost[NODE["worst"]] == "lost" and rows["node12"].style == "lost"
-    assert (lost[NODE["ranks"]], lost[NODE["running"]], lost[NODE["lost"]]) == ("8", "7", "1")
+    gone, frozen = rows["node12"].cells, rows["node125"].cells
+    assert gone[NODE["worst"]] == "gone" and rows["node12"].style == "gone"
+    assert frozen[NODE["worst"]] == "frozen" and rows["node125"].style == "frozen"
+    count = ("ranks", "running", "frozen", "gone", "failed")
+    assert [gone[NODE[c]] for c in count] == ["8", "7", "0", "1", "0"]
+    assert [frozen[NODE[c]] for c in count] == ["8", "7", "1", "0", "0"]
     slow = rows["node64"].cells
     assert slow[NODE["worst"]] == "straggler" and rows["node64"].style == "straggler"
     assert float(slow[NODE["arrival_lateness_s.max"]]) > 20  # rank 517: ~24 ms late
@@ -104,7 +121,7 @@ def test_a_big_job_gets_a_row_per_node_trouble_first(big):
     assert slow[NODE["gpu_util_pct.min"]] == "77"  # the straggler's GPU idles
 
 
-def test_the_slowest_and_the_lost_ranks_and_the_histogram(big):
+def test_the_slowest_ranks_those_that_stopped_sending_and_the_histogram(big):
     _, data, now = big
     nodes = overview(data, now, plots=False, nodes=True).nodes
     watch = nodes.watch
@@ -112,11 +129,13 @@ def test_the_slowest_and_the_lost_ranks_and_the_histogram(big):
     assert watch.slowest[0].rank == STRAGGLER and watch.slowest[0].flagged
     assert watch.slowest[0].host == "node64" and watch.slowest[0].text.startswith("+2")
     assert len(watch.slowest) == 8 and not any(w.flagged for w in watch.slowest[1:])
-    assert [w.rank for w in watch.failed] == list(LOST) and watch.failed_total == 2
-    assert watch.failed[0].text == "lost (no message for 30 s)"
+    # the frozen rank first (the job hangs on it), then those that failed
+    assert [w.rank for w in watch.failed] == [FROZEN, GONE] and watch.failed_total == 2
+    assert watch.failed[0].text == f"frozen (sleeping, CPU not moving): {WHERE}"
+    assert watch.failed[1].text == f"gone ({GONE_REASON})"
     hist = nodes.histogram
-    assert sum(hist.counts) == RANKS - len(LOST)  # the running ranks
-    assert hist.counts[-1] == 1 and hist.counts[0] == RANKS - len(LOST) - 1
+    assert sum(hist.counts) == RANKS - len(STOPPED)  # the running ranks
+    assert hist.counts[-1] == 1 and hist.counts[0] == RANKS - len(STOPPED) - 1
     assert hist.hi == pytest.approx(float(watch.slowest[0].text.split()[0]), abs=0.05)
     assert hist.edges()[-2] > hist.bar  # the straggler's bin is past the straggler bar
 
@@ -143,13 +162,15 @@ def test_ranks_without_a_host_are_on_the_unknown_node():
     sim = SimJob(ranks=8)
     messages = sim.run(3)
     messages.append(Message("rank_state", "sim", HUB_RANK, 0, sim.end_t(3),
-                            {"target": 8, "state": "lost", "reason": "never said hello"}))
+                            {"target": 8, "state": "unreachable",
+                             "reason": "never said hello"}))
     data = DashboardData()
     data.apply_messages(messages)
     nodes = overview(data, sim.end_t(3), nodes=True).nodes
     assert nodes.hosts == [None, "node0"]
     row = nodes.rows[0]
-    assert row.cells[NODE["node"]] == NO_HOST and row.cells[NODE["worst"]] == "lost"
+    assert row.cells[NODE["node"]] == NO_HOST and row.cells[NODE["worst"]] == "unreachable"
+    assert row.cells[NODE["gone"]] == "1" and row.style == "unreachable"
     assert row.cells[NODE["step"]] == "n/a" and row.cells[NODE["loss.med"]] == "n/a"
     assert nodes.watch.failed[0].host == NO_HOST
 
@@ -160,11 +181,15 @@ def test_node_order_keeps_healthy_nodes_in_place():
         ("calm1", key("running", 0.100, False, 0.0, 8)),
         ("slow", key("running", 0.200, True, 0.0, 16)),
         ("calm0", key("finished", 0.300, False, 0.0, 0)),  # noise in step time: no move
-        ("lost", key("lost", 0.100, False, 0.0, 24)),
+        ("gone", key("gone", 0.100, False, 0.0, 24)),
         ("failed", key("failed", 0.100, False, 0.0, 32)),
         ("late", key("straggler", 0.150, False, 0.030, 40)),
+        ("frozen", key("frozen", 0.100, False, 0.0, 48)),
+        ("silent", key("silent", 0.100, False, 0.0, 56)),
+        ("stuck", key("stuck", 0.100, False, 0.0, 64)),
     ], key=lambda item: item[1])
-    assert [name for name, _ in ordered] == ["lost", "failed", "slow", "late", "calm0", "calm1"]
+    assert [name for name, _ in ordered] == ["gone", "failed", "frozen", "silent", "slow",
+                                             "late", "stuck", "calm0", "calm1"]
 
 
 def test_lateness_medians_are_redone_a_slice_of_ranks_per_call():
@@ -224,11 +249,13 @@ def test_snapshot_text_of_a_big_job_has_a_line_per_node():
     node_lines = [line for line in lines if re.match(r"node\d+ ", line)]
     assert len(node_lines) == 128 and len(lines) < 128 + 40  # not a line per rank
     assert [line.split()[0] for line in node_lines[:3]] == ["node12", "node125", "node64"]
-    assert node_lines[0].split()[1:7] == ["8", "lost", "7", "1", "0", "0"]
-    assert re.search(rf"rank {STRAGGLER} +node64 +\+2\d\.\d ms  straggler", "\n".join(lines))
-    for rank in LOST:
-        assert re.search(rf"rank {rank} +node\d+ +lost \(no message for 30 s\)",
-                         "\n".join(lines))
+    # ranks, worst, run, frz, gone, fail, fin
+    assert node_lines[0].split()[1:8] == ["8", "gone", "7", "0", "1", "0", "0"]
+    assert node_lines[1].split()[1:8] == ["8", "frozen", "7", "1", "0", "0", "0"]
+    text = "\n".join(lines)
+    assert re.search(rf"rank {STRAGGLER} +node64 +\+2\d\.\d ms  straggler", text)
+    assert re.search(rf"rank {GONE} +node12 +gone \({re.escape(GONE_REASON)}\)", text), text
+    assert re.search(rf"rank {FROZEN} +node125 +frozen ", text), text
     assert any(line.startswith("extra lr (1024 ranks): ") for line in lines)
     heading = lines[lines.index(node_lines[0]) - 1]
     assert heading.split()[:3] == ["node", "ranks", "worst"] and "med" in heading
@@ -261,20 +288,22 @@ def test_the_overview_of_a_big_job_shows_nodes_and_drills_down_to_a_rank(big):
             slowest = screen.query_one("#slowest", TextPanel).shown_text()
             assert re.search(rf"{STRAGGLER} +node64 +\+2\d\.\d ms", slowest)
             failed = screen.query_one("#failed", TextPanel).shown_text()
-            assert "lost or failed ranks  2" in failed
-            for rank in LOST:
-                assert re.search(rf"{rank} +{sim.host(rank)} +lost", failed)
+            assert "failed or stopped sending  2" in failed
+            assert re.search(rf"{FROZEN} +node125 +frozen \(sleeping, CPU not moving\): "
+                             "frozen in native code holding the GIL", failed)
+            assert re.search(rf"{GONE} +node12 +gone \(process 4242 ended", failed)
             assert "late ms, 1022 ranks" in screen.query_one(HistogramPanel).shown_text()
             await until(pilot, lambda: "node125" in screen_text(app))  # painted
             assert not re.search(r"^ +517 +running", screen_text(app), re.M)
 
-            await pilot.press("down", "enter")  # the second node: node125, rank 1001 lost
+            await pilot.press("down", "enter")  # the second node: node125, rank 1001 frozen
             await until(pilot, lambda: isinstance(app.screen, NodeScreen)
                         and len(app.screen.query_one(RankTable).rows) == 8)
             table = app.screen.query_one(RankTable)
             assert app.screen.host == "node125" and table.rank_ids == list(range(1000, 1008))
             cells = table.cells_by_rank(list(COL))
-            assert cells[1001][COL["state"]] == "lost" and cells[1000][COL["state"]] == "running"
+            assert cells[FROZEN][COL["state"]] == "frozen"
+            assert cells[1000][COL["state"]] == "running"
             assert {c[COL["host"]] for c in cells.values()} == {"node125"}
             assert "node node125  ·  8 ranks" in screen_text(app)
 
@@ -327,7 +356,7 @@ def test_host_names_are_shown_as_typed():
     sim = MarkupHosts(ranks=16, straggler=3)
     messages = sim.run(10)
     messages.append(Message("rank_state", "sim", HUB_RANK, 0, sim.end_t(10),
-                            {"target": 9, "state": "lost", "reason": "[/red] gone"}))
+                            {"target": 9, "state": "gone", "reason": "[/red] gone"}))
     data = DashboardData()
     data.apply_messages(messages)
     app = DashboardApp(data=data, clock=lambda: sim.end_t(10))
@@ -338,8 +367,8 @@ def test_host_names_are_shown_as_typed():
             await until(pilot, lambda: len(node_table(app).rows) == 2)
             text = screen_text(app)
             assert "[b]n1[/b]\\x1b" in text and "[b]n0[/b]\\x1b" in text  # in the table and panels
-            assert "lost ([/red] gone)" in app.screen.query_one("#failed", TextPanel).shown_text()
-            await pilot.press("enter")  # node1 first: its rank 9 is lost
+            assert "gone ([/red] gone)" in app.screen.query_one("#failed", TextPanel).shown_text()
+            await pilot.press("enter")  # node1 first: its rank 9 is gone
             await until(pilot, lambda: isinstance(app.screen, NodeScreen)
                         and len(app.screen.query_one(RankTable).rows) == 8)
             assert "node [b]n1[/b]\\x1b  ·  8 ranks" in screen_text(app)

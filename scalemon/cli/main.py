@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dump_parser(sub)
 
+    from scalemon.cli.stacks import add_parser as add_stacks_parser
+
+    add_stacks_parser(sub)
+
     from scalemon.cli.export import add_parser as add_export_parser
 
     add_export_parser(sub)

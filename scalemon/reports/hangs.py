@@ -10,8 +10,10 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.reports.groups import group_label
 from scalemon.reports.waitfor import wait_for_graph
+from scalemon.state.jobstate import VANISHED_STATES
 from scalemon.text.ranks import ranks_text
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ class HangReport:
         self.finished = {r for r, v in views.items() if v.state == "finished"
                          or (v.state == "exited" and v.exit_code == 0)}
         self.gone = {r for r, v in views.items()
-                     if v.state in ("lost", "exited") and r not in self.finished}
+                     if v.state in (*VANISHED_STATES, "exited") and r not in self.finished}
         status = {r: _status(v) for r, v in views.items()}
         members = {name: tuple(g["ranks"]) for name, g in st.groups.items()}
         inflight = {r: [i for i in v.metrics.get("inflight") or () if isinstance(i, list)]
@@ -81,6 +83,12 @@ class HangReport:
                                       inflight=inflight, p2p=p2p) or {}
         self.waits: dict[int, dict[str, Any]] = self.finding.get("waits", {})
         self.causes: dict[int, dict[str, Any]] = self.finding.get("causes", {})
+        for rank, cause in self.causes.items():  # in Python as far as its last message said
+            view = views.get(rank)
+            if cause["cause"] == "python" and view is not None and view.state == "frozen":
+                cause["cause"] = "frozen"
+            elif cause["cause"] == "python" and view is None:
+                cause["cause"] = "unheard"
         self._missed = self._never_issued()
 
     # --- pieces ----------------------------------------------------------------------------
@@ -184,6 +192,12 @@ class HangReport:
             frame = self.frame(rank)
             where = f"python, {frame}" if frame else "python (no stack yet)"
             return where + (f"; never issued {missed}" if missed else "")
+        if kind == "frozen":
+            return frozen_text(self.st.ranks[rank]) + (
+                f"; never issued {missed}" if missed else "")
+        if kind == "unheard":
+            return ("never reported to the hub: its process did not start, or ended before "
+                    "its agent's first message" + (f"; never issued {missed}" if missed else ""))
         if kind == "desync":
             return self.desync_text(cause["group"], cause["seq"])
         if kind == "teardown":
@@ -374,10 +388,27 @@ def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
     }
 
 
+def frozen_text(view: RankView) -> str:
+    """"frozen in native code holding the GIL: sleep <- freeze_holding_the_gil() at
+    faults.py:11": a frozen rank where its stacks read from outside say, else why not."""
+    if view.where:
+        return view.where
+    return f"frozen: {view.state_reason}" if view.state_reason else "frozen"
+
+
 def stack_text(view: RankView) -> str:
-    """A rank's Python stack as the hang shows it, or why there is none."""
-    if view.state in ("lost", "exited"):
+    """A rank's stack as the hang shows it: read from outside its process when the hub had
+    to (every thread, native frames too), else its agent's Python stack; or why none."""
+    outside = view.outside_stacks
+    if outside and isinstance(outside.get("reading"), dict):
+        reading = StackReading.from_wire(outside["reading"])
+        if not reading.error:
+            head = f"(read from outside the process by {outside.get('reader') or 'the hub'})\n"
+            return head + format_stacks(reading, native=True)
+    if view.state in (*VANISHED_STATES, "exited"):
         return f"(no stack: the rank is {view.state}: {view.state_reason or ''})"
+    if view.state == "frozen":
+        return f"(no stack: {frozen_text(view)})"
     return view.metrics.get("stack") or "(no stack yet: the rank's agent sends it once "  \
         "its training thread is stuck for a few seconds)"
 

@@ -64,6 +64,8 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
         "moe": moe_json(st),
         "hang": hang,
         "first_failure": st.first_failure(),
+        "attempts": st.attempts_json(),
+        "max_restarts": st.max_restarts,
         "hang_after_s": st.hang_after_s,
         "fr_dumps": list(st.fr_dumps),
         "hub_notes": list(st.hub_notes),

@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from scalemon import metrics
-from scalemon.policy import NODE_STATES, rank_kind, rank_status, straggler_bar, stuck_after_s
+from scalemon.policy import (
+    NODE_STATES,
+    TROUBLE_KINDS,
+    rank_kind,
+    rank_status,
+    straggler_bar,
+    stuck_after_s,
+)
 from scalemon.reports import parallel_text
 from scalemon.reports.stragglers import ARRIVAL_BASIS, json_measure
 from scalemon.text import display
@@ -33,13 +40,14 @@ TOP_STRAGGLERS = 8
 """Slowest ranks listed above a node table (by the straggler measure: arrival lateness, or
 before any collective compute time over the median rank's)."""
 FAILED_LISTED = 12
-"""Lost or failed ranks listed above a node table; the others are counted."""
+"""Failed ranks and ranks that stopped sending, listed above a node table; the others are
+counted."""
 
 
 def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[str]:
     """The ranks of a `scalemon snapshot` (`snapshot_json(state)["ranks"]`) as people read a
     big job: the slowest ranks by the straggler measure (`stragglers.json_measure`, the
-    dashboard's), the lost and failed ranks, a row per node
+    dashboard's), the failed ranks and those that stopped sending, a row per node
     (trouble first: `node_order_key`) and each `log()` extra's spread over the ranks."""
     late, basis, median_step = json_measure(ranks)  # the dashboard's measure and bar
     bar = straggler_bar(median_step)
@@ -58,10 +66,10 @@ def node_snapshot_lines(ranks: list[dict[str, Any]], width: int = 60) -> list[st
     lines.extend(f"  rank {r:<6} {hosts[r]:<14} {shown(LATE, v):+8.1f} {ms}"
                  + ("  straggler" if v > bar else "") for r, v in slowest)
     failed = sorted((r for r in ranks if rank_kind(r["state"], r.get("exit_code"))
-                     in ("lost", "failed")),
+                     in TROUBLE_KINDS),
                     key=lambda r: (bool(r.get("peer_loss")), r.get("ended_t") or math.inf,
                                    r["rank"]))
-    lines.append(f"lost or failed ranks: {len(failed) or 'none'}")
+    lines.append(f"failed or stopped sending: {len(failed) or 'none'}")
     for r in failed[:FAILED_LISTED]:
         reason = r.get("state_reason")
         code = "" if r.get("exit_code") is None else f" exit code {r['exit_code']}"
@@ -210,6 +218,7 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
                      + (f" ({stop['reason']})" if stop.get("reason") else ""))
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
+    lines.extend(attempt_lines(state.get("attempts") or [], state.get("max_restarts")))
     lines.extend(f"ALERT: {a['text']}" for a in state.get("alerts") or [])
     lines.extend(parallel_lines(state))
     if len(state["ranks"]) >= display.AGGREGATE_AT:  # a line per node, not per rank
@@ -218,6 +227,20 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
         lines.extend(_rank_lines(state["ranks"], width, mesh_axes(state), group_by))
     lines.extend(_info_lines(state, width))
     return "\n".join(lines)
+
+
+def attempt_lines(attempts: list[dict[str, Any]], max_restarts: int | None) -> list[str]:
+    """The launcher's attempts once it restarted the job (one attempt says nothing):
+    "attempt 1 of 2: crashed at step 5: rank 1 failed first ..."."""
+    if len(attempts) < 2:
+        return []
+    total = f" of {max_restarts + 1}" if isinstance(max_restarts, int) else ""
+    lines = [f"attempts: {len(attempts)} (the launcher restarted the job)"]
+    for a in attempts:
+        step = f" at step {a['last_step']}" if a.get("last_step") is not None else ""
+        why = f": {a['first_failure']}" if a.get("first_failure") else ""
+        lines.append(f"  attempt {a['attempt'] + 1}{total}: {a.get('how') or '?'}{step}{why}")
+    return lines
 
 
 def parallel_lines(state: Mapping[str, Any]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 from scalemon import metrics
 from scalemon.collectives import CollectiveStats, P2PStats
 from scalemon.policy import HANG_AFTER_S
-from scalemon.protocol import HUB_RANK, Message
+from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state import alerts as alerting
 from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.failures import first_line, is_peer_loss
@@ -39,10 +39,15 @@ EXTRA_NAMES_MAX = 64
 logs a new name every step cannot grow the state without bound."""
 TERMINAL_STATES = ("exited", "finished", "stopped")
 """Rank states of a process that ended and said so (or was stopped by its user)."""
-ENDED_RANK_STATES = (*TERMINAL_STATES, "lost")
+VANISHED_STATES = ("gone", "unreachable", "silent")
+"""Rank states of a rank that stopped sending and is taken for ended: its process is gone, or
+nothing can look at it (its node's relay is silent too, or no reader is on its node). A `frozen`
+rank's process still exists: it has not ended (the job hangs on it, `reports.hangs`)."""
+ENDED_RANK_STATES = (*TERMINAL_STATES, *VANISHED_STATES)
 JOB_ENDED_STATES = ("finished", "stopped", "crashed", "lost")
 """Job states of a job whose every rank ended: every rank finished; the user stopped it; a rank
-failed first with an error of its own; a rank failed first by vanishing without an exit."""
+failed first with an error of its own; the job lost a rank first: it vanished without an exit
+(gone, unreachable or silent)."""
 STOPPED_BY_USER = "stopped by user"
 
 
@@ -76,7 +81,16 @@ class RankView:
     exit_code: int | None = None
     error: str | None = None
     ended_t: float | None = None
-    """When the rank exited or was found lost (its own clock for an exit, the hub's for lost)."""
+    """When the rank exited or was found gone (its own clock for an exit, the hub's else)."""
+    process: dict[str, Any] | None = None
+    """What the hub or the node's relay last read of the silent rank's process (1.12:
+    `scalemon.proc.facts.ProcessFacts.to_wire`); None while the rank speaks."""
+    where: str | None = None
+    """Where a frozen rank is stuck, from its stacks read from outside ("frozen in native code
+    holding the GIL: sleep <- freeze_holding_the_gil() at faults.py:11")."""
+    outside_stacks: dict[str, Any] | None = field(default=None, repr=False)
+    """The latest stacks read from outside the process (`rank_stacks`: reading, process,
+    reader), kept after the rank speaks again until its next hello."""
     peer_loss: bool = False
     """Exited with an error that reads like a peer's death (`failures.is_peer_loss`)."""
     monitor_off: str | None = None
@@ -161,6 +175,13 @@ class JobState:
     stop: dict[str, Any] | None = None
     """The user's request to stop the job (`job_stop` record: t, reason, user, host), while
     it holds: ranks that end after it are `stopped`, not failed."""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """The launcher's attempts at the job (torchrun `--max-restarts`), oldest first: attempt
+    (the restart count), start, and for those that ended: end, how (crashed, lost, restart,
+    finished, stopped, ended), first_failure (its text), last_step. The current one is
+    completed by `attempts_json`."""
+    max_restarts: int | None = None
+    """The launcher's restart budget, as the ranks' hellos said (None: not known)."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -211,7 +232,9 @@ class JobState:
         b = msg.body
         if self.stop is not None and self.state in JOB_ENDED_STATES:
             self.stop = None  # a new run of the job, after the stopped one
+        self._note_attempt(b.get("restart_count") or 0, msg.t, b.get("max_restarts"))
         view.alerts, view.skip_streak = {}, None
+        view.process = view.where = view.outside_stacks = None
         view.host, view.pid, view.local_rank = b["host"], b["pid"], b["local_rank"]
         self.hosts.add(b["host"])
         view.restart_count = b.get("restart_count")
@@ -247,8 +270,8 @@ class JobState:
                     if name in view.extra or len(view.extra) < EXTRA_NAMES_MAX:
                         view.extra[name] = value
         view.derived = metrics.derived_values(b, own_rate="tokens_per_s" in view.extra)
-        if view.state == "lost":
-            view.state, view.state_reason = "running", None
+        if view.state in SILENT_RANK_STATES:
+            _speaks_again(view)
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
@@ -256,8 +279,8 @@ class JobState:
         offset = b.get("clock_offset_s")
         if view.host is not None and isinstance(offset, (int, float)):
             self.host_offsets.setdefault(view.host, {})[msg.rank] = offset
-        if view.state == "lost":
-            view.state, view.state_reason = "running", None
+        if view.state in SILENT_RANK_STATES:
+            _speaks_again(view)
 
     def _on_collectives(self, msg: Message, view: RankView) -> None:
         b = msg.body
@@ -364,14 +387,79 @@ class JobState:
     def _on_rank_state(self, msg: Message) -> None:
         b = msg.body
         view = self.rank(b["target"])
-        view.state, view.state_reason = b["state"], b.get("reason")
-        if view.state in ("lost", "exited") and self.stop is not None:
+        state = "silent" if b["state"] == "lost" else b["state"]  # a hub before 1.12 said lost
+        if state == "running" and view.state in ENDED_RANK_STATES:
+            return None  # never brings back a rank that ended
+        view.state, view.state_reason = state, b.get("reason")
+        if b.get("process") is not None:
+            view.process = b["process"]
+        if state == "frozen":
+            view.where = b.get("where") or view.where
+        if state in (*VANISHED_STATES, "exited") and self.stop is not None:
             view.state, view.state_reason = "stopped", self.stop_text(b.get("reason"))
         if b.get("exit_code") is not None:
             view.exit_code = b["exit_code"]
         if view.state in ENDED_RANK_STATES and view.ended_t is None:
             view.ended_t = msg.t
         return None
+
+    def _on_rank_stacks(self, msg: Message) -> None:
+        b = msg.body
+        view = self.rank(b["target"])
+        view.outside_stacks = {"reading": b["reading"], "process": b.get("process"),
+                               "reader": b.get("reader"), "t": msg.t}
+        if b.get("process") is not None and view.state in SILENT_RANK_STATES:
+            view.process = b["process"]
+
+    def _note_attempt(self, count: int, t: float, max_restarts: int | None) -> None:
+        """A hello of the launcher's attempt `count`: a later attempt than the current one
+        closes the current one with how it ended (before this hello resets its rank)."""
+        if max_restarts is not None:
+            self.max_restarts = max_restarts
+        current = self.attempts[-1] if self.attempts else None
+        if current is not None and count <= current["attempt"]:
+            return
+        if current is not None:
+            current.update(self._attempt_end(t))
+        self.attempts.append({"attempt": count, "start": t, "end": None, "how": None,
+                              "first_failure": None, "last_step": None})
+
+    def _attempt_end(self, t: float) -> dict[str, Any]:
+        """How the current attempt ended, read off the ranks before the next attempt's hellos
+        reset them: its first failure, or a restart for a flag change, or its job state."""
+        views = list(self.ranks.values())
+        failure = self.first_failure()
+        if failure is not None:
+            how = "lost" if failure["state"] in VANISHED_STATES else "crashed"
+        elif any(v.state == "restarting" for v in views):
+            how = "restart"
+        elif views and all(v.state in ENDED_RANK_STATES for v in views):
+            how = self.state
+        else:
+            how = "ended"  # ranks that never said how they ended
+        ends = [v.ended_t for v in views if v.ended_t is not None]
+        steps = [v.step for v in views if v.step is not None]
+        return {"end": max(ends) if ends else t, "how": how,
+                "first_failure": failure["text"] if failure else None,
+                "last_step": max(steps) if steps else None}
+
+    def attempts_json(self) -> list[dict[str, Any]]:
+        """Every attempt, the current one completed from the job as it stands (`end` and
+        `how` once it ended; `how` is the job's state while it runs)."""
+        if not self.attempts:
+            return []
+        current = dict(self.attempts[-1])
+        state = self.state
+        views = list(self.ranks.values())
+        steps = [v.step for v in views if v.step is not None]
+        current["last_step"] = max(steps) if steps else None
+        current["how"] = state
+        if state in JOB_ENDED_STATES:
+            ends = [v.ended_t for v in views if v.ended_t is not None]
+            current["end"] = max(ends) if ends else None
+            failure = self.first_failure()
+            current["first_failure"] = failure["text"] if failure else None
+        return [*(dict(a) for a in self.attempts[:-1]), current]
 
     def _on_job_stop(self, msg: Message) -> None:
         self.stop = {"t": msg.t, "reason": msg.body.get("reason"),
@@ -396,7 +484,7 @@ class JobState:
         only lost a peer, each kind earliest first. A script that just ends without calling
         `finish()` exits with no code and no error (its agent's atexit): not a failure."""
         views = [v for v in self.ranks.values()
-                 if v.state == "lost" or (v.state == "exited" and (
+                 if v.state in VANISHED_STATES or (v.state == "exited" and (
                      v.exit_code not in (0, None) or v.error or v.peer_loss))]
         return sorted(views, key=lambda v: (v.peer_loss, v.ended_t or float("inf"), v.rank))
 
@@ -421,7 +509,9 @@ class JobState:
         """waiting (no rank yet), running, degraded (a rank failed, others run), restarting,
         stopping (the user asked to stop it), or once every rank ended: finished, stopped (by
         its user), crashed (the first failure is a rank's error) or lost (the first failure
-        is a rank that vanished without an exit). A hang is told by `hang()`, not here."""
+        is a rank that vanished without an exit); `restarting` too once every rank ended with
+        a failure while the launcher has restarts left (`max_restarts`). A hang is told by
+        `reports.hangs.job_hang`, not here."""
         views = list(self.ranks.values())
         expected = self.world_size or len(views)
         if not views:
@@ -429,16 +519,25 @@ class JobState:
         states = [v.state for v in views]
         if len(views) >= expected and all(s in ENDED_RANK_STATES for s in states):
             failed = self.failed()
+            if failed and self._restarts_left():
+                return "restarting"
             if failed:
-                return "lost" if failed[0].state == "lost" else "crashed"
+                return "lost" if failed[0].state in VANISHED_STATES else "crashed"
             return "stopped" if "stopped" in states else "finished"
         if "restarting" in states:
             return "restarting"
         if self.stop is not None:
             return "stopping"
-        if any(s in ("lost", "exited") for s in states):
+        if any(s in (*VANISHED_STATES, "exited") for s in states):
             return "degraded"
         return "running"
+
+    def _restarts_left(self) -> bool:
+        """True when the launcher said it restarts failed workers and the current attempt is
+        not its last."""
+        if not self.max_restarts or not self.attempts:
+            return False
+        return self.attempts[-1]["attempt"] < self.max_restarts
 
     def clock_offset(self, view: RankView) -> float:
         """Seconds to add to a time of `view`'s host clock to get the hub's: 0 while every rank
@@ -453,6 +552,14 @@ class JobState:
         waiting, restarting, stopping or ended); whether it is: `reports.hangs.job_hang`."""
         return self.last_step_t is not None and self.state not in (
             *JOB_ENDED_STATES, "waiting", "restarting", "stopping")
+
+
+def _speaks_again(view: RankView) -> None:
+    """A rank the hub took for frozen, gone or unreachable sent a message: it runs."""
+    view.state, view.state_reason, view.where = "running", None, None
+    view.process = None
+    if view.ended_t is not None and view.exit_code is None:
+        view.ended_t = None
 
 
 def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:

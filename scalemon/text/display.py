@@ -11,7 +11,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.metrics import Metric
-from scalemon.policy import NODE_STATES
+from scalemon.policy import GONE_KINDS, TROUBLE_KINDS
 
 NA = "n/a"
 OFF = "off"
@@ -139,7 +139,7 @@ class Column:
     max); the sub-column's `key` is the metric's name and the part: `step_time_s.med`."""
 
 
-FRAME_LEFT = (Column("rank", "rank", 4), Column("state", "state", 10, align_left=True),
+FRAME_LEFT = (Column("rank", "rank", 4), Column("state", "state", 11, align_left=True),
               Column("step", "step", 6))
 FRAME_RIGHT = (Column("host", "host", 14, align_left=True),)
 
@@ -191,13 +191,14 @@ LOW_IS_WORSE = frozenset(m.name for m in metrics.METRICS if m.show and m.show.lo
 
 
 def node_columns(dashboard: bool = True) -> tuple[Column, ...]:
-    """A node table's columns: node, ranks, worst state, the ranks running / lost / failed /
-    finished, the step range; then min, median and max of each `KEY_METRICS` and the worst
+    """A node table's columns: node, ranks, worst state, the ranks running / frozen / gone
+    (gone, unreachable or silent: taken for ended, `policy.GONE_KINDS`) / failed / finished,
+    the step range; then min, median and max of each `KEY_METRICS` and the worst
     value of every other metric of the rank table (`group` heads the sub-columns of one
     metric). Without `dashboard`, the metrics only a dashboard computes are left out."""
     frame = (Column("node", "node", 14, align_left=True), Column("ranks", "ranks", 5),
-             Column("worst", "worst", 10, align_left=True), Column("running", "run", 4),
-             Column("lost", "lost", 4), Column("failed", "fail", 4),
+             Column("worst", "worst", 11, align_left=True), Column("running", "run", 4),
+             Column("frozen", "frz", 4), Column("gone", "gone", 4), Column("failed", "fail", 4),
              Column("finished", "fin", 4), Column("step", "step", 11))
     by_name = {c.metric.name: c.metric for c in rank_columns(dashboard) if c.metric}
     keys = [by_name[name] for name in KEY_METRICS if name in by_name]
@@ -231,7 +232,8 @@ def node_cells(columns: tuple[Column, ...], host: str | None, kinds: list[str], 
     """The text of one node row in `columns` order: `kinds` (`rank_kind`), `steps` and
     `values` (metric name -> value) of each of the node's ranks, its `worst` state."""
     frame = {"node": host or NO_HOST, "ranks": str(len(kinds)), "worst": worst,
-             "running": str(kinds.count("running")), "lost": str(kinds.count("lost")),
+             "running": str(kinds.count("running")), "frozen": str(kinds.count("frozen")),
+             "gone": str(sum(kinds.count(k) for k in GONE_KINDS)),
              "failed": str(kinds.count("failed")), "finished": str(kinds.count("finished"))}
     known = [s for s in steps if s is not None]
     low, high = (min(known), max(known)) if known else (None, None)
@@ -263,14 +265,14 @@ def node_cells(columns: tuple[Column, ...], host: str | None, kinds: list[str], 
 
 def node_order_key(worst: str, median_step_s: float | None, slow: bool, late_max: float | None,
                    first_rank: int) -> tuple[int, float, float, int]:
-    """Sort key of a node row: nodes with a failed or lost rank first; then those with a rank
-    restarting, stuck or straggling, or a median step time above the job's (`slow`), slowest
-    median step time then latest rank first; the others last. Within the first and the last
-    group rows keep the order of their first rank, so they do not move with noise."""
-    tier = NODE_STATES.index(worst)
-    if tier <= 1:
+    """Sort key of a node row: nodes with a rank that failed or stopped sending (frozen, gone,
+    unreachable, silent: `policy.TROUBLE_KINDS`) first; then those with a rank restarting,
+    stuck or straggling, or a median step time above the job's (`slow`), slowest median step
+    time then latest rank first; the others last. Within the first and the last group rows
+    keep the order of their first rank, so they do not move with noise."""
+    if worst in TROUBLE_KINDS:
         return (0, 0.0, 0.0, first_rank)
-    if tier <= 4 or slow:
+    if worst in ("restarting", "stuck", "straggler") or slow:
         return (1, -(median_step_s or 0.0), -(late_max or 0.0), first_rank)
     return (2, 0.0, 0.0, first_rank)
 

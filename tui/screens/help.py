@@ -57,12 +57,14 @@ in yellow.
 
 **Nodes.** From {aggregate_at} ranks on the overview has a row per node: its ranks, its worst
 state ({node_states}) and how many ranks run,
-are lost, failed or finished; the step range; *min*, *med* and *max* over the node's ranks of
+are frozen (*frz*), gone (*gone*: gone, unreachable or silent), failed or finished; the step
+range; *min*, *med* and *max* over the node's ranks of
 {key_metrics}, and of every other column the node's worst value (the *min* of {low_is_worse},
 else the *max*). Nodes with a
-lost or failed rank come first, then nodes with a straggling, stuck or restarting rank or a
-slow median step, slowest first; the others keep their order. Above the table, always: the
-slowest ranks (stragglers in yellow), the lost or failed ranks, and a histogram of the
+rank that failed or stopped sending come first, then nodes with a straggling, stuck or
+restarting rank or a slow median step, slowest first; the others keep their order. Above the
+table, always: the slowest ranks (stragglers in yellow), the ranks that failed or stopped
+sending (frozen ones first, with where they are stuck), and a histogram of the
 straggler measure over the running ranks (bar length: log of the count, so one rank shows
 next to thousands). Ranks whose host is not known yet are on node *?*.
 
@@ -92,11 +94,27 @@ hub's host, by the job's owner (its control socket).
 `scalemon attach --hang-after S`). The culprit is the rank that never issued the collective the
 others wait in (or whose process is gone).
 
-**States.** *lost*: the hub heard nothing for a while, or the process is gone. *exited N*: it
-ended with exit code N. A rank shown as `<phase> Ns` has been in one phase (for example
-`allreduce`) that long (at least {stuck_s} s and {stuck_steps} median steps): a hang candidate.
-The job is *stalled* when no rank finished a step for that long, and *hung* (above) when the
-ranks' collectives tell who holds it up.
+**States.** *running*: the rank sends its steps and heartbeats. When a running rank stops
+sending for a few seconds, the hub looks at its process and says which of these it is:
+
+- *frozen* (white on purple): its process exists but sends nothing; the hub (or its node's
+  relay) read its stacks from outside. Its detail says where it is stuck ("frozen in native
+  code holding the GIL: ...") and what the process does (sleeping, CPU moving or not). It has
+  not ended: the job hangs on it.
+- *gone*: its process ended without reporting an exit (killed: SIGKILL, the OOM killer).
+- *unreachable*: its node's relay is silent too, so nothing can look at its process (the node,
+  or its relay, is down or cut off); taken for ended.
+- *silent*: nothing on its node could look at its process (no relay there, its process out of
+  the hub's sight, or the look failed: the reason says which); taken for ended. A history
+  written before scalemon 1.12 said *lost*: it reads as *silent*.
+
+*exited N*: it ended with exit code N (*failed 1st*: the first rank to fail; *peer lost*: it
+failed only because a peer went away). *finished*: it ended its run (`finish()`). *stopped*:
+its user stopped the job. *restarting*: it exited to be restarted with a new flag value. A
+rank shown as `<phase> Ns` has been in one phase (for example `allreduce`) that long (at least
+{stuck_s} s and {stuck_steps} median steps): a hang candidate. The job is *stalled* when no
+rank finished a step for that long, and *hung* (above) when the ranks' collectives tell who
+holds it up.
 
 **Plots.** x is the step. *Step time* shows compute (step - all-reduce - optimizer, at least 0:
 a lower bound, since the all-reduce overlaps backward), all-reduce and optimizer, as means

@@ -1,10 +1,10 @@
 """The overview screen: job header, per-rank table and four plots.
 
 A job of `AGGREGATE_AT` ranks or more shows a row per node instead of per rank, under the
-slowest ranks, the lost or failed ones and a histogram of how late the ranks are; `n` switches
-between the two at any size. Enter on a node shows its ranks (`OpenNode`). Where the ranks
-reported their place in a device mesh, `g` groups the rank table by one mesh axis after the
-other, then no more.
+slowest ranks, those that failed or stopped sending and a histogram of how late the ranks
+are; `n` switches between the two at any size. Enter on a node shows its ranks
+(`OpenNode`). Where the ranks reported their place in a device mesh, `g` groups the rank table
+by one mesh axis after the other, then no more.
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ class OverviewScreen(DataScreen):
             "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log, "
             "n: a row per node, g: group by a mesh axis (3-D parallel jobs).")
         self.query_one(NodeTable).tooltip = (
-            "A row per node, trouble first: lost or failed ranks, then stragglers and slow "
-            "nodes.  min / med / max over the node's ranks; one value: the node's worst.  "
+            "A row per node, trouble first: ranks that failed or stopped sending (frozen, gone, "
+            "unreachable, silent), then stragglers and slow nodes.  frz: frozen ranks; gone: "
+            "gone, unreachable or silent ones.  min / med / max over the node's ranks; one "
+            "value: the node's worst.  "
             "Enter: the node's ranks.  n: a row per rank.")
         self.query_one("#plot-time", LinePlot).tooltip = (
             "compute = step - all-reduce - optimizer (at least 0). Under DDP the all-reduce "

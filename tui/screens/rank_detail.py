@@ -1,4 +1,5 @@
-"""The rank detail screen: identity, state and every series of one rank over the steps."""
+"""The rank detail screen: identity, state and every series of one rank over the steps; for a
+rank that stopped sending, what the hub read of its process and its stacks read from outside."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class RankDetailScreen(DataScreen):
     RankDetailScreen #detail-title { height: 1; padding: 0 1; background: $boost;
                                      text-style: bold; }
     RankDetailScreen #facts { height: auto; padding: 0 1; }
+    RankDetailScreen #outside-stacks { height: auto; padding: 0 1; margin: 1 0 0 0; }
     RankDetailScreen #detail-plots { grid-size: 2; grid-gutter: 0 1; height: auto;
                                      grid-rows: 9; }
     """
@@ -50,6 +52,7 @@ class RankDetailScreen(DataScreen):
         yield Static(id="detail-title")
         with VerticalScroll(id="detail-body"):
             yield Static(id="facts")
+            yield Static(id="outside-stacks")
             with Grid(id="detail-plots"):
                 for _, group in DETAIL_PANELS:
                     yield LinePlot(id=f"detail-{group[0].name}")
@@ -86,6 +89,10 @@ class RankDetailScreen(DataScreen):
             right = facts[half + i] if half + i < len(facts) else ("", "")
             table.add_row(*(literal_text(cell) for cell in (*left, *right)))
         self.query_one("#facts", Static).update(table)
+        stacks = self.query_one("#outside-stacks", Static)
+        stacks.display = detail.stacks is not None
+        if detail.stacks is not None:  # what a peer read: Text, never markup
+            stacks.update(literal_text(detail.stacks))
         if plots:
             for (_, group), spec in zip(DETAIL_PANELS, detail.plots, strict=True):
                 plot = self.query_one(f"#detail-{group[0].name}", LinePlot)

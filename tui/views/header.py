@@ -1,5 +1,6 @@
-"""The header's figures (`Summary`): the job's state in words, steps, rates, what was lost on
-the way, the stragglers, the hub's and the flags' notes, the first failure and the alerts.
+"""The header's figures (`Summary`): the job's state in words (with the ranks that stopped
+sending or exited, by word), steps, rates, what was lost on the way, the stragglers, the hub's
+and the flags' notes, the first failure and the alerts.
 
 Stragglers are named by how late each rank issues the collectives of its groups against the
 first rank (`arrival_lateness_s`: a collective makes every rank's step equally long, so step
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalemon import policy
+from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.reports import stragglers as straggler_rule
 from scalemon.state.jobstate import JOB_ENDED_STATES
 from scalemon.text import display
@@ -90,8 +92,10 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     job_state = st.state
     state_text = job_state
     running = [v for v in ranks if v.state == "running"]
-    lost = [v.rank for v in ranks if v.state == "lost"]
-    exited = [v.rank for v in ranks if v.state == "exited"]
+    by_word: dict[str, list[int]] = {word: [] for word in (*SILENT_RANK_STATES, "exited")}
+    for v in ranks:
+        if v.state in by_word:
+            by_word[v.state].append(v.rank)
     hang = current_hang(data, now) if running else None
     hub_down = _hub_down_text(data, now)
     if job_state == "waiting":
@@ -106,10 +110,9 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         quiet = now - data.last_step_t
         if quiet > policy.stuck_after_s(median_step):
             job_state, state_text = "stalled", f"stalled: no step for {quiet:.0f} s"
-    if lost:
-        state_text += f", lost ranks: {rank_list(lost, limit=6)}"
-    if exited:
-        state_text += f", exited: {rank_list(exited, limit=6)}"
+    said = [f"{word}: {rank_list(listed, limit=6)}" for word, listed in by_word.items() if listed]
+    if said:  # "degraded, frozen: 1; gone: 2,3; exited: 0"
+        state_text += ", " + "; ".join(said)
     rates = [t.rates(now) for r, t in data.tracks.items()
              if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
     step_rates = [s for s, _ in rates if s is not None]

@@ -1,5 +1,6 @@
-"""What the overview draws for a big job: a row per node (host), the slowest ranks and the lost
-or failed ones, and the spread of the straggler measure over the ranks as a histogram.
+"""What the overview draws for a big job: a row per node (host), the slowest ranks and those
+that failed or stopped sending (frozen, gone, unreachable, silent), and the spread of the
+straggler measure over the ranks as a histogram.
 
 From `display.AGGREGATE_AT` ranks on the overview shows this instead of a row per rank. No
 textual import. Built under the data's lock from `JobState` in one pass over the ranks
@@ -30,10 +31,12 @@ NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
 TOP_K = snapshot_text.TOP_STRAGGLERS
 """The slowest ranks always listed above the node table."""
 FAILED_SHOWN = 7
-"""Lost or failed ranks listed above the node table; the others are counted ("+N more")."""
+"""Ranks that failed or stopped sending listed above the node table; the others are counted
+("+N more")."""
 BINS = 8
 """Bars of the histogram (as many lines as the straggler list)."""
-WORST_STYLES = {"failed": "exited", "lost": "lost", "restarting": "stuck", "stuck": "stuck",
+WORST_STYLES = {"failed": "exited", "gone": "gone", "unreachable": "unreachable",
+                "silent": "silent", "frozen": "frozen", "restarting": "stuck", "stuck": "stuck",
                 "straggler": "straggler", "running": "", "finished": "finished"}
 """A node row's style key (the rank table's styles) by its worst state."""
 
@@ -53,13 +56,15 @@ class WatchedRank:
 
     rank: int
     host: str  # as the rank sent it (NO_HOST when unknown): clean it before showing
-    text: str  # "+24.2 ms", or "lost (no message for 30 s)"
+    text: str  # "+24.2 ms", "gone (process 101 ended without reporting an exit)", or
+    #            "frozen (sleeping, CPU not moving): frozen in native code holding the GIL: ..."
     flagged: bool  # a straggler (over the bar), or a rank that failed for a reason of its own
 
 
 @dataclass
 class Watch:
-    """The slowest ranks by the straggler measure and the lost or failed ranks."""
+    """The slowest ranks by the straggler measure and the ranks that failed or stopped
+    sending."""
 
     measure: str  # what the ranks are ranked by ("late ms"), "" before any has a measure
     bar_s: float  # from this measure on a rank is a straggler
@@ -191,17 +196,52 @@ def _watch(data: DashboardData, measure: dict[int, float], what: str, bar: float
     ms = display.unit(LATE)
     slowest = [WatchedRank(r, ranks[r].host or NO_HOST, f"{display.shown(LATE, value):+.1f} {ms}",
                            value > bar) for r, value in top]
-    failed = data.state.failed()  # own failures first, each kind earliest first
+    # frozen ranks first (the job hangs on them: alive, not ended), then the failed ones (own
+    # failures first, each kind earliest first)
+    frozen = sorted((v for v in ranks.values() if v.state == "frozen"), key=lambda v: v.rank)
+    failed = frozen + data.state.failed()
     shown = []
     for v in failed[:FAILED_SHOWN]:
-        if v.state == "lost":
-            text = "lost" + (f" ({v.state_reason})" if v.state_reason else "")
-        else:
+        if v.state == "exited":
             code = display.NA if v.exit_code is None else v.exit_code
             text = f"exited {code}" + (", peer lost" if v.peer_loss else
                                        ", failed 1st" if v.rank == first_failed else "")
+        else:
+            text = silent_rank_text(v)
         shown.append(WatchedRank(v.rank, v.host or NO_HOST, text, not v.peer_loss))
     return Watch(what if measure else "", bar, slowest, shown, len(failed))
+
+
+def process_text(process: Mapping[str, Any] | None) -> str:
+    """What was read of a silent rank's process, in words: "sleeping, CPU not moving" (its
+    state word and whether its CPU time advanced between two reads); "" when nothing was
+    read. The facts come from a peer (the hub or a relay): any of them may be missing."""
+    if not isinstance(process, Mapping):
+        return ""
+    parts = []
+    if process.get("exists") is False:
+        parts.append("no process")
+    word = process.get("state_word")
+    if isinstance(word, str) and word:
+        parts.append(word)
+    moving = process.get("cpu_moving")
+    if moving is True:
+        parts.append("CPU moving")
+    elif moving is False:
+        parts.append("CPU not moving")
+    return ", ".join(parts)
+
+
+def silent_rank_text(v: RankView) -> str:
+    """A rank's state word with what the hub knows of it: "frozen (sleeping, CPU not moving):
+    frozen in native code holding the GIL: sleep <- ..." (what its process is doing, where its
+    stacks read from outside say it is stuck), "gone (process 101 ended without reporting an
+    exit)" (the hub's reason)."""
+    said = process_text(v.process) if v.state == "frozen" else ""
+    text = v.state + (f" ({said or v.state_reason})" if said or v.state_reason else "")
+    if v.state == "frozen" and v.where:
+        text += f": {v.where}"
+    return text
 
 
 def histogram(measure: dict[int, float], what: str, bar_s: float,

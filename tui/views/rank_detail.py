@@ -1,13 +1,19 @@
 """What the rank detail screen draws (`RankDetail`): one rank's facts and every series it
-sends, a plot per panel of the metrics table and one per numeric extra value it logs."""
+sends, a plot per panel of the metrics table and one per numeric extra value it logs; for a
+rank that stopped sending, what the hub read of its process and, once read, its stacks read
+from outside (`outside_stacks_text`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from scalemon import metrics
 from scalemon.metrics import Metric
+from scalemon.proc.stacks import StackReading, format_stacks
+from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.state import alerts as alerting
 from scalemon.state.fold import RankTrack
 from scalemon.state.jobstate import RankView
@@ -16,6 +22,7 @@ from scalemon.text.display import NA
 
 from ..model import DashboardData
 from ..plotdata import Line, PlotSpec
+from .nodes import process_text
 
 DETAIL_PANELS: tuple[tuple[str, tuple[Metric, ...]], ...] = tuple(metrics.plot_panels())
 """The rank detail's plot panels from the table: (title, metrics), before the extra values."""
@@ -31,6 +38,8 @@ class RankDetail:
     facts: list[tuple[str, str]]
     plots: list[PlotSpec]  # one per DETAIL_PANELS entry
     extra_plots: dict[str, PlotSpec]  # numeric log(**extra) values by name
+    stacks: str | None = None
+    """The stacks last read from outside the rank's process (`outside_stacks_text`), or None."""
 
 
 def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> RankDetail | None:
@@ -65,7 +74,8 @@ def rank_detail(data: DashboardData, rank: int, now: float | None = None) -> Ran
                            lines=[line] if (line := Line.from_series(name, extras[name])) else [])
             for name in sorted(extras)}
         facts = _facts(data, view, now, track)
-    return RankDetail(rank, facts, plots, extra_plots)
+        stacks = outside_stacks_text(view.outside_stacks) if view.outside_stacks else None
+    return RankDetail(rank, facts, plots, extra_plots, stacks)
 
 
 def _why_empty(metric: Metric, view: RankView) -> str:
@@ -101,6 +111,10 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
     ]
     if v.monitor_off:
         facts.insert(1, ("monitor off", f"{v.monitor_off} (no steps since)"))
+    if v.state == "frozen" and v.where:
+        facts.insert(1, ("where", v.where))
+    if v.process is not None and v.state in SILENT_RANK_STATES:
+        facts.insert(1, ("process", process_line(v.process)))
     facts.extend(("ALERT", a["text"]) for a in alerting.rank_alerts(v.rank, v.alerts))
     if v.rank in data.partial_series:
         facts.append(("plots", f"from step {data.partial_series[v.rank]} on: the hub keeps a "
@@ -119,3 +133,36 @@ def _failure_note(data: DashboardData, v: RankView) -> str:
         return ", only because a peer went away"
     failure = data.state.first_failure()
     return ", the first rank to fail" if failure and failure["rank"] == v.rank else ""
+
+
+def process_line(process: Mapping[str, Any]) -> str:
+    """What was read of a silent rank's process, one line: "pid 101 (python): sleeping, CPU not
+    moving; 12.34 s CPU, 4 threads". Every fact comes from a peer and may be missing."""
+    pid, comm = process.get("pid"), process.get("comm")
+    head = f"pid {pid}" if isinstance(pid, int) and not isinstance(pid, bool) else "pid ?"
+    if isinstance(comm, str) and comm:
+        head += f" ({comm})"
+    said = process_text(process)
+    more = []
+    cpu, threads = process.get("cpu_s"), process.get("threads")
+    if isinstance(cpu, (int, float)) and not isinstance(cpu, bool):
+        more.append(f"{cpu:.2f} s CPU")
+    if isinstance(threads, int) and not isinstance(threads, bool):
+        more.append(f"{threads} thread{'s' if threads != 1 else ''}")
+    return head + (f": {said}" if said else "") + ("; " + ", ".join(more) if more else "")
+
+
+def outside_stacks_text(outside: Mapping[str, Any]) -> str:
+    """The stacks read from outside a rank's process (`RankView.outside_stacks`: reading,
+    process, reader, t) as text: who read them and when, then every thread (the one holding
+    the GIL first) with its frames, innermost first, native ones marked, in the words of
+    `scalemon stacks` (`scalemon.proc.stacks.format_stacks`); or why none were read. What a
+    peer sent: the reading is checked as it is read (`StackReading.from_wire`)."""
+    reader, t = outside.get("reader"), outside.get("t")
+    head = "read from outside the process"
+    if isinstance(reader, str) and reader:
+        head += f" by the {reader}" if reader.startswith(("hub ", "relay ")) else f" by {reader}"
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        head += time.strftime(" at %H:%M:%S", time.localtime(t))
+    reading = StackReading.from_wire(outside.get("reading"))
+    return head + "\n" + format_stacks(reading, native=True)

@@ -1,5 +1,5 @@
 """The rank table's rows: one row of text cells per rank, in `COLUMNS` order, and a style key
-(straggler, lost, exited, stuck, ...) for the rank table widget and the node screen."""
+(straggler, frozen, gone, exited, stuck, ...) for the rank table widget and the node screen."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scalemon import metrics, policy
+from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
@@ -31,8 +32,9 @@ class Row:
 
     rank: int
     cells: tuple[str, ...]
-    style: str  # "", "straggler", "lost", "exited", "stuck", "finished", "stopped", "alert",
-    #              "heading" (a group-by heading, not a rank: `heading_row`)
+    style: str  # "", "straggler", "frozen", "gone", "unreachable", "silent", "exited",
+    #              "stuck", "finished", "stopped", "alert", "heading" (a group-by heading, not
+    #              a rank: `heading_row`)
 
 
 def columns(mesh_width: int | None = None, views: Iterable[RankView] | None = None
@@ -81,8 +83,8 @@ def rank_row(v: RankView, now: float, straggler: bool, median_step: float | None
     (`columns`)."""
     state, style = v.state, ""
     phase, since = v.metrics["phase"], v.metrics["phase_since_s"]
-    if v.state == "lost":
-        style = "lost"
+    if v.state in SILENT_RANK_STATES:  # the hub's word for a rank that stopped sending
+        style = v.state
     elif v.state == "exited":
         state, style = f"exited {NA if v.exit_code is None else v.exit_code}", "exited"
         if v.rank == first_failed:

@@ -22,7 +22,7 @@ STATE_STYLES = {
     "stopping": "bold yellow",
     "stopped": "bold cyan",
     "crashed": "bold red",
-    "lost": "bold red",
+    "lost": "bold red",  # the job lost a rank: its first failure is a rank that vanished
 }
 ALERT_STYLE = "bold white on red"
 CONN_STYLES = {

@@ -31,7 +31,14 @@ PAD = 1  # blank cells on each side of a column
 ROW_STYLES = {
     "": Style(),
     "straggler": Style(color="yellow", bold=True),
-    "lost": Style(color="red", bold=True),
+    # a rank that stopped sending, by the hub's word: frozen (its process exists: the job hangs
+    # on it) white on purple, apart from the stuck style and from an alert's white on red (a
+    # 256-colour purple: themes map ANSI magenta to red); gone (its process ended); unreachable
+    # and silent (taken for ended: nothing could look at its process) in italics
+    "frozen": Style(color="bright_white", bgcolor="dark_magenta", bold=True),
+    "gone": Style(color="red", bold=True),
+    "unreachable": Style(color="red", bold=True, italic=True),
+    "silent": Style(color="red", bold=True, italic=True),
     "exited": Style(color="red"),
     "stuck": Style(color="magenta", bold=True),
     "finished": Style(color="green"),

@@ -1,6 +1,7 @@
-"""The panels above the node table of a big job: the slowest ranks, the lost or failed ranks,
-and a histogram of the straggler measure over the ranks (bars in the lateness heat map's
-shades), each a `TextPanel` repainted only when its text changes."""
+"""The panels above the node table of a big job: the slowest ranks, the ranks that failed or
+stopped sending (frozen, gone, unreachable, silent), and a histogram of the straggler measure
+over the ranks (bars in the lateness heat map's shades), each a `TextPanel` repainted only when
+its text changes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ HOST_WIDTH = 14
 """Columns of a host name in the rank lists (longer ones are cut)."""
 COUNT_WIDTH = 6
 """Columns of a histogram bar's count."""
+FAILED_TITLE = "failed or stopped sending"
+"""The title of the list of ranks that exited with an error or stopped sending (frozen, gone,
+unreachable, silent: the hub's words, each rank's on its line)."""
 
 
 def _rank_line(w: WatchedRank, style: str) -> Text:
@@ -35,10 +39,11 @@ def slowest_text(watch: Watch) -> Text:
 
 
 def failed_text(watch: Watch) -> Text:
-    """A title, then the lost or failed ranks, "+N more" past `FAILED_SHOWN`."""
+    """A title, then the ranks that failed or stopped sending, "+N more" past
+    `FAILED_SHOWN`."""
     if not watch.failed_total:
-        return Text.assemble(("lost or failed ranks", "bold"), ("  none", "green"))
-    lines = [Text.assemble(("lost or failed ranks", "bold"),
+        return Text.assemble((FAILED_TITLE, "bold"), ("  none", "green"))
+    lines = [Text.assemble((FAILED_TITLE, "bold"),
                            (f"  {watch.failed_total}", "bold red"))]
     lines.extend(_rank_line(w, "bold red" if w.flagged else "red") for w in watch.failed)
     if watch.failed_total > FAILED_SHOWN:
