@@ -6,6 +6,7 @@ counts as abandoned. The hub records what this finds (hub/server.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,8 +17,12 @@ from scalemon.state.jobstate import JobState, RankView
 from .looks import Looks
 from .relay_book import RelayBook
 
-RELAY_SILENT_S = 3.0
-"""A silent rank is `unreachable` once its node's relay has not reported for this long."""
+RELAY_SILENT_S = 6.0
+"""A silent rank is `unreachable` once its node's relay has not reported for this long (a
+relay reports every 2 s and sends an unanswered report again after 5 s)."""
+LOOK_AGAIN_S = 15.0
+"""A rank on another node that is frozen, unreachable or silent is looked at again this
+often while its node's relay reports: it may have ended, or its relay be back."""
 
 
 class Liveness:
@@ -32,12 +37,14 @@ class Liveness:
         self.last_any_recv = time.monotonic()
         self._seen_alive: set[int] = set()
         self._looking: dict[int, float] = {}  # silent ranks whose look is under way -> silent s
+        self._looked: dict[int, float] = {}  # remote ranks -> when a look was last asked
         self.errors_said: set[str] = set()
 
     def heard(self, rank: int, now: float) -> None:
         """Rank `rank` sent a message at `now` (monotonic)."""
         self.last_recv[rank] = self.last_any_recv = now
         self._looking.pop(rank, None)
+        self._looked.pop(rank, None)
 
     def note_pid(self, view: RankView | None) -> None:
         """Look at a rank's pid as its hello arrives, so a rank killed before the next
@@ -63,15 +70,18 @@ class Liveness:
         (their looks asked for), frozen ranks whose process ended since."""
         found = []
         for rank, view in list(state.ranks.items()):
-            if view.state == "frozen":
-                pid = self.local_pid(view)
-                if pid and self.process_gone(pid):
+            silent = now - self.last_recv.get(rank, now)
+            pid = self.local_pid(view)
+            if view.state == "frozen" and pid:
+                if self.process_gone(pid):
                     found.append(_gone(rank, pid, "after it froze"))
+                continue
+            if view.state in ("frozen", "unreachable", "silent") and not pid:
+                if body := self._review(rank, view, silent, relays, looks, now):
+                    found.append(body)
                 continue
             if view.state != "running":
                 continue
-            silent = now - self.last_recv.get(rank, now)
-            pid = self.local_pid(view)
             if rank in self._looking:  # its node's relay looks; unless it fell silent too
                 if not pid and (body := self._unreachable(rank, view, silent, relays, now)):
                     del self._looking[rank]
@@ -113,6 +123,31 @@ class Liveness:
             return {"target": rank, "state": "silent",
                     "reason": f"{quiet}; its process cannot be looked at: {why}"}
         self._looking[rank] = silent
+        self._looked[rank] = now
+        return None
+
+    def _review(self, rank: int, view: RankView, silent: float, relays: RelayBook,
+                looks: Looks, now: float) -> dict[str, Any] | None:
+        """A remote rank already said frozen, unreachable or silent: `unreachable` once its
+        relay falls silent; while the relay reports, looked at again every `LOOK_AGAIN_S`
+        (the look's answer decides: `on_look`)."""
+        if rank in self._looking:
+            if view.state != "unreachable" and (
+                    body := self._unreachable(rank, view, silent, relays, now)):
+                del self._looking[rank]
+                return body
+            return None
+        relay_silent = relays.silent_for(view.host, now)
+        if relay_silent is None:
+            return None
+        if relay_silent > RELAY_SILENT_S:
+            if view.state != "unreachable":
+                return self._unreachable(rank, view, silent, relays, now)
+            return None
+        if now - self._looked.get(rank, -math.inf) >= LOOK_AGAIN_S:
+            self._looked[rank] = now
+            if looks.ask(rank, view.pid, view.host, now) is None:
+                self._looking[rank] = silent
         return None
 
     @staticmethod
@@ -134,15 +169,21 @@ class Liveness:
         rank = look["rank"]
         silent = self._looking.pop(rank, None)
         view = state.ranks.get(rank)
-        if silent is None or view is None or view.state not in ("running", "frozen"):
+        if silent is None or view is None or view.state not in (
+                "running", "frozen", "unreachable", "silent"):
             return None
+        silent = max(silent, time.monotonic() - self.last_recv.get(rank, time.monotonic()))
         process, pid = look.get("process"), look.get("pid") or view.pid
         if look.get("error"):
+            if view.state in ("frozen", "silent"):
+                return None  # what was said stands; looked at again later
             return {"target": rank, "state": "silent",
                     "reason": f"no message for {silent:.1f} s; {look['error']}"}
-        if isinstance(process, dict) and (not process.get("exists")
+        if isinstance(process, dict) and (process.get("exists") is False
                                           or process.get("state") == "Z"):
             return {**_gone(rank, pid or 0), "process": process}
+        if view.state == "frozen" and view.where and not look.get("where"):
+            return None  # still there; the stacks read before say where
         where = f"frozen {look['where']}" if look.get("where") else None
         stacks = look.get("reading") or {}
         how = (process or {}).get("state_word") or "alive"
@@ -156,15 +197,15 @@ class Liveness:
                 "where": where}
 
     def lifecycle_state(self, state: JobState, now: float) -> str:
-        """The job state, plus `abandoned`: every rank seen has stopped or is gone and none
-        spoke for `linger_s`, though fewer than world_size ever reported (ranks elsewhere),
-        or the launcher's restart never came."""
+        """The job state, plus `abandoned`: no rank runs (each ended, or is frozen) and none
+        spoke for `linger_s`: ranks that never reported (elsewhere), a launcher's restart
+        that never came, ranks frozen for good (their stacks are in the history)."""
         job_state = state.state
         views = state.ranks.values()
         if (job_state in ("running", "degraded", "stopping", "restarting") and views
-                and all(v.state not in ("running", "frozen") for v in views)
+                and all(v.state != "running" for v in views)
                 and now - self.last_any_recv >= self.linger_s):
-            return "abandoned"
+            return "abandoned"  # frozen ranks too: nothing moved for linger_s
         return job_state
 
 

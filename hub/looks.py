@@ -19,8 +19,9 @@ log = logging.getLogger("scalemon.hub")
 
 WORKERS = 2
 """Looks read at once on the hub's host."""
-RELAY_WAIT_S = 15.0
-"""A look asked of a relay that has not answered in this long is given up."""
+RELAY_WAIT_S = 30.0
+"""A look asked of a relay that has not answered in this long is given up (a relay reads two
+at a time, each up to some 10 s); a later answer is still taken."""
 MAX_PROBES = 256
 """A relay's report carries at most this many looks; the rest are ignored."""
 
@@ -34,13 +35,16 @@ class Looks:
         self._pool: ThreadPoolExecutor | None = None
         self._local: dict[int, tuple[Future, int]] = {}
         self._remote: dict[int, tuple[str, float]] = {}
+        self._late: dict[int, str] = {}  # remote looks given up, whose answer may still come
         self._done: list[dict[str, Any]] = []
         self.latest: dict[int, dict[str, Any]] = {}
         """Each rank's latest finished look (with `t`: when it finished, time.time())."""
 
-    def ask(self, rank: int, pid: int | None, host: str | None, now: float) -> str | None:
-        """Start a look at `rank`'s process (pid `pid` on `host`), unless one is under way;
-        None when one is (or was already), else why none can be made."""
+    def ask(self, rank: int, pid: int | None, host: str | None, now: float,
+            native: bool = True) -> str | None:
+        """Start a look at `rank`'s process (pid `pid` on `host`; its native frames too when
+        `native`), unless one is under way; None when one is (or was already), else why none
+        can be made."""
         if rank in self._local or rank in self._remote:
             return None
         if not pid:
@@ -48,13 +52,14 @@ class Looks:
         if host == self.host:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="scalemon-look")
-            self._local[rank] = (self._pool.submit(look_at, pid), pid)
+            self._local[rank] = (self._pool.submit(look_at, pid, native), pid)
             return None
         silent = self.relays.silent_for(host, now)
         if silent is None:
             return f"no scalemon relay reports from its node {host}"
-        self.relays.ask(host or "", rank, pid)
+        self.relays.ask(host or "", rank, pid, native)
         self._remote[rank] = (host or "", now)
+        self._late.pop(rank, None)
         return None
 
     def answered(self, node: str, probes: list[Any]) -> None:
@@ -64,9 +69,12 @@ class Looks:
             if not isinstance(probe, dict) or type(probe.get("rank")) is not int:
                 continue
             asked = self._remote.get(probe["rank"])
-            if asked is None or asked[0] != node:
+            if asked is not None and asked[0] == node:
+                del self._remote[probe["rank"]]
+            elif self._late.get(probe["rank"]) == node:
+                del self._late[probe["rank"]]
+            else:
                 continue
-            del self._remote[probe["rank"]]
             self._finish(probe["rank"], {
                 "pid": probe.get("pid"), "process": _dict(probe.get("process")),
                 "reading": _dict(probe.get("reading")),
@@ -90,6 +98,7 @@ class Looks:
         for rank, (node, asked) in list(self._remote.items()):
             if now - asked > RELAY_WAIT_S:
                 del self._remote[rank]
+                self._late[rank] = node
                 self._finish(rank, {"pid": None, "process": None, "reading": None,
                                     "where": None, "reader": f"relay of {node}",
                                     "error": f"the relay of {node} did not look at the "

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expected number of ranks")
     parser.add_argument(
         "--lost-after", type=seconds(0.0, above=True), default=5.0, metavar="S",
-        help="mark a rank lost after S seconds without a message",
+        help="after S seconds without a message from a rank, find out why: frozen (its "
+             "process exists; its stacks are read), gone, unreachable or silent",
     )
     parser.add_argument(
         "--hang-after", type=seconds(0.0, above=True), default=settings.hang_after_s(),

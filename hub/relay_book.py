@@ -40,17 +40,18 @@ class RelayBook:
         self.lost_after_s = lost_after_s
         self.relays: dict[str, _Relay] = {}
         self.records: list[dict[str, Any]] = []
-        self._asks: dict[str, dict[int, int]] = {}
+        self._asks: dict[str, dict[int, tuple[int, bool]]] = {}
 
-    def ask(self, node: str, rank: int, pid: int) -> None:
-        """Have `node`'s relay look at rank `rank`'s process (pid `pid`): asked in the answer
-        to its next report (`take_asks`), answered in the report after (`hub/looks.py`)."""
-        self._asks.setdefault(node, {})[rank] = pid
+    def ask(self, node: str, rank: int, pid: int, native: bool = True) -> None:
+        """Have `node`'s relay look at rank `rank`'s process (pid `pid`; native frames too when
+        `native`): asked in the answer to its next report (`take_asks`), answered in the
+        report after (`hub/looks.py`)."""
+        self._asks.setdefault(node, {})[rank] = (pid, native)
 
     def take_asks(self, node: str) -> list[dict[str, Any]]:
         """The looks to ask of `node`'s relay now, each once: [{"rank", "pid", "native"}]."""
         asks = self._asks.pop(node, {})
-        return [{"rank": r, "pid": p, "native": True} for r, p in sorted(asks.items())]
+        return [{"rank": r, "pid": p, "native": n} for r, (p, n) in sorted(asks.items())]
 
     def report(self, node: str, pid: int, stats: dict[str, Any],
                now: float | None = None) -> None:

@@ -545,3 +545,25 @@ def test_the_recorder_reads_every_ring_without_stack_traces(monkeypatch):
         source._dump(includeCollectives=True, onlyActive=False)  # as write_dump calls it
     assert len(calls) == 6
     assert all(call.get("includeStackTraces") is False for call in calls), calls
+
+
+def test_a_frozen_rank_inside_a_collective_every_member_issued_is_the_culprit_not_the_network():
+    st = JobState(hang_after_s=10.0)
+    for rank in (0, 1, 2):
+        st.apply(hello(rank, 3))
+    groups = {"0": {"desc": "default_pg", "ranks": [0, 1, 2]}}
+    st.apply(msg("collectives", 0, 1, {"groups": groups, "stats": [], "issues": []}))
+    for rank in (0, 1, 2):
+        st.apply(msg("step", rank, 2, {"step": 4}, t=1000.0))
+        st.apply(msg("heartbeat", rank, 3, {
+            "phase": "collective", "dropped": 0, "groups": {"0": [10, 9]},
+            "inflight": [["0", 10, "all_reduce", 1000.5]]}, t=1020.0))
+    assert job_hang(st, now=1037.5)["culprits"] == []  # every member issued it: stuck
+    where = "frozen in native code holding the GIL: ncclGroupEnd <- step() at train.py:7"
+    st.apply(msg("rank_state", protocol.HUB_RANK, 1, {"target": 1, "state": "frozen",
+                                                      "where": where}))
+    hang = job_hang(st, now=1037.5)
+    assert hang["culprits"] == [1] and hang["waiting"] == [0, 2]
+    assert hang["text"].startswith(f"rank 1: {where}; inside all_reduce #10 of default_pg "
+                                   "[0,1,2]; ranks 0,2 wait in all_reduce #10"), hang["text"]
+    assert "network" not in hang["text"]

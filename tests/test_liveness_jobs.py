@@ -80,7 +80,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def rank_of(client: HubClient, rank: int) -> dict:
-    return next(r for r in client.state()["state"]["ranks"] if r["rank"] == rank)
+    """The rank's entry in the hub's state ({"state": None} before its first message)."""
+    ranks = client.state()["state"]["ranks"]
+    return next((r for r in ranks if r["rank"] == rank), {"state": None})
 
 
 def scalemon(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -149,8 +151,8 @@ def test_a_silent_rank_on_a_node_nothing_looks_at_is_silent_not_frozen(
         elsewhere = FakeRank(zctx, hub.address, job, 1)
         elsewhere.send("hello", {"host": "node9", "pid": 4242, "world_size": 3,
                                  "local_rank": 0})
-        rank = wait_for(lambda: (r := rank_of(client, 1))["state"] != "running" and r,
-                        timeout=15, interval=0.2)
+        rank = wait_for(lambda: (r := rank_of(client, 1))["state"] not in (None, "running")
+                        and r, timeout=15, interval=0.2)
         assert rank["state"] == "silent"
         assert "no scalemon relay reports from its node node9" in rank["state_reason"]
     finally:
@@ -188,6 +190,9 @@ def test_a_relay_looks_at_its_nodes_frozen_rank_and_its_silence_makes_ranks_unre
                         timeout=30, interval=0.3)
         assert rank["state"] == "unreachable", rank["state_reason"]
         assert "relay" in rank["state_reason"]
+        # the frozen rank's node cannot be looked at any more either
+        wait_for(lambda: rank_of(client, 1)["state"] == "unreachable", timeout=15,
+                 interval=0.3)
     finally:
         for proc in ranks:
             stop(proc)

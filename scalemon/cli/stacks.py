@@ -29,17 +29,18 @@ def add_parser(sub: Any) -> None:
                     "processes (py-spy; the hub reads those on its host, each node's relay "
                     "those on its node), every thread, and print them, innermost call first. "
                     "Works for a rank frozen in native code holding the GIL, where no Python "
-                    "thread of the rank can answer. Each rank is paused for the moment of the "
-                    "reading. Exit status: 0 stacks of every rank asked, 1 some rank's stacks "
-                    "could not be read (the reason is printed), 2 no hub or job.")
+                    "thread of the rank can answer. Each rank is paused while it is read "
+                    "(some 0.1 s; --native takes longer). Exit status: 0 stacks of every rank "
+                    "asked, 1 some rank's stacks could not be read (the reason is printed), 2 "
+                    "no hub or job.")
     stacks.add_argument("target", nargs="?", help="job id or hub address (default: the live job)")
     stacks.add_argument("--rank", type=int, action="append", metavar="R",
                         help="only rank R (repeat for more; default: every rank)")
     stacks.add_argument("--native", action="store_true",
                         help="show native (C/C++) frames too, not only Python's")
     stacks.add_argument("--json", action="store_true", help="machine-readable JSON")
-    stacks.add_argument("--timeout", type=seconds(0.0, above=True), default=40.0, metavar="S",
-                        help="seconds to wait for the readings (default 40)")
+    stacks.add_argument("--timeout", type=seconds(0.0, above=True), default=60.0, metavar="S",
+                        help="seconds to wait for the readings (default 60)")
     stacks.set_defaults(func=cmd_stacks)
 
 
@@ -51,7 +52,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     except (JobLookupError, ValueError, ControlError) as exc:
         return _fail(str(exc), EXIT_NO_HUB)
     try:
-        reply = _read(control, args.rank or [], args.timeout)
+        reply = _read(control, args.rank or [], args.native, args.timeout)
     except (HubUnreachable, protocol.ProtocolError) as exc:
         return _fail(str(exc), EXIT_NO_HUB)
     finally:
@@ -69,19 +70,23 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     return EXIT_NO_STACKS if failed else 0
 
 
-def _read(control: Controller, ranks: list[int], timeout_s: float) -> dict[str, Any]:
-    """Start the reading and ask for its progress until it is done or `timeout_s` ran out."""
+def _read(control: Controller, ranks: list[int], native: bool,
+          timeout_s: float) -> dict[str, Any]:
+    """Start the reading and ask for its progress until it is done or `timeout_s` ran out;
+    each answer brings the ranks read since the one before."""
     deadline = time.monotonic() + timeout_s
-    reply = control.client.request("stacks", ranks=ranks, native=True, id=0)
-    note = reply.get("note")
+    reply = control.client.request("stacks", ranks=ranks, native=native, id=0)
+    note, got = reply.get("note"), dict(reply.get("ranks") or {})
     while not reply.get("done") and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        reply = control.client.request("stacks", ranks=ranks, native=True, id=reply["id"])
+        if not reply.get("ranks"):
+            time.sleep(POLL_S)
+        reply = control.client.request("stacks", ranks=ranks, native=native, id=reply["id"])
+        got.update(reply.get("ranks") or {})
     if not reply.get("done"):
         for rank in reply.get("pending") or ():
-            reply.setdefault("ranks", {})[str(rank)] = {
-                "error": f"not read within {timeout_s:g} s (--timeout S waits longer)"}
-    return {**reply, "note": note}
+            got[str(rank)] = {"error": f"not read within {timeout_s:g} s (--timeout S "
+                                       "waits longer)"}
+    return {"ranks": got, "note": note}
 
 
 def _readable(got: dict[str, Any]) -> bool:

@@ -84,12 +84,32 @@ class HangReport:
         self.waits: dict[int, dict[str, Any]] = self.finding.get("waits", {})
         self.causes: dict[int, dict[str, Any]] = self.finding.get("causes", {})
         for rank, cause in self.causes.items():  # in Python as far as its last message said
-            view = views.get(rank)
-            if cause["cause"] == "python" and view is not None and view.state == "frozen":
-                cause["cause"] = "frozen"
-            elif cause["cause"] == "python" and view is None:
+            if cause["cause"] == "python" and rank not in views:
                 cause["cause"] = "unheard"
+        frozen = {r for r, v in views.items() if v.state == "frozen"}
+        if frozen and self.finding:
+            self._blame_frozen(frozen, members)
         self._missed = self._never_issued()
+
+    def _blame_frozen(self, frozen: set[int], members: dict[str, tuple[int, ...]]) -> None:
+        """A frozen rank (its process exists, sends nothing; the hub read where it is) is a
+        culprit whatever its last message said, also from inside a collective every member
+        issued: the ranks `stuck` in a group with a frozen member wait for it, not for the
+        network."""
+        for rank in frozen:
+            self.causes[rank] = {"cause": "frozen"}
+            self.waits.pop(rank, None)
+        for rank, cause in list(self.causes.items()):
+            wait = self.waits.get(rank)
+            if cause["cause"] != "stuck" or wait is None:
+                continue
+            blamed = sorted(frozen.intersection(members.get(wait["group"], ())))
+            if blamed:
+                wait["for"] = blamed
+                del self.causes[rank]
+        culprits = sorted(r for r, c in self.causes.items() if c["cause"] != "stuck")
+        self.finding["culprits"] = culprits
+        self.finding["waiting"] = sorted(r for r in self.waits if r not in culprits)
 
     # --- pieces ----------------------------------------------------------------------------
     def label(self, group: str) -> str:
@@ -193,8 +213,7 @@ class HangReport:
             where = f"python, {frame}" if frame else "python (no stack yet)"
             return where + (f"; never issued {missed}" if missed else "")
         if kind == "frozen":
-            return frozen_text(self.st.ranks[rank]) + (
-                f"; never issued {missed}" if missed else "")
+            return frozen_text(self.st.ranks[rank]) + self._frozen_in(rank)
         if kind == "unheard":
             return ("never reported to the hub: its process did not start, or ended before "
                     "its agent's first message" + (f"; never issued {missed}" if missed else ""))
@@ -210,6 +229,22 @@ class HangReport:
             return f"{self.wait_text(rank)}, which {verb} for it in turn: a deadlock ({how})"
         return (f"{self.wait_text(rank)}: every member issued it: a network or "
                 "communication-library problem, not a late rank")
+
+    def _frozen_in(self, rank: int) -> str:
+        """"; never issued all_reduce #10 of ...", or "; inside all_reduce #10 of ..." when
+        its last message said it had issued the collective the others wait in."""
+        status = _status(self.st.ranks[rank])
+        inside, never = [], []
+        for wait in self.waits.values():
+            if rank not in wait["for"] or wait["seq"] is None:
+                continue
+            text = self.wait_what(wait)
+            issued = (status.get(wait["group"]) or [None])[0]
+            into = inside if isinstance(issued, int) and issued >= wait["seq"] else never
+            if text not in into:
+                into.append(text)
+        return (f"; inside {' and '.join(inside)}" if inside else "") + (
+            f"; never issued {' nor '.join(never)}" if never else "")
 
     def desync_text(self, group: str, seq: int) -> str:
         """"rank 2 issued all_gather #5 of default_pg [0,1,2] while ranks 0,1 issued all_reduce
