@@ -8,6 +8,10 @@ the call to its future's completion (gloo completes futures on its own threads).
 leaves a `HostCall` `[group, seq, op, seconds]` in a deque right after it was issued (`seq`: the
 group's sequence number, the recorder entry's `collective_seq_id`), and `seconds` is filled in
 once it completed; the recorder's thread matches it to the entry of the same (group, seq).
+The entry is in the ring from inside the call, the `HostCall` only once the call returned: while
+a wrapped call is under way its token is in `HostTimer.issuing`, and the recorder leaves an
+entry without its `HostCall` for a later read while that set is not empty (else it would name
+a reduce-scatter taken in between by gloo's `all_reduce`: issue #37).
 `op` is set where gloo's recorder misnames the call: gloo has no reduce-scatter and runs it as an
 all_reduce of the whole input, which the recorder records as `all_reduce`. This costs a few µs of
 training-thread time per collective; on NCCL nothing is wrapped.
@@ -80,6 +84,9 @@ class HostTimer:
 
     def __init__(self, max_calls: int = 100_000) -> None:
         self.calls: deque[HostCall] = deque(maxlen=max_calls)
+        self.issuing: set[object] = set()
+        """A token per wrapped call under way: from before it is issued until its `HostCall`
+        is in `calls` (set.add and discard are atomic: any thread may issue)."""
         self.p2p = P2PTimer()
         self._originals: dict[str, Callable[..., Any]] = {}
 
@@ -108,30 +115,36 @@ class HostTimer:
     def _wrap(self, fn: Callable[..., Any], op: str | None, group_at: int,
               api: str) -> Callable[..., Any]:
         calls = self.calls
+        issuing = self.issuing
         p2p = self.p2p
         a2a = api.startswith("all_to_all")
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            work = fn(*args, **kwargs)
+            token = object()
+            issuing.add(token)  # the recorder holds back entries without their call meanwhile
             try:
-                group = _arg(args, kwargs, group_at, "group")
-                call = [group, sequence_number(group) - p2p.p2p_ops(group), op, None]
-                if a2a:
-                    try:  # noqa: SIM105 (sizes it cannot read: no bytes, the call still timed)
-                        p2p.step.add_a2a(*_a2a_bytes(api, args, kwargs))
-                    except Exception:
-                        pass
-                if work is None:
-                    call[3] = time.perf_counter() - t
-                else:
-                    work.get_future().then(lambda _f: call.__setitem__(
-                        3, time.perf_counter() - t))
-                calls.append(call)
-            except Exception:  # timing is never worth the collective
-                pass
-            return work
+                t = time.perf_counter()
+                work = fn(*args, **kwargs)
+                try:
+                    group = _arg(args, kwargs, group_at, "group")
+                    call = [group, sequence_number(group) - p2p.p2p_ops(group), op, None]
+                    if a2a:
+                        try:  # noqa: SIM105 (sizes it cannot read: no bytes, still timed)
+                            p2p.step.add_a2a(*_a2a_bytes(api, args, kwargs))
+                        except Exception:
+                            pass
+                    if work is None:
+                        call[3] = time.perf_counter() - t
+                    else:
+                        work.get_future().then(lambda _f: call.__setitem__(
+                            3, time.perf_counter() - t))
+                    calls.append(call)
+                except Exception:  # timing is never worth the collective
+                    pass
+                return work
+            finally:
+                issuing.discard(token)
 
         timed.__scalemon_original__ = fn  # type: ignore[attr-defined]
         return timed

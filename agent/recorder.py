@@ -14,7 +14,10 @@ TORCH_FR_BUFFER_SIZE entries in a ring). `Recorder` runs its own daemon thread t
   step completed since (`stepcomm.py`, from the training thread's `log()` times);
 - while the training thread is stuck (no `log()` for the hang threshold, `HANG_AFTER_S` or
   the hub's `--hang-after`), adds its Python stack and the collectives in flight to the
-  heartbeat, and says whether it waits in a collective (`blocked`).
+  heartbeat, and says whether it waits in a collective (`blocked`);
+- at `stop()` (the rank's `finish()`, after its last collective was issued) reads the rings a
+  last time, once the collectives they hold completed (`FINAL_WAIT_S` at most), and takes
+  every entry then, so that none of the job's last collectives is left out.
 
 What each backend records (torch 2.13): NCCL entries carry `duration_ms` once collective timing
 is on (the agent turns it on for every group, also groups created later). gloo entries carry
@@ -75,6 +78,10 @@ MAX_STEP_ROWS = 4096
 """Steps' all-reduce figures per `collectives` message at most (the newest are kept)."""
 HOST_CALLS_KEPT = 50_000
 """Host-timed calls, taken entries and untimed entries remembered for matching, at most."""
+FINAL_WAIT_S = 2.0
+"""At `stop()`, how long the last read waits for collectives still running (NCCL entries not
+completed, gloo calls without their duration) before it takes them as they are; under the
+join timeout of `stop()`."""
 
 
 class RecorderSource:
@@ -128,6 +135,7 @@ class Recorder:
         step_marks: deque[tuple[int, float]] | None = None,
         start: bool = True,
         p2p: P2PTimer | None = None,
+        host_issuing: set[object] | None = None,
     ) -> None:
         self.submit = submit
         self.training_thread = training_thread
@@ -135,6 +143,7 @@ class Recorder:
         self.current_step = current_step
         self.nccl = nccl
         self.host_calls = host_calls  # HostCall lists from the gloo timer (hosttiming.py)
+        self.host_issuing = host_issuing  # the timer's calls under way (HostTimer.issuing)
         self.on_status: Callable[[], None] | None = None  # after each read (mesh discovery)
         self.warnings = warnings or Warnings()
         self.status_every_s = status_every_s
@@ -211,10 +220,30 @@ class Recorder:
             self._wake.wait(self._next_wait())
             self._wake.clear()
         try:
-            self.read_all(False)  # what the last steps issued
+            self.last_read()  # what the last steps issued
         except Exception as exc:
             self.warnings.once("recorder-last", "scalemon: the last Flight Recorder read failed: "
                                "%s", exc)
+
+    def last_read(self, wait_s: float = FINAL_WAIT_S) -> None:
+        """The reads at `stop()`: again every 50 ms while a collective read is still running
+        (an NCCL entry not completed, a gloo call without its duration), `wait_s` at most,
+        then one that takes every entry as it is: nothing is left for a read that never
+        comes."""
+        end = time.monotonic() + wait_s
+        self.read_all(False)
+        while self._running() and time.monotonic() < end:
+            time.sleep(0.05)
+            self.read_all(False)
+        self.read_all(False, final=True)
+
+    def _running(self) -> bool:
+        """True while a collective this recorder read has not completed: an entry held back
+        (NCCL, or gloo before its host call), or a gloo call that has no duration yet."""
+        if self._held:
+            return True
+        return any(call[3] is None for ident in self._awaiting
+                   if (call := self._host_calls.get(ident)) is not None)
 
     def _next_wait(self) -> float:
         """Until the next status read, or sooner: the moment the training thread becomes
@@ -333,23 +362,32 @@ class Recorder:
         self.fields["collectives_issued"] = sum(s[0] for s in groups.values())
         self.fields["collectives_completed"] = sum(s[1] for s in groups.values())
 
-    def read_all(self, stuck: bool) -> float:
-        """Read every ring, send the new collectives; returns the read's cost in seconds."""
+    def read_all(self, stuck: bool, final: bool = False) -> float:
+        """Read every ring, send the new collectives; returns the read's cost in seconds.
+        `final`: the last read of the rank, which holds nothing back for a later one.
+
+        On gloo the rings are read before the host timer's calls are collected: an entry read
+        without its call is then one that was issued without the timer (no call will come),
+        unless a timed call was under way (`host_issuing`), which may be its own: such an
+        entry waits for the next read, so that its op is the call's (gloo's recorder names a
+        reduce-scatter `all_reduce`)."""
         t0 = time.perf_counter()
         stats = CollectiveStats()
         p2p = P2PStats()
         issues: list[list[Any]] = []
         groups: dict[str, list[int]] = {}
         inflight: list[list[Any]] = []
-        self._collect_host_calls()
         op_ids = self.p2p_reader.op_ids()
-        for source in self.sources:
-            dump = source.read(True)
+        dumps = [(source, source.read(True)) for source in self.sources]
+        calls_pending = not final and bool(self.host_issuing)  # after the rings were read
+        self._collect_host_calls()
+        for source, dump in dumps:
             entries = dump.get("entries") or []
             self._learn_groups(dump, entries)
             self._merge_status(dump.get("pg_status") or {}, groups,
                                op_ids if source.name == "fr" else None)
-            self._take(source, entries, stats, issues, p2p)
+            self._take(source, entries, stats, issues, p2p, final=final,
+                       calls_pending=calls_pending)
             if stuck:
                 inflight.extend(self._inflight(entries, groups))
         self._time_awaiting(stats)
@@ -389,7 +427,11 @@ class Recorder:
 
     def _take(self, source: RecorderSource, entries: list[dict[str, Any]],
               stats: CollectiveStats, issues: list[list[Any]],
-              p2p: P2PStats | None = None) -> None:
+              p2p: P2PStats | None = None, final: bool = False,
+              calls_pending: bool = False) -> None:
+        """Count the entries not taken yet. Held back for a later read (`_held`), unless
+        `final`: an NCCL entry not completed (its duration comes then), and with
+        `calls_pending` a host-timed gloo entry whose call is not collected yet."""
         if not entries:
             return
         ids = [e["record_id"] for e in entries]
@@ -404,9 +446,14 @@ class Recorder:
             duration = e.get("duration_ms")
             name = e.get("profiling_name") or ""
             created = e.get("time_created_ns", 0) / 1e9
-            if (duration is None and name.startswith("nccl") and e.get("state") != "completed"
-                    and now - created < HELD_BACK_S):
-                self._held[rid] = created  # read again once it completed
+            group = str((e.get("process_group") or ("?",))[0])
+            seq = int(e.get("collective_seq_id", 0))
+            if not final and now - created < HELD_BACK_S and (
+                    (duration is None and name.startswith("nccl")
+                     and e.get("state") != "completed")
+                    or (calls_pending and not e.get("is_p2p")
+                        and (group, seq) not in self._host_calls)):
+                self._held[rid] = created  # read again once it completed, or its call came
                 continue
             self._held.pop(rid, None)
             source.seen.add(rid)
@@ -415,8 +462,6 @@ class Recorder:
                 continue
             self._taken[ident] = None
             self.entries += 1
-            group = str((e.get("process_group") or ("?",))[0])
-            seq = int(e.get("collective_seq_id", 0))
             seconds = float(duration) / 1000.0 if duration is not None else None
             if e.get("is_p2p") and p2p is not None and self.p2p_reader.take_nccl(
                     e, group, name, seconds, p2p, self._group_info):
