@@ -132,3 +132,14 @@ def rank_env_from_group(env: RankEnv, rank: int, world_size: int, parent_pid: in
                        or siblings_job_id(environ, env.host, parent_pid))
     local = _int(environ, "LOCAL_RANK", default=rank)
     return RankEnv(rank, world_size, local, job, env.restart_count, env.host, "spawn")
+
+
+def max_restarts(env: Mapping[str, str] | None = None) -> int | None:
+    """The launcher's restart budget (torchrun's `--max-restarts`, as
+    TORCHELASTIC_MAX_RESTARTS), None where the launcher says none or it is not a number."""
+    value = (os.environ if env is None else env).get("TORCHELASTIC_MAX_RESTARTS", "")
+    try:
+        count = int(value)
+    except ValueError:
+        return None
+    return count if count >= 0 else None

@@ -42,6 +42,7 @@ from scalemon.flags import (
 
 from . import c10d, nccllog, overrides
 from .env import RankEnv
+from .env import max_restarts as env_max_restarts
 from .libs import mapped_libraries
 from .warn import Warnings
 
@@ -120,7 +121,7 @@ class FlagControl:
         if self.checkpoint is None:
             return {"ok": False, "reason": "the script registered no checkpoint callback "
                                            "(demo trainer: start it with --ckpt-dir)"}
-        max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        max_restarts = env_max_restarts() or 0
         if self.env.restart_count >= max_restarts:
             return {"ok": False, "reason": f"torchrun restarts used up ({self.env.restart_count}"
                                            f" of --max-restarts {max_restarts})"}

@@ -41,6 +41,7 @@ class Heartbeat:
         counters: Callable[[], dict[str, int]],
         interval_s: float = 1.0,
         warnings: Warnings | None = None,
+        chore: Callable[[float], None] | None = None,
     ) -> None:
         self.phase = phase
         self.warnings = warnings or Warnings()
@@ -48,6 +49,8 @@ class Heartbeat:
         self.submit = submit
         self.counters = counters
         self.interval_s = interval_s
+        self.chore = chore
+        """Called after each beat with time.monotonic() (the stack reader kept named)."""
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # prime: the next call measures from here
         self._stop = threading.Event()
@@ -73,9 +76,12 @@ class Heartbeat:
     def _beat_safely(self) -> None:
         try:
             self.beat()
+            if self.chore is not None:
+                self.chore(time.monotonic())
         except Exception as exc:  # keep beating; a heartbeat is never worth a crash
             self.warnings.once("heartbeat", "scalemon: a heartbeat failed (%s: %s); the hub "
-                               "marks this rank lost if it goes on", type(exc).__name__, exc)
+                               "takes this rank for silent if it goes on", type(exc).__name__,
+                               exc)
 
     def _run(self) -> None:
         while True:

@@ -33,13 +33,14 @@ from scalemon.state.failures import clean_error
 
 from .autostart import hub_address
 from .cudagraphs import watch_captures
-from .env import RankEnv, read_rank_env
+from .env import RankEnv, max_restarts, read_rank_env
 from .flags import FlagControl
 from .heartbeat import Heartbeat, Phase
 from .hosttiming import HostTimer
 from .hubwatch import hub_label, watch_hub
 from .mesh import MeshWatcher
 from .nvml import GpuReader, pci_bus_id_of
+from .ptracer import ReaderNaming
 from .ranklogs import RankLogs, log_dir
 from .recorder import Recorder, group_uses_nccl
 from .scaler import ScaleReader
@@ -204,6 +205,7 @@ class Run:
             lambda: self.phase.step, nccl=self._nccl,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
+            host_issuing=self.host_timer.issuing if self.host_timer else None,
             warnings=self.warnings, stuck_after_s=settings.hang_after_s(),
             step_marks=self._step_marks, p2p=self.host_timer.p2p if self.host_timer else None)
         self._hello(model, config)
@@ -223,8 +225,10 @@ class Run:
         if model is not None:
             self.watch_model(model, time_collectives)
         self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
+        # the node's hub or relay may read this rank's stacks from outside (Yama scope 1)
+        self.stack_reader = ReaderNaming(self.address.ingest)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
-                                   heartbeat_s, self.warnings)
+                                   heartbeat_s, self.warnings, chore=self.stack_reader.check)
         self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
@@ -245,6 +249,7 @@ class Run:
             "world_size": self.env.world_size,
             "local_rank": self.env.local_rank,
             "restart_count": self.env.restart_count,
+            **({"max_restarts": restarts} if (restarts := max_restarts()) is not None else {}),
             "agent_version": scalemon.__version__,
             "torch_version": str(torch.__version__),
             "device": device,
@@ -437,6 +442,7 @@ class Run:
                 self.host_timer = HostTimer()
                 self.host_timer.install()
                 self.recorder.host_calls = self.host_timer.calls
+                self.recorder.host_issuing = self.host_timer.issuing
                 self.recorder.p2p_reader.timer = self.host_timer.p2p
         except Exception as exc:  # collectives may lack durations; training goes on
             self.warnings.once("settle-backend", "scalemon: switching the monitor to gloo "

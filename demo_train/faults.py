@@ -8,6 +8,14 @@
     --inject-crash RANK:STEP   that rank raises before step STEP, in the first attempt only
                                (TORCHELASTIC_RESTART_COUNT == 0), so a job restarted by
                                `torchrun --max-restarts N` resumes and goes on
+    --inject-freeze RANK:STEP  that rank, before step STEP and in the first attempt only,
+                               blocks for ever in native code HOLDING THE GIL
+                               (`freeze_holding_the_gil`: libc's sleep() through
+                               ctypes.PyDLL, which keeps the GIL): no other Python thread of
+                               the process runs, the monitor's heartbeat and sender included,
+                               so the rank goes silent as a process stuck in a C extension
+                               does, and only a reader from outside the process (py-spy,
+                               ptrace) sees where it is; the others wait in the all-reduce
     --slow-rank RANK:SECONDS   that rank sleeps SECONDS before every backward (after its
                                forward): it computes slowly, reaches each gradient all-reduce
                                last, and the others wait for it there (a straggler); a
@@ -27,11 +35,12 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,6 +49,20 @@ HANG_PHASE = "injected-hang"
 
 class InjectedCrash(RuntimeError):
     """Raised by --inject-crash."""
+
+
+def freeze_holding_the_gil() -> NoReturn:
+    """Block for ever in native code without releasing the GIL (--inject-freeze).
+
+    libc's sleep() is called through `ctypes.PyDLL`, which, unlike `ctypes.CDLL`, keeps the
+    GIL during the call: no other Python thread of this process runs again. A signal ends a
+    sleep early; the loop sleeps again (a Python signal handler may run in between, and the
+    freeze goes on: SIGKILL ends it)."""
+    libc = ctypes.PyDLL(None)  # the process's own symbols: libc's among them
+    libc.sleep.argtypes = [ctypes.c_uint]
+    libc.sleep.restype = ctypes.c_uint
+    while True:
+        libc.sleep(3600)
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,7 @@ class Faults:
         overflow_step: int | None = None,
         slow: RankDelay | None = None,
         desync: RankStep | None = None,
+        freeze: RankStep | None = None,
     ) -> None:
         self.rank = rank
         self.desync_at = desync
@@ -111,14 +135,21 @@ class Faults:
         self.hang_step = hang.step if hang and hang.rank == rank else None
         first_attempt = restart_count() == 0
         self.crash_step = crash.step if crash and crash.rank == rank and first_attempt else None
+        self.freeze_step = (freeze.step if freeze and freeze.rank == rank and first_attempt
+                            else None)
         self.overflow_step = overflow_step if rank == 0 else None
 
     def before_step(self, step: int, monitor: Any = None) -> None:
-        """Crash or hang here if planned for this step (before any of its collectives)."""
+        """Crash, freeze or hang here if planned for this step (before any of its
+        collectives)."""
         if step == self.crash_step:
             print(f"rank {self.rank}: injected crash before step {step}", file=sys.stderr,
                   flush=True)
             raise InjectedCrash(f"--inject-crash {self.rank}:{step}")
+        if step == self.freeze_step:
+            print(f"rank {self.rank}: injected freeze before step {step} (native code "
+                  "holding the GIL)", file=sys.stderr, flush=True)
+            freeze_holding_the_gil()
         if step == self.hang_step:
             print(f"rank {self.rank}: injected hang before step {step}", file=sys.stderr,
                   flush=True)

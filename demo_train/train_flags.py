@@ -124,6 +124,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None
                    help="that rank stops before the collectives of that step")
     p.add_argument("--inject-crash", type=rank_step, metavar="RANK:STEP",
                    help="that rank raises before that step (first attempt only)")
+    p.add_argument("--inject-freeze", type=rank_step, metavar="RANK:STEP",
+                   help="that rank blocks for ever in native code holding the GIL before "
+                        "that step\n(first attempt only): no thread of it runs, the "
+                        "monitor's included")
     p.add_argument("--inject-overflow", type=positive_int, metavar="STEP",
                    help="inf gradients at that step, which GradScaler skips (needs --amp fp16)")
     p.add_argument("--slow-rank", type=rank_delay, metavar="RANK:SECONDS",
@@ -158,7 +162,8 @@ def flag_conflict(args: argparse.Namespace, world_size: int) -> str | None:
         return (f"--inject-overflow needs --amp fp16 (not {args.amp}): only fp16's GradScaler "
                 "skips a step with inf gradients; without it they turn the weights and every "
                 "later loss into NaN")
-    for flag in ("inject_hang", "inject_crash", "slow_rank", "inject_desync"):
+    for flag in ("inject_hang", "inject_crash", "inject_freeze", "slow_rank",
+                 "inject_desync"):
         planted = getattr(args, flag)
         if planted is not None and planted.rank >= world_size:
             return (f"--{flag.replace('_', '-')} {planted} names rank {planted.rank}, and this "

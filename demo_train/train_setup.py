@@ -143,7 +143,7 @@ def build(args: argparse.Namespace, env: DistEnv) -> Trainer:
         scaler=scaler, data=data, state=TrainState(model, optimizer, data, scaler, settings,
                                                     pipeline=layout.pp > 1),
         faults=Faults(env.rank, args.inject_hang, args.inject_crash, args.inject_overflow,
-                      args.slow_rank, args.inject_desync),
+                      args.slow_rank, args.inject_desync, args.inject_freeze),
         memory=memory, tokens_per_step=args.batch_size * args.grad_accum * config.block_size,
         # a tp or pp rank does 1 / (tp x pp) of a replica's work on its tokens
         flops_per_token=flops_per_token // (layout.tp * layout.pp),

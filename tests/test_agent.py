@@ -246,3 +246,20 @@ def records(client: HubClient) -> list:
     from scalemon import protocol
 
     return [protocol.decode(r) for r in client.fetch(0)[0]]
+
+
+def test_the_agent_names_its_hub_as_the_reader_of_its_stacks_and_says_max_restarts(
+        start_hub, monkeypatch):
+    """The agent names the process holding its hub's lock (prctl PR_SET_PTRACER, so the hub
+    may read its stacks under Yama scope 1) from its heartbeat thread, and its hello says the
+    launcher's restart budget."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    hub = start_hub("agentReader")
+    run = Run(job="agentReader", hub=hub.address.base)
+    try:
+        wait_for(lambda: run.stack_reader.named_pid == hub.proc.pid, timeout=10)
+        assert run.stack_reader.outcome in ("named", "not needed")
+        state = wait_for(lambda: (s := HubClient(hub.address).state()["state"])["ranks"] and s)
+        assert state["max_restarts"] == 3
+    finally:
+        run.finish()

@@ -169,8 +169,9 @@ def test_a_dead_rank_is_named_gone(home, job):
     state = named(home, log, "dead", lambda h: causes(h).get(1) == "gone")
     hang = state["hang"]
     assert hang["culprits"] == [1] and hang["waiting"] == [0, 2] and hang["gone"] == [1]
-    assert re.search(r"rank 1: lost: process \d+ is gone", hang["text"]), hang["text"]
-    assert "no stack: the rank is lost" in hang["stacks"]["1"]
+    assert re.search(r"rank 1: gone: process \d+ ended without reporting an exit",
+                     hang["text"]), hang["text"]
+    assert "no stack: the rank is gone" in hang["stacks"]["1"]
 
 
 def test_a_desync_is_named_as_such(home, job):
