@@ -42,7 +42,8 @@ from .mesh import MeshWatcher
 from .nvml import GpuReader, pci_bus_id_of
 from .ptracer import ReaderNaming
 from .ranklogs import RankLogs, log_dir
-from .recorder import Recorder, group_uses_nccl
+from .recorder import Recorder
+from .rings import group_uses_nccl
 from .scaler import ScaleReader
 from .stepcomm import MARKS_KEPT
 from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
@@ -225,8 +226,7 @@ class Run:
         if model is not None:
             self.watch_model(model, time_collectives)
         self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
-        # the node's hub or relay may read this rank's stacks from outside (Yama scope 1)
-        self.stack_reader = ReaderNaming(self.address.ingest)
+        self.stack_reader = ReaderNaming(self.address.ingest)  # may read it (Yama scope 1)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
                                    heartbeat_s, self.warnings, chore=self.stack_reader.check)
         self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once

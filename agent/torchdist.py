@@ -12,7 +12,7 @@ import torch
 from scalemon import settings
 
 from .env import RankEnv, rank_env_from_group
-from .recorder import group_uses_nccl
+from .rings import group_uses_nccl
 from .warn import Warnings
 
 

@@ -31,20 +31,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from machine import append_result, cpu_name, free_port
+from machine import append_result, cpu_name, free_port, job_env
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "jobs" / "fsdp2_plain.py"
-
-
-def job_env(home: Path) -> dict[str, str]:
-    """The environment of one run: a private SCALEMON_HOME, one thread per rank."""
-    env = os.environ.copy()
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SCALEMON_HUB", "SCALEMON_JOB_ID"):
-        env.pop(name, None)
-    env.update(OMP_NUM_THREADS="1", SCALEMON_HOME=str(home), SCALEMON_JOB_ID=home.name,
-               SCALEMON_HUB_ARGS="--linger 30")
-    return env
 
 
 def snapshot_rows(home: Path) -> dict[str, int] | None:

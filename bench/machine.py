@@ -46,3 +46,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def job_env(home: Path, linger_s: int = 30) -> dict[str, str]:
+    """The environment of one benchmarked job: a private SCALEMON_HOME (its id the folder's
+    name), one thread per rank, its hub lingering `linger_s` after the job ends."""
+    env = os.environ.copy()
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SCALEMON_HUB", "SCALEMON_JOB_ID"):
+        env.pop(name, None)
+    env.update(OMP_NUM_THREADS="1", SCALEMON_HOME=str(home), SCALEMON_JOB_ID=home.name,
+               SCALEMON_HUB_ARGS=f"--linger {linger_s}")
+    return env

@@ -38,22 +38,12 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
-from machine import append_result, cpu_name, free_port
+from machine import append_result, cpu_name, free_port, job_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "jobs" / "restart_gloo.py"
 TRAIN = REPO / "demo_train" / "train.py"
 DEMO_STEPS = 12
-
-
-def job_env(home: Path) -> dict[str, str]:
-    """The environment of one run: a private SCALEMON_HOME, one thread per rank."""
-    env = os.environ.copy()
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SCALEMON_HUB", "SCALEMON_JOB_ID"):
-        env.pop(name, None)
-    env.update(OMP_NUM_THREADS="1", SCALEMON_HOME=str(home), SCALEMON_JOB_ID=home.name,
-               SCALEMON_HUB_ARGS="--linger 10")
-    return env
 
 
 def command(tmp: Path, monitor: bool, args: argparse.Namespace) -> list[str]:
@@ -121,7 +111,7 @@ def one_run(monitor: bool, args: argparse.Namespace, index: int) -> dict:
         log = tmp / "out.log"
         t0 = time.perf_counter()
         with open(log, "wb") as out:
-            proc = subprocess.Popen(command(tmp, monitor, args), env=job_env(home),
+            proc = subprocess.Popen(command(tmp, monitor, args), env=job_env(home, linger_s=10),
                                     stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:

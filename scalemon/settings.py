@@ -70,8 +70,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a file the hub writes the same metrics to every 5 s, for node_exporter's textfile "
             "collector", ("hub",)),
     Setting("SCALEMON_ALERT_CMD", "command line", "off",
-            "a command the hub runs with each alert (NaN loss, hang, straggler, memory, rank "
-            "lost) as JSON on stdin; rate-limited, audited", ("hub",)),
+            "a command the hub runs with each alert (NaN loss, hang, straggler, memory, a rank "
+            "frozen, gone, unreachable or silent) as JSON on stdin; rate-limited, audited",
+            ("hub",)),
     Setting("SCALEMON_CUDA_DIRECT", "0 or 1", "1",
             "0: the agent reads CUDA through torch instead of calling the CUDA runtime itself",
             ("agent",)),

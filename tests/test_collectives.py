@@ -527,7 +527,7 @@ def test_the_recorder_reads_every_ring_without_stack_traces(monkeypatch):
     ask for none (torch's own default is to include them)."""
     import torch._C._distributed_c10d as c10d
 
-    from scalemon.agent.recorder import find_sources
+    from scalemon.agent.rings import find_sources
 
     calls: list[dict] = []
 
