@@ -94,8 +94,10 @@ def test_a_slow_pipeline_stage_is_named_the_straggler_its_neighbour_waits_for(ho
                          "1:0.2", "--monitor", nproc=2),
             env=job_env(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        state = wait_for(lambda: (s := snapshot(home)) and s["stragglers"] and s,
-                         timeout=150, interval=1.0)
+        # both ranks seen: rank 0 may name its neighbour before rank 1's first message
+        # reached the hub (a loaded machine)
+        state = wait_for(lambda: (s := snapshot(home)) and s["stragglers"]
+                         and len(s["ranks"]) == 2 and s, timeout=150, interval=1.0)
         named = state["stragglers"]
         assert [s["rank"] for s in named] == [1], named
         assert named[0]["measure"] == "p2p_waits" and named[0]["value_s"] > 0.1, named
