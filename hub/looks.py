@@ -107,10 +107,6 @@ class Looks:
         done, self._done = self._done, []
         return done
 
-    def busy(self, rank: int) -> bool:
-        """True while a look at `rank` is under way."""
-        return rank in self._local or rank in self._remote
-
     def close(self) -> None:
         """Stop the worker threads (a look under way is left to finish on its own)."""
         if self._pool is not None:

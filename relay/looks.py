@@ -57,11 +57,6 @@ class RelayLooks:
                 done.append({"rank": rank, "error": f"the relay's look failed: {exc}"})
         return done
 
-    @property
-    def waiting(self) -> bool:
-        """True while a look is under way (its answer is due in a report)."""
-        return bool(self._running)
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .facts import cpu_moving, process_facts
-from .stacks import StackReading, read_stacks, where_text
+from .stacks import read_stacks, where_text
 
 CPU_WINDOW_S = 0.25
 """How long apart the two readings of a process's CPU time are."""
@@ -34,8 +34,3 @@ def look_at(pid: int, native: bool = True, timeout_s: float = 10.0) -> dict[str,
     look["where"] = where_text(reading) if not reading.error else None
     return look
 
-
-def reading_of(look: dict[str, Any]) -> StackReading | None:
-    """The stacks of a look (from any peer), or None when it holds none."""
-    wire = look.get("reading")
-    return StackReading.from_wire(wire) if isinstance(wire, dict) else None
