@@ -7,7 +7,7 @@
 # also sends that one, not the helper's worktree). It (re)makes the folder .whl/ in the repo root:
 #   - the wheels of the packages scalemon needs that the GPU image lacks (pyzmq, py-spy, textual and
 #     textual's mdit-py-plugins, linkify-it-py, platformdirs), for CPython 3.12 manylinux
-#     x86_64, pinned to the versions .venv has (`.venv/bin/python -m pip freeze`): nothing can
+#     x86_64, pinned to the versions .venv has (importlib.metadata): nothing can
 #     be fetched there;
 #   - scalemon's own wheel, built from a copy of this checkout's working tree (uncommitted
 #     changes included), and .whl/SOURCE.txt naming the tree it was built from (gpu_checks.sh
@@ -32,7 +32,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 PY=${PYTHON:-.venv/bin/python}
 if [[ ! -x $PY ]]; then
-    echo "no $PY: run 'bash .ci/setup' first (its pip freeze gives the versions to carry)" >&2
+    echo "no $PY: run 'bash .ci/setup' first (its packages' versions are the ones carried)" >&2
     exit 1
 fi
 # what the GPU image lacks (/work/.library/device/KINDS.md, 'Python packages already there');
@@ -55,16 +55,17 @@ if ! grep -qx '/.whl/' "$exclude" 2>/dev/null; then
     echo "added /.whl/ to $exclude"
 fi
 
-freeze=$("$PY" -m pip freeze 2>/dev/null)
 pins=()
 for name in "${NEEDED[@]}"; do
-    # pip freeze spells names as their distributions do: compare case- and -/_-blind
-    pattern=$(tr '[:upper:]_' '[:lower:]-' <<<"$name")
-    line=$(tr '[:upper:]_' '[:lower:]-' <<<"$freeze" | grep -m1 "^${pattern}==" || true)
-    if [[ -z $line ]]; then
-        echo "$name is not in $PY's pip freeze: is .venv complete? (bash .ci/setup)" >&2
+    # the installed version, also for a package pip freeze lists as "name @ file://..." (a
+    # local wheel, as py-spy's is here), which a "name==" pattern would miss
+    version=$("$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' \
+        "$name" 2>/dev/null || true)
+    if [[ -z $version ]]; then
+        echo "$name is not installed in $PY: is .venv complete? (bash .ci/setup)" >&2
         exit 1
     fi
+    line="$name==$version"
     pins+=("$line")
 done
 

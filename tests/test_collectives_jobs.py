@@ -91,6 +91,8 @@ def test_zero3_shows_the_fsdp_gathers_and_reduce_scatters(home, tmp_path):
     state = wait_for(lambda: (s := snapshot(home)) and len(s["ranks"]) == 2 and all(
         r["state"] == "finished" for r in s["ranks"]) and s, timeout=30)
     rows = rows_by(state)
+    assert ("default_pg", "all_gather") in rows and ("default_pg", "reduce_scatter") in rows, (
+        f"collective rows: {sorted(rows)}")
     gathers, scatters = rows["default_pg", "all_gather"], rows["default_pg", "reduce_scatter"]
     # per step: a gather per block in forward and again in backward (reshard), a
     # reduce-scatter per block in backward

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from corpus_common import Logged, TinyLM, batch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import scalemon.agent as sm
@@ -49,10 +50,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     model = TinyLM(blocks=2)
     run = sm.init(model=model, config={"style": "torchtitan", **asdict(JobConfig())})
+    # torchtitan builds its mesh with the device type it trains on: here the CPU (the default
+    # mesh would be cuda wherever a GPU is seen, wrong for gloo ranks sharing one GPU)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, backend="aot_eager")
-        fully_shard(model.blocks[i])
-    fully_shard(model)
+        fully_shard(model.blocks[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))
     assert run is not None

@@ -16,6 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import scalemon.agent as sm
@@ -31,9 +32,13 @@ def main() -> int:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(args.layers)))
+    # a CPU mesh, named: fully_shard's default mesh is on cuda wherever a GPU is seen, and two
+    # gloo ranks on a one-GPU machine then fail with "invalid device ordinal"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)  # the root: no parameters of its own, so no collectives of its own
+        fully_shard(layer, mesh=mesh)
+    # the root: no parameters of its own, so no collectives of its own
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     sm.init(model=model, optimizer=optimizer, config={"job": "fsdp2_plain"})
     for step in range(1, args.steps + 1):
