@@ -11,7 +11,6 @@ value it cannot read is left out instead, said once.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
@@ -45,6 +44,7 @@ from .ranklogs import RankLogs, log_dir
 from .recorder import Recorder
 from .rings import group_uses_nccl
 from .scaler import ScaleReader
+from .sigexit import install_end_hooks
 from .stepcomm import MARKS_KEPT
 from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
 from .timing import (
@@ -230,9 +230,8 @@ class Run:
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
                                    heartbeat_s, self.warnings, chore=self.stack_reader.check)
         self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
-        self._previous_excepthook = sys.excepthook
-        sys.excepthook = self._excepthook
-        atexit.register(self._atexit)
+        self._previous_excepthook, sys.excepthook = sys.excepthook, self._excepthook
+        install_end_hooks(self)  # atexit, and SIGTERM's exit (agent/sigexit.py)
 
     # --- setup -------------------------------------------------------------------------------
     def _gpu_ids(self) -> tuple[str | None, int | None]:

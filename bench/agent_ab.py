@@ -100,7 +100,7 @@ def instrument() -> dict[str, list[float]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("agent", "control"), default="agent")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -214,7 +214,7 @@ def dry_run(args: argparse.Namespace, modes: tuple[str, ...]) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true",
                    help="GPU mode: 1 rank on the GPU, gpt2-124m, bf16, compile; off/on only")

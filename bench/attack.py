@@ -204,7 +204,7 @@ def flood(ctx: zmq.Context, address: HubAddress, control: str, frames: int) -> N
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=3000)
     parser.add_argument("--sources", type=int, default=250,
                         help="loopback source addresses the connections come from")

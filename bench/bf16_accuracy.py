@@ -55,7 +55,7 @@ BETAS = (0.9, 0.95)  # demo_train/parallel.py build_optimizer's
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", help="demo model preset")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -255,7 +255,7 @@ def cell(value: float | None, width: int, digits: int) -> str:
 
 def main() -> int:
     """Run the benchmark and print a table."""
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--seconds", type=float, default=20.0)

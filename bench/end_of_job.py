@@ -123,7 +123,7 @@ def one_run(index: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--busy", type=int, default=2, help="busy-loop processes beside each job")
     p.add_argument("--layers", type=int, default=4)

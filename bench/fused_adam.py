@@ -465,7 +465,7 @@ def host_main(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer workloads/steps, no 1G case")
     ap.add_argument("--skip-1g", action="store_true", help="leave out the 1G-element workload")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 20)")

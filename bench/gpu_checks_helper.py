@@ -304,22 +304,22 @@ def put(path: Path, key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("tree-hash").add_argument("repo", type=Path)
-    sub.add_parser("wheels").add_argument("folder", type=Path)
-    sub.add_parser("versions")
-    sub.add_parser("unmet").add_argument("dists", nargs="+")
-    s = sub.add_parser("summary")
+    sub.add_parser("tree-hash", allow_abbrev=False).add_argument("repo", type=Path)
+    sub.add_parser("wheels", allow_abbrev=False).add_argument("folder", type=Path)
+    sub.add_parser("versions", allow_abbrev=False)
+    sub.add_parser("unmet", allow_abbrev=False).add_argument("dists", nargs="+")
+    s = sub.add_parser("summary", allow_abbrev=False)
     s.add_argument("junit", type=Path)
     s.add_argument("log", type=Path)
-    sub.add_parser("kill-hubs").add_argument("home", type=Path)
-    sub.add_parser("results-mark").add_argument("state", type=Path)
-    s = sub.add_parser("results-new")
+    sub.add_parser("kill-hubs", allow_abbrev=False).add_argument("home", type=Path)
+    sub.add_parser("results-mark", allow_abbrev=False).add_argument("state", type=Path)
+    s = sub.add_parser("results-new", allow_abbrev=False)
     s.add_argument("state", type=Path)
     s.add_argument("--trim", action="store_true")
-    s = sub.add_parser("put")
+    s = sub.add_parser("put", allow_abbrev=False)
     s.add_argument("path", type=Path)
     s.add_argument("key")
     s.add_argument("value")

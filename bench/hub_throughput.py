@@ -111,7 +111,7 @@ def run_case(n_ranks: int, total: int, senders: int, home: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--messages", type=int, default=400_000, help="total per case")

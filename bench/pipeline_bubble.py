@@ -106,7 +106,7 @@ def run(schedule: str, microbatches: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="gpipe,1f1b")
     p.add_argument("--microbatches", default="2,8", help="two (or more) microbatch counts")
     p.add_argument("--stages", type=int, default=2)

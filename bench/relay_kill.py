@@ -109,7 +109,7 @@ def windows(messages: list[protocol.Message], killed_t: float, relay_node: str) 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)

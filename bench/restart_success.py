@@ -141,7 +141,7 @@ def summary(rows: list[dict], monitor: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20, help="runs with the monitor, and as many "
                                                           "without (default 20)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run is "

@@ -277,7 +277,7 @@ def bench(kind: str, configs: list[Config], args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (steps, warm-up and rounds default per kind of run)."""
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CPU, one process, tiny, 4 configs")
     p.add_argument("--only", choices=("cpu", "gpu"), help="run one table only")

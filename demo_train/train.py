@@ -22,9 +22,10 @@
 
 Rank 0 prints `step N loss X` for every logged step (--log-every: every step on CPU, every 10th
 on CUDA, where reading the loss waits for the GPU). With --monitor every rank streams its own
-loss (every step, without waiting for the GPU), tokens/s and MFU (measured between logged
-steps; MFU where the GPU's peak is known), timings, memory and the memory estimate to the job's
-scalemon hub. The flags are documented large-scale training techniques; each lives in a module:
+loss (every step, without waiting for the GPU), its tokens (scalemon shows tokens/s: tokens
+over the wall time between step ends) and MFU (measured between logged steps, where the GPU's
+peak is known), timings, memory and the memory estimate to the job's scalemon hub. The flags
+are documented large-scale training techniques; each lives in a module:
 precision.py (--amp), parallel.py (--zero, --optimizer, --compile, --grad-accum's no_sync),
 layout.py, parallel3d.py, pipeline.py and tensor_parallel.py (--pp, --tp, the mesh),
 checkpoint.py (--ckpt-*), memory.py (the estimate), faults.py (--inject-*), moe.py

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import NoReturn
 
-from scalemon.options import int_at_least, number
+from scalemon.options import Parser, int_at_least, number
 
 from .faults import rank_delay, rank_step
 from .layout import layout_problem
@@ -24,11 +24,12 @@ positive_int = int_at_least(1)  # a job that trains nothing is a mistake to say
 non_negative_int = int_at_least(0)
 
 
-class FlagParser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes are said once per node: under torchrun every rank
-    parses the same flags, and only local rank 0 prints (every rank exits with code 2). The
-    other ranks wait up to `QUIET_RANK_WAIT_S` first: torchrun ends every rank once one exits,
-    and a quiet rank that exited first could have local rank 0 ended before it said why."""
+class FlagParser(Parser):
+    """scalemon's parser (no abbreviated options, the closest option to an unknown one) whose
+    mistakes are said once per node: under torchrun every rank parses the same flags, and only
+    local rank 0 prints (every rank exits with code 2). The other ranks wait up to
+    `QUIET_RANK_WAIT_S` first: torchrun ends every rank once one exits, and a quiet rank that
+    exited first could have local rank 0 ended before it said why."""
 
     QUIET_RANK_WAIT_S = 10.0
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from scalemon import throughput
+
 from .checkpoint import TermSignal
 from .moe import sync_expert_grads
 from .parallel import any_rank, gradient_sync
@@ -81,8 +83,10 @@ def train(t: Trainer) -> int:
 
     Host values (the loss, the loss scale) are read only on logged steps, every --log-every:
     each read waits for the GPU, so reading every step would sync every step (nanoGPT's log
-    interval). tokens/s and MFU are measured between those reads, on every rank, and go to the
-    monitor with the logged step; the monitor gets the loss of every step without a sync."""
+    interval). MFU is measured between those reads (tokens/s by scalemon's definition: wall
+    time between step ends, `SyncClock`), on every rank, and goes to the monitor with the
+    logged step, which derives tokens/s itself from each step's tokens and time; the monitor
+    gets the loss of every step without a sync."""
     args, env = t.args, t.env
     stats: dict[str, list] = {"steps": [], "step_times_s": [], "losses": [], "loss_scales": [],
                               "agent_totals_s": []}  # finish() adds the clock's intervals
@@ -106,10 +110,9 @@ def train(t: Trainer) -> int:
         if logged:
             value = read_loss(loss)  # a sync point
             steps, seconds = clock.lap(step, time.perf_counter())
-            tokens_per_s = t.tokens_per_step * steps / seconds
-            measured["tokens_per_s"] = tokens_per_s
-            if t.peak_flops is not None:
-                measured["mfu"] = t.flops_per_token * tokens_per_s / t.peak_flops
+            rate = throughput.tokens_per_s(t.tokens_per_step * steps, seconds)
+            if t.peak_flops is not None and rate is not None:
+                measured["mfu"] = t.flops_per_token * rate / t.peak_flops
         moe = t.moe.take() if t.moe is not None else {}  # tensors: read on logged steps only
         if t.monitor is not None:
             t.monitor.log(step, loss=loss, tokens=t.tokens_per_step, **measured, **moe)
@@ -123,9 +126,7 @@ def train(t: Trainer) -> int:
             if moe:
                 report_moe(moe, stats)
         if args.step_delay:
-            slept = time.perf_counter()
             time.sleep(args.step_delay)
-            clock.pause(time.perf_counter() - slept)
         stats["step_times_s"].append(time.perf_counter() - t0)
         if t.ckpt is not None:
             stop = any_rank(t.term.received, t.group)

@@ -8,35 +8,35 @@ from typing import Any
 
 import torch
 
+from scalemon import throughput
+
 from .train_setup import Trainer, print0
 
 
 class SyncClock:
-    """Throughput between host sync points. Without a sync the host runs ahead of the GPU, so
-    only the time from one logged step's loss read to the next measures work; --step-delay
-    sleeps are not work and are left out."""
+    """Throughput between host sync points, by scalemon's one definition of tokens/s
+    (`scalemon.throughput.tokens_per_s`: tokens over the wall time between step ends, what the
+    dashboard, `snapshot` and `summary` show). Without a sync the host runs ahead of the GPU,
+    so a step ends for this clock at a logged step's loss read; every second between two of
+    them counts, --step-delay sleeps included (the monitor's `step_time_s` has them too)."""
 
     def __init__(self, step: int, now: float) -> None:
-        self.step, self.t, self.paused = step, now, 0.0
+        self.step, self.t = step, now
         self.intervals: list[tuple[int, int, float]] = []  # (logged step, steps, seconds)
-
-    def pause(self, seconds: float) -> None:
-        """Leave `seconds` (a sleep) out of the current interval."""
-        self.paused += seconds
 
     def lap(self, step: int, now: float) -> tuple[int, float]:
         """Close the interval at logged step `step` (right after its sync): (steps, seconds)."""
-        steps, seconds = step - self.step, max(1e-9, now - self.t - self.paused)
+        steps, seconds = step - self.step, max(1e-9, now - self.t)
         self.intervals.append((step, steps, seconds))
-        self.step, self.t, self.paused = step, now, 0.0
+        self.step, self.t = step, now
         return steps, seconds
 
     def tokens_per_s(self, tokens_per_step: int) -> float | None:
-        """Over the whole run, without the first interval (warm-up, compilation) when there
-        are others."""
+        """Over the whole run, without the first interval (warm-up, compilation; the
+        monitor's first step has no step time either) when there are others."""
         measured = self.intervals[1:] or self.intervals
-        seconds = sum(s for _, _, s in measured)
-        return tokens_per_step * sum(n for _, n, _ in measured) / seconds if measured else None
+        return throughput.tokens_per_s(tokens_per_step * sum(n for _, n, _ in measured),
+                                       sum(s for _, _, s in measured)) if measured else None
 
 
 def finish(t: Trainer, stats: dict[str, list], clock: SyncClock, code: int) -> None:
@@ -48,7 +48,8 @@ def finish(t: Trainer, stats: dict[str, list], clock: SyncClock, code: int) -> N
     if tokens_per_s is not None:
         mfu = (f", MFU {100 * t.flops_per_token * tokens_per_s / t.peak_flops:.1f}%"
                if t.peak_flops else ", MFU n/a (device peak unknown)")
-        print0(env, f"throughput: {tokens_per_s:,.0f} tokens/s per rank, "
+        print0(env, f"throughput: {tokens_per_s:,.0f} tokens/s per rank (wall time between "
+                    "step ends), "
                     f"{tokens_per_s * t.layout.dp:,.0f} in all (over {t.layout.dp} data-parallel "
                     f"replica(s)){mfu}")
     if env.device.type == "cuda":

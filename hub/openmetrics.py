@@ -80,7 +80,7 @@ RANK_GAUGES: tuple[RankGauge, ...] = (
     RankGauge("loss", "loss", "Loss of the rank's latest step (NaN when it was NaN).", nan=True),
     RankGauge("step_time_seconds", "step_time_s", "Wall time of the rank's latest step."),
     RankGauge("tokens_per_second", "tokens_per_s", "Tokens per second of the rank (the "
-              "script's tokens_per_s, else tokens over step time)."),
+              "script's tokens_per_s, else its steps' tokens over their wall time)."),
     RankGauge("mfu_ratio", "mfu", "Model FLOPs utilisation of the rank, 0..1."),
     RankGauge("loss_scale", "loss_scale", "AMP GradScaler scale after the rank's latest step."),
     RankGauge("optimizer_time_seconds", "optimizer_time_s", "Time in optimizer.step() in the "

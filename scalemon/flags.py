@@ -16,6 +16,7 @@ the table, and any value its check refuses, raises `FlagError` naming what was w
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,11 +170,14 @@ def check(name: str, value: str) -> Flag:
     flag = FLAGS.get(name)
     if flag is None:
         known = ", ".join(FLAGS)
+        upper = {known_name.upper(): known_name for known_name in FLAGS}
+        close = difflib.get_close_matches(name.upper(), upper, n=1, cutoff=0.8)
+        guess = f" (did you mean {upper[close[0]]}?)" if close else ""
         if name.startswith(("NCCL_", "TORCH_")):
             raise FlagError(f"{name} is not among the flags scalemon can change (unknown or not "
-                            f"safe to change in a running job); it changes: {known}")
-        raise FlagError(f"{name} is not a flag scalemon changes: only these, with checked "
-                        f"values: {known}")
+                            f"safe to change in a running job){guess}; it changes: {known}")
+        raise FlagError(f"{name} is not a flag scalemon changes{guess}: only these, with "
+                        f"checked values: {known}")
     if value == "":
         if not flag.unsettable:
             raise FlagError(f"{name} cannot be unset; values: {flag.hint}")

@@ -207,10 +207,11 @@ METRICS: tuple[Metric, ...] = (
            "hook); the recorder's, which come seconds later, are not subtracted",
            show=Show(unit="ms", scale=1e3, plot="compute", group="step time",
                      overview=Overview("time", "compute", 0))),
-    Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank, as the script "
-           "measured it between two host syncs (`log(tokens_per_s=...)`; the demo trainer sends "
-           "it on every logged step); for a script that never sends it, the step's `tokens` over "
-           "its `step_time_s`",
+    Metric("tokens_per_s", "extra", "float", "", "tokens per second of this rank: the "
+           "`tokens` of its latest steps (those that end within 10 s) over their wall time, "
+           "the sum of their `step_time_s` (from the end of the step before them to the end of "
+           "the last: `scalemon.throughput`); where the script passes a rate of its own "
+           "(`log(tokens_per_s=...)`), that one, labelled as the script's",
            show=Show(style="si", column="tok/s", width=6, plot="tokens/s", low_is_worse=True,
                      na="the script gives neither log(tokens=...) nor log(tokens_per_s=...)")),
     Metric("mfu", "extra", "float", "", "model FLOPs utilisation: achieved over peak FLOP/s of "
@@ -484,17 +485,18 @@ def render_docs(text: str) -> str:
     return _BLOCK.sub(block, text)
 
 
-def derived_values(values: Mapping[str, Any], own_rate: bool) -> dict[str, float]:
+def derived_values(values: Mapping[str, Any], tokens_per_s: float | None = None
+                   ) -> dict[str, float]:
     """The table's derived metrics of one step's values (a `step` body, or a snapshot's rank),
-    the one rule for them: `tokens_per_s` is `tokens / step_time_s` where the rank measures no
-    rate of its own (`own_rate` False: a derived figure is never mixed into a series of the
-    script's own), `compute_s` the step time less its all-reduce and optimizer time. A value
+    the one rule for them: `tokens_per_s` is the rank's figure by `scalemon.throughput`'s
+    definition as of this step (given: its window of steps, `TokenWindow.rate`), left out
+    where None; `compute_s` the step time less its all-reduce and optimizer time. A value
     that cannot be derived is left out. The state folds them once per step
     (`RankView.derived`); series and texts made from records or JSON apply the same rule."""
     out: dict[str, float] = {}
-    tokens, step_time = values.get("tokens"), values.get("step_time_s")
-    if not own_rate and type(tokens) is int and type(step_time) is float and step_time > 0:
-        out["tokens_per_s"] = tokens / step_time
+    step_time = values.get("step_time_s")
+    if tokens_per_s is not None:
+        out["tokens_per_s"] = tokens_per_s
     if type(step_time) in (int, float):
         busy = sum(float(v) for v in (values.get("allreduce_time_s"),
                                       values.get("optimizer_time_s")) if type(v) in (int, float))
@@ -504,7 +506,8 @@ def derived_values(values: Mapping[str, Any], own_rate: bool) -> dict[str, float
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m scalemon.metrics`: print the table, or rewrite the docs' generated blocks."""
-    p = argparse.ArgumentParser(description="scalemon's table of per-rank metrics")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description="scalemon's table of per-rank metrics")
     p.add_argument("--update-docs", action="store_true",
                    help=f"rewrite the generated field tables in {DOCS.name}")
     args = p.parse_args(argv)

@@ -4,6 +4,7 @@ defaults shown) and checks of option values that fail with argparse's exit statu
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,24 +33,56 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+def unrecognized_text(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments: ..." with the closest option of `parser` for each
+    unknown one ("--restrat (did you mean --restart?)")."""
+    known = [s for action in parser._actions for s in action.option_strings]
+    words = []
+    for word in extras:
+        name = word.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1) if name.startswith("-") else []
+        words.append(f"{word} (did you mean {close[0]}?)" if close else word)
+    return "unrecognized arguments: " + " ".join(words)
+
+
 class _Commands(argparse._SubParsersAction):
     """Subcommands whose `--help` has a description: their one-line help, when they do not
-    bring their own."""
+    bring their own; no abbreviated options; an unknown option is the subcommand's error
+    (its usage, the closest option), not the top-level parser's."""
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         text = kwargs.get("help")
         if kwargs.get("description") is None and text:
             kwargs["description"] = text[0].upper() + text[1:] + "."
+        kwargs.setdefault("allow_abbrev", False)
         return super().add_parser(name, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        chosen = self._name_parser_map.get(values[0])
+        if extras and chosen is not None:
+            chosen.error(unrecognized_text(chosen, extras))
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser with scalemon's help layout, for itself and its subcommands."""
+    """An ArgumentParser with scalemon's help layout, for itself and its subcommands; an
+    option is never taken for another that it abbreviates (`--rank` is not `--ranks`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Commands)
+
+    def parse_args(self, args: Any = None,  # type: ignore[override]
+                   namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, with the closest option named for each unknown one."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized_text(self, extras))
+        return parsed
 
 
 def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import textwrap
@@ -263,3 +264,48 @@ def test_the_agent_names_its_hub_as_the_reader_of_its_stacks_and_says_max_restar
         assert state["max_restarts"] == 3
     finally:
         run.finish()
+
+
+SIGTERM_SCRIPT = """
+import ctypes, signal, sys, time
+import scalemon.agent as sm
+if sys.argv[1] == "own":  # the script's own handler: never replaced
+    signal.signal(signal.SIGTERM, lambda *_: (print("own handler", flush=True), sys.exit(7)))
+run = sm.init(job=sys.argv[2], hub=sys.argv[3])
+run.log(1, loss=1.0)
+print("ready", signal.getsignal(signal.SIGTERM).__qualname__, flush=True)
+if sys.argv[1] == "native":  # blocked in native code, as in a collective: the main thread
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # runs no Python handler
+    ctypes.CDLL(None).sleep(120)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("where", ["python", "native", "own"])
+def test_a_rank_ended_by_sigterm_says_so_and_still_dies_by_it(start_hub, where):
+    job = f"agentterm{where}"
+    hub = start_hub(job)
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, where, job,
+                             hub.address.base], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready"), ready + proc.stderr.read()
+        wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
+                 and r[0]["step"] == 1)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+    if where == "own":
+        assert ready.split()[1] == "<lambda>"  # the agent left the script's handler alone
+        assert code == 7 and "own handler" in proc.stdout.read()
+        return
+    assert code == -signal.SIGTERM and took < 5.0, (code, took)  # died by it, as before
+    view = wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
+                    and r[0]["state"] != "running" and r[0])
+    assert (view["state"], view["state_reason"], view["exit_code"]) == (
+        "exited", "ended by SIGTERM, exit 143", 143), view
+    assert view["step"] == 1

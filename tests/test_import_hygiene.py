@@ -149,6 +149,7 @@ def headless(app):
     return asyncio.run(run())
 
 attach.run_app = headless
+attach.not_a_terminal = lambda: None  # run headless under Pilot: no terminal needed
 code = main(["attach", sys.argv[1]])
 print(json.dumps(sorted(sys.modules)))
 sys.exit(code)

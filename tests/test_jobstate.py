@@ -99,12 +99,13 @@ def test_ranks_that_end_after_the_users_stop_are_stopped_not_lost_or_failed():
                                               "user": "ann", "host": "n1"}))
     assert state.state == "stopping"
     state.apply(lost(0))  # killed by the stop's SIGTERM: no exit of its own
-    state.apply(msg("exit", 1, 1, {"reason": "exit", "exit_code": 143}))  # saved, then exited
+    state.apply(msg("exit", 1, 1, {"reason": "signal", "exit_code": 143}))  # its agent told
     views = state.ranks
     assert [views[0].state, views[1].state] == ["stopped", "stopped"]
     assert views[0].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
-                                     "process 101 ended without reporting an exit (killed?))")
-    assert views[1].state_reason.startswith("stopped by user (") and views[1].exit_code == 143
+                                     "process 101 ended without reporting an exit)")  # no guess
+    assert views[1].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
+                                     "ended by SIGTERM, exit 143)") and views[1].exit_code == 143
     assert state.state == "stopped" and state.failed() == [] and state.first_failure() is None
     as_json = snapshot_json(state, now=2.0)
     assert as_json["state"] == "stopped" and as_json["stop"]["user"] == "ann"
@@ -217,28 +218,30 @@ def test_a_restarted_rank_starts_without_alerts():
     assert state.alerts() == [] and state.ranks[0].alerts == {}
 
 
-def test_tokens_per_s_is_the_scripts_own_else_tokens_over_step_time():
+def test_tokens_per_s_is_the_scripts_own_else_its_steps_tokens_over_their_wall_time():
     from scalemon.metrics import derived_values
     from scalemon.state.fold import step_values
-
-    def values(body: dict, own_rate: bool) -> dict:
-        return step_values(body, derived_values(body, own_rate))
 
     state = two_ranks()
     state.apply(step(0, 1, 1, tokens=512))  # the first step of a process has no step time
     assert state.ranks[0].value("tokens_per_s") is None
     state.apply(step(0, 2, 2, tokens=512, step_time_s=0.25))
     assert state.ranks[0].value("tokens_per_s") == 2048.0
-    assert values({"step": 2, "tokens": 512, "step_time_s": 0.25},
-                  own_rate=False)["tokens_per_s"] == 2048.0
-    assert "tokens_per_s" not in values({"step": 2, "tokens": 512, "step_time_s": 0.25},
-                                        own_rate=True)
-    state.apply(step(0, 3, 3, tokens=512, step_time_s=0.25, extra={"tokens_per_s": 1000.0}))
+    state.apply(step(0, 3, 3, tokens=512, step_time_s=0.75))  # the window: both steps' time
+    assert state.ranks[0].value("tokens_per_s") == 1024.0  # 1024 tokens over 1 s, not 682.7
+    assert step_values({"step": 3, "tokens": 512, "step_time_s": 0.75},
+                       derived_values({}, 1024.0))["tokens_per_s"] == 1024.0
+    assert "tokens_per_s" not in step_values({"step": 2}, derived_values({}, None))
+    state.apply(step(0, 4, 4, tokens=512, step_time_s=0.25, extra={"tokens_per_s": 1000.0}))
     assert state.ranks[0].value("tokens_per_s") == 1000.0  # what the script measured wins
-    assert values({"step": 3, "tokens": 512, "step_time_s": 0.25,
-                   "extra": {"tokens_per_s": 1000.0}}, own_rate=False)["tokens_per_s"] == 1000.0
-    state.apply(step(0, 4, 4, tokens=512, step_time_s=0.25))  # a step it did not measure
+    assert "tokens_per_s" not in state.ranks[0].derived  # and is never mixed with the steps'
+    state.apply(step(0, 5, 5, tokens=512, step_time_s=0.25))  # a step it did not measure
     assert state.ranks[0].value("tokens_per_s") == 1000.0  # its last own value stands
+    state.apply(hello(1, seq=0))
+    state.apply(step(1, 1, 1, tokens=100, step_time_s=0.5))
+    state.apply(hello(1, seq=2))  # a new process: no step of the old one in its window
+    state.apply(step(1, 3, 1, tokens=100, step_time_s=0.1))
+    assert state.ranks[1].value("tokens_per_s") == pytest.approx(1000.0)
 
 
 def attempt_hello(rank: int, count: int, t: float) -> Message:

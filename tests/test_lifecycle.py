@@ -77,6 +77,9 @@ def test_a_demo_job_quit_from_the_dashboard_is_stopped_by_user_also_when_replaye
             assert rank["state"] == "stopped", rank
             assert rank["state_reason"].startswith(
                 f"stopped by user ({demo.QUIT_REASON}; "), rank["state_reason"]
+            # its agent said how it ended (torchrun's SIGTERM): no "(killed?)" guess
+            assert rank["state_reason"].endswith("; ended by SIGTERM, exit 143)"), rank
+            assert rank["exit_code"] == 143
         text = scalemon(home, "snapshot", job).stdout
         assert "state stopped" in text.splitlines()[0]
         assert "stopped: the user asked by" in text and "failed" not in text

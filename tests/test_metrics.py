@@ -170,7 +170,7 @@ def test_snapshot_table_has_the_same_columns_and_shows_extras_and_info():
     assert "bubble %" not in header  # a pipeline's bubble, and this job has no pipeline
     row = text.splitlines()[2]
     assert re.search(r"\b0\b.*\b20\b", row) and "running" in row
-    assert "rank 0 extra: lr=" in text and "tokens_per_s=" in text
+    assert "rank 0 extra: lr=" in text and "mfu=" in text
     assert "info config (rank 0,1): preset=gpt2-124m" in text
 
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -268,8 +269,9 @@ def _become_nobody() -> None:
 
 def test_flags_panel_lists_every_flag_with_its_tier(home, start_hub, zctx):
     """`scalemon flags` on a hub fed by two fake ranks that disagree on NCCL_ALGO. The fake
-    ranks send no heartbeats: the hub must not call them lost while four CLI processes start
-    on a loaded machine (the refusal below is for a running job)."""
+    ranks heartbeat as agents do, on a thread, until the end: the refusal below is for a
+    running job, and a rank that says nothing for `--lost-after` is no longer running (it
+    failed under load with "no rank of the job is running" while they sent nothing)."""
     from conftest import FakeRank
 
     hub = start_hub(home.name, "--lost-after", "600")
@@ -279,12 +281,30 @@ def test_flags_panel_lists_every_flag_with_its_tier(home, start_hub, zctx):
         rank.send("flags", {"values": {"NCCL_ALGO": algo, "NCCL_DEBUG": None},
                             "notes": {}, "restart": {"ok": False, "reason": "no checkpoint"},
                             "rebuild": False})
-    shown = wait_for(lambda: (r := scalemon(home, "flags", home.name)).returncode == 0
-                     and "MISMATCH" in r.stdout and r.stdout, timeout=20)
-    assert "NCCL_ALGO" in shown and "0:Ring 1:Tree  MISMATCH" in shown
-    assert "NCCL_P2P_DISABLE" in shown and "restart" in shown
-    assert "why: read when a communicator is created" in shown
-    text = scalemon(home, "snapshot", home.name).stdout
-    assert "flag MISMATCH NCCL_ALGO: 0:Ring 1:Tree" in text
-    refused = scalemon(home, "toggle", home.name, "NCCL_P2P_DISABLE=1")
-    assert refused.returncode == REFUSED and "no checkpoint" in refused.stderr
+    done = threading.Event()
+
+    def beat() -> None:  # the sockets are this thread's alone from here on
+        while not done.wait(0.5):
+            for rank in ranks:
+                rank.heartbeat()
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        shown = wait_for(lambda: (r := scalemon(home, "flags", home.name)).returncode == 0
+                         and "MISMATCH" in r.stdout and r.stdout, timeout=20)
+        assert "NCCL_ALGO" in shown and "0:Ring 1:Tree  MISMATCH" in shown
+        assert "NCCL_P2P_DISABLE" in shown and "restart" in shown
+        assert "why: read when a communicator is created" in shown
+        text = scalemon(home, "snapshot", home.name).stdout
+        assert "flag MISMATCH NCCL_ALGO: 0:Ring 1:Tree" in text
+        state = snapshot(home)
+        assert state is not None and [r["state"] for r in state["ranks"]] == [
+            "running", "running"], state and [(r["state"], r["state_reason"])
+                                              for r in state["ranks"]]
+        refused = scalemon(home, "toggle", home.name, "NCCL_P2P_DISABLE=1")
+        assert refused.returncode == REFUSED and "no checkpoint" in refused.stderr, \
+            refused.stderr
+    finally:
+        done.set()
+        beating.join(timeout=10)

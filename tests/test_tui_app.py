@@ -182,13 +182,21 @@ def test_enter_opens_the_rank_detail_and_help_and_palette_work(start_hub, zctx):
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.pause(0.5)
             ranks.hello()
+            wall = {0: 0.0, 1: 0.0}  # each rank's steps' wall time (all within 10 s)
             for s in range(1, 31):
                 ranks.step(s)
+                for r in wall:
+                    wall[r] += ranks.sent[r]["step_time_s"]
             ranks.heartbeat(30)
             await until(pilot, lambda: len(cells(app)) == 2
                         and cells(app)[1][COL["step"]] == "30")
-            sent = ranks.sent[1]["extra"]  # step 30: the trainer's measured tokens/s and MFU
-            assert cells(app)[1][COL["tokens_per_s"]] == display.si(sent["tokens_per_s"])
+            sent = ranks.sent[1]["extra"]  # step 30: the trainer's measured MFU
+            # one tokens/s: each row its steps' tokens over their wall time, the header the
+            # rows' sum, the rank detail the row's (sent within milliseconds: no clock's rate)
+            rate = {r: 30 * 8192 / wall[r] for r in wall}
+            assert [cells(app)[r][COL["tokens_per_s"]] for r in (0, 1)] == \
+                [display.si(rate[0]), display.si(rate[1])]
+            assert f"tokens/s {display.si(rate[0] + rate[1])} " in header(app)
             assert cells(app)[1][COL["mfu"]] == f"{100 * sent['mfu']:.1f}"
             await pilot.press("down", "enter")
             await until(pilot, lambda: isinstance(app.screen, RankDetailScreen))
@@ -205,6 +213,7 @@ def test_enter_opens_the_rank_detail_and_help_and_palette_work(start_hub, zctx):
             await until(pilot, lambda: lr.spec.has_data)
             assert lr.spec.title == "lr (log extra)" and len(lr.spec.lines[0].x) == 30
             facts = dict(rank_detail(app.data, 1).facts)  # what the facts panel shows
+            assert facts["steps/s  tokens/s"].endswith(f"  {display.si(rate[1])}")
             assert facts["scalemon / torch"] == "0.1.0 / 2.13.0"
             assert facts["info config"].startswith("preset=gpt2-124m")
             assert facts["log extra"].startswith("lr=")

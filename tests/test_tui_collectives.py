@@ -85,7 +85,8 @@ def test_collectives_screen_shows_ops_counts_busbw_heat_map_skew_and_recorder_he
             row = line_with(text, "≤ 32 MiB").split()
             assert str(grads["count"]) in row and f"{busbw:.3g}" in row
             assert line_with(text, "default_pg", "all_reduce", "all")  # the op's total
-            assert "n/a: barrier moves no data" in line_with(text, "barrier")
+            assert line_with(text, "barrier").split()[-1] == "n/a"  # busbw
+            assert line_with(text, "n/a: barrier moves no data")  # why: once, under the table
             assert BUSBW_HELP[:60] in text and "1 GB = 1e9 B" in text
 
             heat = app.screen.query_one(HeatMap)
@@ -120,10 +121,13 @@ def test_collectives_screen_shows_ops_counts_busbw_heat_map_skew_and_recorder_he
 
 def test_gloo_collectives_without_durations_say_why():
     sim = SimJob(ranks=2, gpu=False, amp=False)
-    rows = collectives(folded(sim.run(20)), heat_columns=40).rows
-    broadcast = next(r.cells for r in rows if r.cells[1] == "broadcast")
-    assert broadcast[6:9] == ("n/a", "n/a", "n/a")  # p50, p99, busbw
-    assert broadcast[9].startswith("n/a: gloo records no duration")
+    view = collectives(folded(sim.run(20)), heat_columns=40)
+    rows = view.rows
+    broadcast = next(r for r in rows if r.cells[1] == "broadcast")
+    assert broadcast.cells[6:9] == ("n/a", "n/a", "n/a")  # p50, p99, busbw
+    assert broadcast.note.startswith("n/a: gloo records no duration")
+    assert [n for n in view.notes if "gloo" in n] == [broadcast.note]  # said once
+    broadcast = broadcast.cells
     grads = next(r.cells for r in rows if r.cells[3] == "≤ 32 MiB")  # host-timed: all known
     assert "n/a" not in grads[6:9]
 

@@ -138,11 +138,11 @@ def test_formats_say_na_never_zero():
 def test_compute_time_is_clamped_and_missing_values_are_left_out():
     body = {"step": 1, "step_time_s": 0.1, "allreduce_time_s": 0.2, "optimizer_time_s": 0.01,
             "loss": None, "tokens": 100}
-    v = step_values(body, derived_values(body, own_rate=True))
+    v = step_values(body, derived_values(body))
     assert v["compute_s"] == 0.0 and v["step_time_s"] == pytest.approx(0.1)
     assert "loss" not in v and "mem_allocated_bytes" not in v and "tokens_per_s" not in v
     body = {"step": 2, "extra": {"tokens_per_s": 5e4, "lr": 1e-3}}
-    with_extra = step_values(body, derived_values(body, own_rate=True))
+    with_extra = step_values(body, derived_values(body))
     assert with_extra == {"tokens_per_s": 5e4}  # the table's extras; `lr` is plotted apart
 
 

@@ -96,10 +96,11 @@ class DashboardApp(App[None]):
     TITLE = "scalemon"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False),  # quits, as q (Textual's only says how)
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("l", "toggle_lines", "Lines/band"),
         Binding("c", "collectives", "Collectives"),
-        Binding("h", "hang", "Hang view"),
+        Binding("h", "hang", "Hang"),
         Binding("f", "flags", "Flags"),
         Binding("L", "log", "Log"),
     ]
@@ -120,6 +121,8 @@ class DashboardApp(App[None]):
         self.stats_path = stats_path
         self.job_process = job_process
         self.job_log = job_log
+        if job_process is not None:  # launched just now: the header tells its start-up
+            self.data.launched_t = clock()
         self.pacer = RedrawPacer()
         self._job_exit_reported = False
         self._hang_shown = False  # the hang screen was shown for the hang going on

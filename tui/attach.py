@@ -10,9 +10,10 @@ from typing import TextIO
 
 from scalemon.home.address import HubAddress
 from scalemon.home.history import history_path
-from scalemon.home.lookup import JobLookupError, default_jobs, serving_jobs
+from scalemon.home.lookup import JobLookupError, default_jobs, ended_jobs_text, serving_jobs
 from scalemon.link.client import hub_key_problem
 from scalemon.text.safe import clean
+from scalemon.text.terminal import not_a_terminal
 
 from .app import DashboardApp, run_app
 from .feed import HubFeed
@@ -49,8 +50,10 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
                             hang_after_s=hang_after_s)
     jobs = default_jobs(home)
     if not jobs:
+        ended = ended_jobs_text(home)  # just after a job ended: name it, and how to read it
         return ("no live scalemon job found: start one with --monitor (or `scalemon demo`), "
-                "or pass a job id or a hub address (ipc:///dir, tcp://host:port)")
+                "or pass a job id or a hub address (ipc:///dir, tcp://host:port)"
+                + (f"; {ended}" if ended else ""))
     if len(jobs) == 1:
         return DashboardApp(HubFeed(job=jobs[0].job, home=home), home=home,
                             stats_path=stats_path, hang_after_s=hang_after_s)
@@ -120,5 +123,13 @@ def attach(target: str | None, stats_path: Path | None = None,
     if isinstance(app, str):
         waited = f" (waited {wait_s:g} s)" if wait_s > 0 and not found else ""
         print(f"scalemon attach: {clean(app)}{waited}", file=sys.stderr)
+        return 2
+    missing = not_a_terminal()  # drawn into a file or a pipe, the dashboard only spins
+    if missing:
+        verb = "are" if " and " in missing else "is"
+        job = target or getattr(app.feed, "job", None) or "JOB"
+        print(f"scalemon attach: the dashboard needs a terminal, and {missing} {verb} not one: "
+              f"`scalemon snapshot {clean(job)}` prints the job's state instead",
+              file=sys.stderr)
         return 2
     return run_app(app)  # 1 when the dashboard crashed

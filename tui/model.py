@@ -100,6 +100,9 @@ class DashboardData(JobFold):
         self.loss_mode = "auto"  # "auto", "ranks" or "band"
         self.seeded_at: int | None = None
         """The record the hub's fold (`load_seed`) started this one at; None: replayed."""
+        self.launched_t: float | None = None
+        """When this dashboard's app launched the job itself (`scalemon demo`): the wait for
+        its first rank is told as its start-up."""
         self.to_watch: set[int] = set()  # ranks the screen asked for, the receiver fetches
         self.partial_series: dict[int, int] = {}
         """Watched ranks whose series start later than their records (rank -> first step)."""

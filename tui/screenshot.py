@@ -70,7 +70,7 @@ async def capture(app: DashboardApp, size: tuple[int, int], rank: int | None,
 
 def main(argv: list[str] | None = None) -> int:
     """Write the screenshot; returns the exit code."""
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     default = REPO_DOCS / "screenshot.svg" if REPO_DOCS.is_dir() else Path("screenshot.svg")
     p.add_argument("--out", type=Path, default=default)

@@ -2,8 +2,9 @@
 
 The numbers are made up but shaped like a real mixed-precision DDP run on GPUs: a falling loss,
 an AMP loss scale that grows and backs off on overflow (skipping that step on every rank),
-compute / all-reduce / optimizer times, the learning rate as a `log` extra, tokens/s and MFU
-every 10th step (as a trainer that syncs every 10 steps sends them), and optionally one
+compute / all-reduce / optimizer times, the learning rate as a `log` extra, the tokens of every
+step (tokens/s comes from them) and MFU every 10th step (as a trainer that syncs every 10 steps
+sends it), and optionally one
 straggler that reaches the all-reduce late (so everyone else waits in it).
 
 What the Flight Recorder would see comes as `collectives` messages (one per rank with each
@@ -120,9 +121,8 @@ class SimJob:
                 "extra": {"lr": 6e-4 * min(1.0, step / 100)},
             }
             if step % 10 == 0:  # measured between syncs, on logged steps (as the demo trainer)
-                tokens_per_s = 8192 / step_time
-                body["extra"].update(tokens_per_s=tokens_per_s,
-                                     mfu=tokens_per_s * 6 * 124e6 / 989e12 if self.gpu else None)
+                body["extra"].update(mfu=8192 / step_time * 6 * 124e6 / 989e12 if self.gpu
+                                     else None)
             if self.amp:
                 body.update(loss_scale=self.scale, skipped=skipped,
                             skipped_steps=self.skipped_steps)

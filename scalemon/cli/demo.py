@@ -16,12 +16,17 @@ import contextlib
 import importlib.util
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from scalemon import settings
 from scalemon.home.address import HubAddress
@@ -32,6 +37,7 @@ from scalemon.home.safefs import private_dir
 from scalemon.options import LazyChoices, int_at_least, job_id, seconds
 from scalemon.text.display import exit_text
 from scalemon.text.safe import clean
+from scalemon.text.terminal import not_a_terminal
 
 MAX_RANKS = 64
 """More ranks than this on one machine is a typo, not a demo."""
@@ -59,6 +65,22 @@ def _stop_without_extra() -> None:
     if problem:
         print(f"scalemon demo: {problem}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def terminal_refusal(args: argparse.Namespace, job: str) -> str | None:
+    """Why the demo will not start here, with what to run instead: its dashboard needs a
+    terminal on stdin and stdout (drawn into a pipe or a file it only spins); None on one."""
+    missing = not_a_terminal()
+    if missing is None:
+        return None
+    device = demo_device(args.ranks, gpu_count())
+    run = shlex.join([f"SCALEMON_JOB_ID={job}", sys.executable, "-m", "torch.distributed.run",
+                      "--nproc-per-node", str(args.ranks), "--", trainer_path(), "--monitor",
+                      "--device", device, "--max-steps", "200"])
+    verb = "are" if " and " in missing else "is"
+    return (f"scalemon demo: its dashboard needs a terminal, and {missing} {verb} not one: run "
+            f"it in a terminal, or run the job without a dashboard (`{run}`) and read it with "
+            f"`scalemon snapshot {job}`")
 
 
 def preset_names() -> list[str]:
@@ -227,13 +249,16 @@ def tell_hub_stopping(job: str, reason: str = QUIT_REASON, timeout_s: float = 3.
 
 
 def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0,
-             log_path: Path | None = None) -> None:
-    """Stop the job: tell its hub that the user stops it, then stop its process group
-    (SIGTERM, then SIGKILL), then its hub. torchrun shuts its workers down on SIGTERM; the log
-    (when given) then ends with a line that says the demo stopped the job."""
+             log_path: Path | None = None, reason: str = QUIT_REASON) -> None:
+    """Stop the job: tell its hub that the user stops it (`reason`), then stop its process
+    group (SIGTERM, then SIGKILL), then any rank left (torchrun starts each in a session of its
+    own: out of the group's reach, orphaned where torchrun died first), then its hub. torchrun
+    shuts its workers down on SIGTERM; the log (when given) then ends with a line that says the
+    demo stopped the job."""
     running = proc.poll() is None
+    ranks = job_children(proc.pid, job) if running else []
     if running:
-        tell_hub_stopping(job)
+        tell_hub_stopping(job, reason)
     sent = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
@@ -255,11 +280,40 @@ def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0,
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         time.sleep(0.1)
+    end_processes(ranks)
     if running and log_path is not None and proc.returncode is not None:
         with contextlib.suppress(OSError), open(log_path, "a") as log:
-            log.write(f"scalemon demo: stopped job {job} on quit ({', then '.join(sent)}); "
+            how = "quit" if reason == QUIT_REASON else reason.removeprefix("scalemon demo: ")
+            log.write(f"scalemon demo: stopped job {job} on {how} ({', then '.join(sent)}); "
                       f"torchrun ended: {exit_text(proc.returncode)}\n")
     stop_hub(job)
+
+
+def job_children(pid: int, job: str) -> list[psutil.Process]:
+    """The processes under torchrun `pid` but the job's hub (rank 0 starts it; `stop_hub`
+    stops it once the ranks are gone, so that it records their end)."""
+    try:
+        hub = JobFile.read(jobs_dir() / f"{job}.json").pid
+    except (ValueError, OSError):
+        hub = None
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [c for c in children if c.pid != hub]
+
+
+def end_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """SIGTERM the processes still running, then SIGKILL those left after `grace_s`."""
+    alive = [p for p in procs if p.is_running()]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=grace_s)
 
 
 def stop_hub(job: str) -> None:
@@ -272,6 +326,58 @@ def stop_hub(job: str) -> None:
     if jf.job == job and jf.host == settings.node_name():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(jf.pid, signal.SIGTERM)
+
+
+class SignalStop:
+    """SIGTERM and SIGHUP (its terminal went away) stop the demo as `q` does: the dashboard
+    quits, then `demo` stops the job (telling its hub first: its ranks read `stopped`) and its
+    hub, and exits with 128 + the signal's number. Without this a signal would kill the demo
+    alone, leaving torchrun, the ranks and the hub running (their own session: no terminal
+    signal reaches them). A handler only records the signal; a thread asks the app to exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.app: Any = None  # the dashboard, once made
+        self.done = False
+        self._asked = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalStop:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        threading.Thread(target=self._quit_app, name="demo-signals", daemon=True).start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.done = True
+        self._asked.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def reason(self) -> str:
+        """How the user stopped the job, as its hub records it."""
+        if self.signum is None:
+            return QUIT_REASON
+        return f"scalemon demo: {signal.Signals(self.signum).name}"
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self._asked.set()
+
+    def _quit_app(self) -> None:
+        """Once a signal came: make the app exit, as soon as it runs (and while it does)."""
+        self._asked.wait()
+        while not self.done:
+            app = self.app
+            if app is not None and app.is_running:
+                with contextlib.suppress(RuntimeError):  # it ended meanwhile
+                    app.call_from_thread(app.exit)
+                    return
+            time.sleep(0.05)
 
 
 def default_job_id() -> str:
@@ -307,17 +413,28 @@ def demo(args: argparse.Namespace) -> int:
     if problem:
         print(f"scalemon demo: {problem}", file=sys.stderr)
         return 2
-    proc, log_path = start_job(args, job)
+    if refusal := terminal_refusal(args, job):  # before anything starts
+        print(refusal, file=sys.stderr)
+        return 2
     code: int | None = None
     app_code = 1
-    try:
-        app = DashboardApp(HubFeed(job=job), job_process=proc, job_log=log_path)
-        app_code = run_app(app)
-    finally:
-        code = proc.poll()  # None while it runs: the quit stops it
-        stop_job(proc, job, log_path=log_path)
+    with SignalStop() as stopper:
+        proc, log_path = start_job(args, job)
+        try:
+            if stopper.signum is None:
+                stopper.app = DashboardApp(HubFeed(job=job), job_process=proc, job_log=log_path)
+                app_code = run_app(stopper.app)
+            else:  # stopped before its dashboard started
+                app_code = 0
+        finally:
+            code = proc.poll()  # None while it runs: the quit stops it
+            stop_job(proc, job, log_path=log_path, reason=stopper.reason)
     replay = (f"; `scalemon snapshot {job}` replays its history"
               if history_path(job).exists() else "")
+    if stopper.signum is not None and code is None:
+        print(f"scalemon demo: stopped job {job} on {signal.Signals(stopper.signum).name} (log: "
+              f"{log_path}){replay}", file=sys.stderr)
+        return 128 + stopper.signum
     if app_code:
         print(f"scalemon demo: the dashboard failed (exit code {app_code}); stopped job {job} "
               f"(log: {log_path}){replay}", file=sys.stderr)

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the demo trainer under torchrun with the monitor on (CPU ranks with "
                     "gloo unless there is a GPU per rank) and open the dashboard on it. q "
                     "stops the job and its hub. Exit status: 0, or the job's when it failed "
-                    "by itself (1 when a signal killed it); 2 for bad options.")
+                    "by itself (1 when a signal killed it); 2 for bad options, or without a "
+                    "terminal (stdin and stdout) for the dashboard.")
     from scalemon.cli.demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(demo)

@@ -87,6 +87,54 @@ def default_jobs(home: Path | None = None, clean: bool = True) -> list[JobFile]:
 STALE_JOB_FILE_S = 7 * 24 * 3600.0
 
 
+def ended_jobs(home: Path | None = None) -> list[JobFile]:
+    """Job files of jobs whose hubs no longer serve (ended, or the hub died), the most recent
+    end first; files not to be trusted or unreadable are left out."""
+    directory = jobs_dir(home)
+    if not os.path.lexists(directory):
+        return []
+    trusted_dirs(directory)
+    found = []
+    for path in directory.glob("*.json"):
+        try:
+            jf = JobFile.read(path)
+            jf.check_trusted()
+        except ValueError:  # UnsafePathError included: said by serving_jobs
+            continue
+        if not jf.serving():
+            found.append(jf)
+    return sorted(found, key=lambda j: j.hub_stopped or j.ended or j.started, reverse=True)
+
+
+def ended_jobs_text(home: Path | None = None, count: int = 3) -> str:
+    """The most recent jobs that ended, each with how (and when), and how to read one: ""
+    when there are none."""
+    from scalemon.home.history import history_path
+
+    try:
+        jobs = ended_jobs(home)[:count]
+    except JobLookupError:
+        return ""
+    if not jobs:
+        return ""
+    said = []
+    for jf in jobs:
+        when = time.strftime("%Y-%m-%d %H:%M:%S",
+                             time.localtime(jf.ended or jf.hub_stopped or jf.started))
+        how = (f"{jf.state} at {when}" if jf.state != "running" else
+               f"its hub exited or died while it ran, started {when}")
+        said.append(f"{jf.job} ({how})")
+    first = jobs[0].job
+    try:
+        has_history = history_path(first, home).exists()
+    except ValueError:
+        has_history = False
+    read = (f"`scalemon summary {first}` or `scalemon snapshot {first}` replays its history"
+            if has_history else f"no history file of {first} is left to replay")
+    latest = "the last job to end" if len(jobs) == 1 else "the last jobs to end"
+    return f"{latest}: {', '.join(said)}; {read}"
+
+
 def hub_gone_text(job: str, home: Path | None = None) -> str | None:
     """Why a job has no live hub, from its job file: the job ended (and when), or its hub
     died while the job ran; None without a job file."""
@@ -124,9 +172,11 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
     jobs = default_jobs(home, clean=False)
     if not jobs:
         where = jobs_dir(home)
+        ended = ended_jobs_text(home)
         raise JobLookupError(
             f"no live scalemon hub found in {where}: start a job with --monitor, "
             "or pass a job id or an address (ipc:///dir, tcp://host:port)"
+            + (f"; {ended}" if ended else "")
         )
     if len(jobs) > 1:
         lines = "\n".join(f"  {j.job}  ({j.state}, pid {j.pid}, world size {j.world_size})"

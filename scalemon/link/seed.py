@@ -23,6 +23,7 @@ from scalemon.state.flagstate import FlagState, LogLine, RankFlags
 from scalemon.state.fold import JobFold, RankTrack, StepAcc
 from scalemon.state.jobstate import JobState, RankView
 from scalemon.state.series import Marks, Series
+from scalemon.throughput import TokenWindow
 
 FORMAT = 1
 MAX_SEED_BYTES = 48 << 20
@@ -30,7 +31,7 @@ MAX_SEED_BYTES = 48 << 20
 protocol's MAX_REPLY_BYTES."""
 
 _OWN = (JobFold, JobState, RankView, CollectiveStats, StatRow, ArrivalTracker, FlagState,
-        RankFlags, LogLine, RankTrack, StepAcc, Series, Marks, P2PStats, P2PRow)
+        RankFlags, LogLine, RankTrack, StepAcc, Series, Marks, P2PStats, P2PRow, TokenWindow)
 ALLOWED: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__qualname__): cls for cls in _OWN},
     ("collections", "deque"): deque,

@@ -4,6 +4,7 @@ and for whom, groups by name and ranks (`job_hang`)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import re
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.reports.groups import group_label
 from scalemon.reports.waitfor import wait_for_graph
-from scalemon.state.jobstate import VANISHED_STATES
+from scalemon.state.failures import first_line
+from scalemon.state.jobstate import ENDED_RANK_STATES, VANISHED_STATES
 from scalemon.text.ranks import ranks_text
 
 if TYPE_CHECKING:
@@ -454,3 +456,73 @@ def job_hang(st: JobState, now: float | None = None) -> dict[str, Any] | None:
     if not st.hang_possible():
         return None
     return _analyse(st, time.time() if now is None else now)
+
+
+def last_hang(st: JobState) -> dict[str, Any] | None:
+    """The hang the job was in as it ended (its first rank killed or gone, or its user's stop:
+    `state.hangend`), as `job_hang` told it then, with `step` (the last step completed),
+    `ended_t`, `end` (how the job ended, in words) and `summary` ("hung after step 40 in
+    all_reduce #41 of default_pg [0,1] (culprit rank 1) for 35 s, then ended by SIGTERM (ranks
+    0,1, exit 143)"); None when it did not end hung."""
+    end = st.hang_end
+    if end is None:
+        return None
+    if "report" not in end:  # the kept ranks never change: told once
+        kept = copy.copy(st)
+        kept.ranks, kept.last_step_t = end["ranks"], end["last_step_t"]
+        end["report"] = _analyse(kept, end["t"])
+    if end["report"] is None:
+        return None
+    hang = {**end["report"], "step": end["step"], "ended_t": end["t"], "end": end_text(st)}
+    where = (f" in {hang['op'] or 'collective'} #{hang['seq']} of {hang['group']}"
+             if hang.get("group") is not None else "")
+    culprits = f" (culprit {ranks_text(hang['culprits'])})" if hang["culprits"] else ""
+    after = f" after step {end['step']}" if end["step"] is not None else ""
+    hang["summary"] = (f"hung{after}{where}{culprits} for {hang['since_s']:.0f} s, "
+                       f"then {hang['end']}")
+    return hang
+
+
+def end_text(st: JobState) -> str:
+    """How the job's ranks ended, in words: "stopped by its user (scalemon demo: quit (q))",
+    "ended by SIGTERM (ranks 0,1, exit 143)", "rank 1 gone without reporting an exit"."""
+    if st.stop is not None:
+        reason = st.stop.get("reason")
+        return "stopped by its user" + (f" ({reason})" if reason else "")
+    how: dict[tuple[str, str], list[int]] = {}  # (what, a detail) -> the ranks
+    for rank, v in sorted(st.ranks.items()):
+        if v.state not in ENDED_RANK_STATES:
+            continue
+        if v.state_reason and v.state_reason.startswith("ended by "):
+            what, _, code = v.state_reason.partition(", ")  # "ended by SIGTERM", "exit 143"
+            how.setdefault((what, f", {code}" if code else ""), []).append(rank)
+        elif v.state in VANISHED_STATES:
+            how.setdefault((f"{v.state} without reporting an exit", ""), []).append(rank)
+        elif v.state == "exited":
+            why = first_line(v.error) or (f"exit code {v.exit_code}"
+                                          if v.exit_code is not None else "no exit code")
+            how.setdefault((f"exited: {why}", ""), []).append(rank)
+        else:
+            how.setdefault((v.state, ""), []).append(rank)
+    if not how:
+        return "its ranks run on"
+    return "; ".join(f"{what} ({ranks_text(ranks)}{detail})" if what.startswith("ended by ")
+                     else f"{ranks_text(ranks)} {what}" for (what, detail), ranks in how.items())
+
+
+def first_failure(st: JobState) -> dict[str, Any] | None:
+    """`JobState.first_failure`, but where the job ended hung (`last_hang`): then the hang is
+    the first failure, named by its culprit, unless the first rank to fail is a culprit that
+    failed with an error of its own (the hang's cause, told)."""
+    failure = st.first_failure()
+    hang = last_hang(st)
+    if hang is None:
+        return failure
+    culprits = hang["culprits"]
+    if (failure is not None and failure["rank"] in culprits and failure["state"] == "exited"
+            and not str(failure["error"]).startswith("ended by ")):
+        return failure
+    rank = culprits[0] if culprits else (failure["rank"] if failure else None)
+    return {"rank": rank, "state": "hung", "exit_code": None, "step": hang["step"],
+            "t": hang["ended_t"], "error": hang["summary"], "peer_loss": [],
+            "text": f"the job {hang['summary']}"}

@@ -8,9 +8,9 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from scalemon import metrics
+from scalemon import metrics, throughput
 from scalemon.reports import groups
-from scalemon.reports.hangs import job_hang
+from scalemon.reports.hangs import first_failure, job_hang, last_hang
 from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
 from scalemon.reports.stragglers import stragglers_json
 from scalemon.state import alerts as alerting
@@ -21,9 +21,11 @@ RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("jso
 
 
 def rank_json(view: RankView, now: float | None = None) -> dict[str, Any]:
-    """One rank: identity and state, then every metric under its own name."""
+    """One rank: identity and state, then every metric under its own name, its tokens/s
+    (`scalemon.throughput`) with its source."""
     out = {name: getattr(view, name) for name in RANK_JSON_FIELDS}
     out.update(view.metrics)
+    out["tokens_per_s"], out["tokens_per_s_source"] = throughput.view_figure(view)
     out["extra"] = dict(view.extra)
     out["alerts"] = alerting.rank_alerts(view.rank, view.alerts)
     for m in metrics.KEPT:
@@ -36,12 +38,15 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
     """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
     now = time.time() if now is None else now
     hang = job_hang(st, now)
+    tokens_per_s, tokens_source = throughput.state_figure(st)
     ranks = [{**rank_json(st.ranks[r], now), "mesh": st.mesh(r),
               "flags": st.flags.values_of(r)} for r in sorted(st.ranks)]
     return {
         "job": st.job,
         "world_size": st.world_size,
         "state": "hung" if hang else st.state,
+        "tokens_per_s": tokens_per_s,  # the ranks' summed, tp and pp peers once
+        "tokens_per_s_source": tokens_source,
         "alerts": st.alerts(),
         "stop": dict(st.stop) if st.stop else None,
         "messages": st.messages,
@@ -63,7 +68,8 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
         "pipeline": pipeline_json(st),
         "moe": moe_json(st),
         "hang": hang,
-        "first_failure": st.first_failure(),
+        "last_hang": None if hang else last_hang(st),  # kept once the job ended hung
+        "first_failure": first_failure(st),  # the hang, where the job ended hung
         "attempts": st.attempts_json(),
         "max_restarts": st.max_restarts,
         "hang_after_s": st.hang_after_s,

@@ -4,11 +4,12 @@ the hang with every rank's stack."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from scalemon import metrics
+from scalemon import metrics, throughput
 from scalemon.policy import (
     NODE_STATES,
     TROUBLE_KINDS,
@@ -95,10 +96,12 @@ def _snapshot_worst(rank: dict[str, Any], late: dict[int, float], bar: float,
 
 def snapshot_values(rank: Mapping[str, Any]) -> dict[str, Any]:
     """A snapshot rank's values by metric name, as the dashboard reads them: its messages'
-    fields and its `extra`, and the derived metrics by the state's rule
-    (`metrics.derived_values`: tokens/s where the script gave tokens but no rate)."""
+    fields and its `extra`, its `tokens_per_s` (the state's: `scalemon.throughput`) and the
+    derived metrics by the state's rule (`metrics.derived_values`)."""
     values = {**rank, **(rank.get("extra") or {})}
-    derived = metrics.derived_values(values, own_rate=values.get("tokens_per_s") is not None)
+    if "tokens_per_s" in rank:
+        values["tokens_per_s"] = rank["tokens_per_s"]
+    derived = metrics.derived_values(values)
     values.update((name, v) for name, v in derived.items() if values.get(name) is None)
     return values
 
@@ -209,7 +212,7 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
     lines = [
         f"job {state['job']}  world size {display.text_of(state['world_size'])}  state "
         f"{'HUNG' if state.get('hang') else state['state']}"
-        f"  messages {state['messages']}",
+        f"  messages {state['messages']}{tokens_text(state)}",
     ]
     if state.get("stop") and state["state"] in ("stopped", "stopping"):
         stop = state["stop"]
@@ -227,6 +230,16 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
         lines.extend(_rank_lines(state["ranks"], width, mesh_axes(state), group_by))
     lines.extend(_info_lines(state, width))
     return "\n".join(lines)
+
+
+def tokens_text(state: Mapping[str, Any]) -> str:
+    """"  tokens/s 15.0k" (the job's, `scalemon.throughput`; "tokens/s (script)" where a rank's
+    figure is its script's own), or "" without one."""
+    rate = state.get("tokens_per_s")
+    if not isinstance(rate, (int, float)):
+        return ""
+    return f"  {throughput.LABELS[state.get('tokens_per_s_source') or throughput.STEPS]} " \
+           f"{display.si(rate)}"
 
 
 def attempt_lines(attempts: list[dict[str, Any]], max_restarts: int | None) -> list[str]:
@@ -264,6 +277,8 @@ def _rank_lines(ranks: list[dict[str, Any]], width: int, axes: list[str] | None 
     values."""
     lines: list[str] = []
     columns = display.rank_columns(dashboard=False, seen=ranks)
+    if any(r.get("tokens_per_s_source") == throughput.SCRIPT for r in ranks):
+        columns = script_rate_columns(columns)
     coords = {r["rank"]: parallel_text.mesh_coords(r.get("mesh")) for r in ranks}
     if axes:
         mesh_width = parallel_text.mesh_width(coords.values(), axes)
@@ -300,6 +315,17 @@ def _rank_lines(ranks: list[dict[str, Any]], width: int, axes: list[str] | None 
     return lines
 
 
+def script_rate_columns(columns: tuple[display.Column, ...]) -> tuple[display.Column, ...]:
+    """`columns` with the tokens/s heading saying the figures are the script's own."""
+    heading = SCRIPT_RATE_HEADING
+    return tuple(dataclasses.replace(c, heading=heading, width=max(c.width, len(heading)))
+                 if c.key == "tokens_per_s" else c for c in columns)
+
+
+SCRIPT_RATE_HEADING = "tok/s (script)"
+"""The rank tables' tokens/s heading where a rank's figure is its script's own."""
+
+
 def _info_lines(state: dict[str, Any], width: int) -> list[str]:
     """The run's info facts, hub notes, flag mismatches, toggles, collectives, the hang."""
     lines: list[str] = []
@@ -327,7 +353,7 @@ def _info_lines(state: dict[str, Any], width: int) -> list[str]:
     rows = state.get("collectives") or []
     lines.extend(_collectives_lines([r for r in rows if not parallel_text.is_p2p(r)]))
     lines.extend(p2p_lines([r for r in rows if parallel_text.is_p2p(r)]))
-    lines.extend(_hang_lines(state.get("hang")))
+    lines.extend(_hang_lines(state.get("hang") or state.get("last_hang")))
     return lines
 
 
@@ -387,7 +413,8 @@ def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
     """The hang in words, then each rank's stack (innermost call last)."""
     if not hang:
         return []
-    out = [f"HUNG: {hang['text']}"]
+    out = [f"HUNG: {hang['text']}"] if not hang.get("summary") else [  # the job ended hung
+        f"HUNG until the end: {hang['summary']}", f"  {hang['text']}"]
     for cause in hang.get("causes") or ():  # culprits with their cause, phase and frame
         out.append(f"  {'culprit' if cause['culprit'] else 'stuck'}  {cause['text']}"
                    f"  [phase {cause['phase'] or display.NA}]")

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalemon import throughput
 from scalemon.metrics import derived_values
 from scalemon.protocol import Message
 from scalemon.reports import stragglers
@@ -43,7 +44,10 @@ class RunRecords:
 
     steps: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)
     """rank -> step -> the step's numbers (`fold.step_values`: loss, step_time_s,
-    tokens_per_s, mfu, mem_*_bytes, compute_s ...)."""
+    tokens_per_s (the rank's as of the step, as the dashboard showed it: `scalemon.throughput`;
+    or the script's own), mfu, mem_*_bytes, compute_s ...)."""
+    own_rate: set[int] = field(default_factory=set)
+    """Ranks that sent a tokens_per_s of their own (`log(tokens_per_s=...)`)."""
     step_t: dict[int, dict[int, float]] = field(default_factory=dict)
     """rank -> step -> when the step message was sent (the rank's clock)."""
     heartbeat_max: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -58,8 +62,8 @@ HEARTBEAT_MEMORY = ("rss_bytes", "gpu_mem_used_bytes")
 def run_records(messages: Iterable[Message]) -> RunRecords:
     """The per-step series of every rank from a job's messages, in history order."""
     bodies: dict[int, dict[int, tuple[float, dict[str, Any]]]] = {}
-    own_rate: set[int] = set()  # ranks that sent a tokens_per_s of their own
     out = RunRecords()
+    own_rate = out.own_rate
     for msg in messages:
         if msg.type == "step":
             bodies.setdefault(msg.rank, {})[msg.body["step"]] = (msg.t, msg.body)
@@ -73,9 +77,13 @@ def run_records(messages: Iterable[Message]) -> RunRecords:
                 if type(value) in (int, float) and value > seen.get(name, -1):
                     seen[name] = float(value)
     for rank, by_step in sorted(bodies.items()):
-        derive = rank not in own_rate  # as the dashboard: never mixed with the script's own
-        out.steps[rank] = {s: step_values(b, derived_values(b, own_rate=not derive))
-                           for s, (_, b) in sorted(by_step.items())}
+        window = throughput.TokenWindow()  # the rank's tokens/s as of each step
+        out.steps[rank] = {}
+        for s, (_, b) in sorted(by_step.items()):
+            window.add(b.get("tokens"), b.get("step_time_s"))
+            # as the dashboard: never mixed with the script's own
+            rate = None if rank in own_rate else window.rate()
+            out.steps[rank][s] = step_values(b, derived_values(b, rate))
         out.step_t[rank] = {s: t for s, (t, _) in sorted(by_step.items())}
         bubbles = {s: b["pipeline_bubble"] for s, (_, b) in sorted(by_step.items())
                    if finite(b.get("pipeline_bubble")) is not None}
@@ -141,7 +149,7 @@ def summarize(state: Mapping[str, Any], records: RunRecords,
         "steps": _steps(records, by_rank),
         "wall_time": _wall_time(state, records),
         "loss": _loss(records),
-        "tokens_per_s": _throughput(records),
+        "tokens_per_s": _throughput(records, by_rank),
         "mfu": _mfu(records),
         "step_time": per_rank_time,
         "stragglers": _stragglers(state, records, per_rank_time),
@@ -231,14 +239,28 @@ def _per_step_total(series: dict[int, dict[int, float]], combine: str) -> list[f
     return out
 
 
-def _throughput(records: RunRecords) -> dict[str, Any]:
-    """tokens/s of the job (the ranks' rates summed per step) and of one rank, median and p10
-    over the steps (p10: the slow tail)."""
+def _throughput(records: RunRecords, by_rank: Mapping[int, Mapping[str, Any]]
+                ) -> dict[str, Any]:
+    """tokens/s (`scalemon.throughput`) of one rank (its figure as of each step, as the
+    dashboard showed it then) and of the job (per step, `job_tokens_per_s` of the ranks'
+    figures: a tp group's or a pipeline's ranks once), median and p10 over the steps (p10: the
+    slow tail); `source`: `steps`, or `script` where a counted rank's is its script's own."""
     series = _series(records, "tokens_per_s")
+    coords = {r: (by_rank.get(r) or {}).get("mesh") for r in series}
+    counted = {r: s for r, s in series.items() if s and throughput.counts_for_job(coords[r])}
+    steps = set.intersection(*(set(s) for s in counted.values())) if counted else set()
+    job: list[float] = []
+    for step in sorted(steps):
+        rates = [finite(counted[r][step]) for r in counted]
+        total = throughput.job_tokens_per_s((v, coords[r])
+                                            for v, r in zip(rates, counted, strict=True))
+        if total is not None and all(v is not None for v in rates):
+            job.append(total)
     q = {"median": 0.5, "p10": 0.1}
     per_rank = [v for s in series.values() for v in s.values()]
-    return {"job": _stats(_per_step_total(series, "sum"), q),
-            "per_rank": _stats(per_rank, q)}
+    source = throughput.job_source(
+        throughput.SCRIPT if r in records.own_rate else throughput.STEPS for r in counted)
+    return {"job": _stats(job, q), "per_rank": _stats(per_rank, q), "source": source}
 
 
 def _mfu(records: RunRecords) -> dict[str, Any]:
@@ -290,18 +312,24 @@ def _stragglers(state: Mapping[str, Any], records: RunRecords,
 
 
 def _hangs(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any]:
-    """The hang now (a live job's), and the stalls of the run: stretches where no rank
-    completed a step for the job's hang threshold (`hang_after_s`)."""
-    hang = state.get("hang")
+    """The hang now (a live job's), the hang it ended in (`hangs.last_hang`), and the stalls
+    of the run: stretches where no rank completed a step for the job's hang threshold
+    (`hang_after_s`), the hang it ended in the last of them."""
+    hang, last = state.get("hang"), state.get("last_hang")
     after = finite(state.get("hang_after_s"))
     times = sorted((t, s) for by_step in records.step_t.values() for s, t in by_step.items())
     stalls = []
     for (t0, s0), (t1, _) in zip(times, times[1:], strict=False):
         if after is not None and t1 - t0 >= after:
             stalls.append({"after_step": s0, "seconds": t1 - t0, "t": t0})
+    if last:
+        stalls.append({"after_step": last.get("step"), "seconds": last.get("since_s"),
+                       "t": last["ended_t"] - (last.get("since_s") or 0.0)})
     return {
         "now": {"text": hang["text"], "since_s": hang.get("since_s"),
                 "culprits": hang.get("culprits") or []} if hang else None,
+        "last": {k: last.get(k) for k in ("summary", "text", "since_s", "culprits", "step",
+                                          "end")} if last else None,
         "hang_after_s": after,
         "stalls": sorted(stalls, key=lambda s: -s["seconds"])[:STALLS_SHOWN],
         "stall_count": len(stalls),

@@ -13,6 +13,7 @@ from scalemon.reports.snapshot_text import p2p_lines, parallel_lines
 from scalemon.reports.summary import RANK_LINES_MAX, finite
 from scalemon.state.flagstate import toggle_line
 from scalemon.text import display
+from scalemon.throughput import LABELS, STEPS
 
 
 def _num(value: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> str:
@@ -61,7 +62,8 @@ def summary_text(s: Mapping[str, Any]) -> str:
         f"loss (rank {loss['rank']}): first {_point(loss['first'])}  last {_point(loss['last'])}"
         f"  min {_point(loss['min'])}"
         + (f"  ({loss['nonfinite']} NaN/inf)" if loss["nonfinite"] else ""),
-        f"tokens/s: job median {_num(tps['job']['median'], ',.0f')} p10 "
+        f"{LABELS[tps.get('source') or STEPS]}: job median {_num(tps['job']['median'], ',.0f')}"
+        f" p10 "
         f"{_num(tps['job']['p10'], ',.0f')}; per rank median "
         f"{_num(tps['per_rank']['median'], ',.0f')} p10 {_num(tps['per_rank']['p10'], ',.0f')}",
         f"MFU: median {_pct(mfu['median'])} p10 {_pct(mfu['p10'])}" if mfu["samples"] else
@@ -148,6 +150,8 @@ def _hang_lines(hangs: Mapping[str, Any], failure: Mapping[str, Any] | None) -> 
     lines = []
     if hangs["now"]:
         lines.append(f"HUNG now: {hangs['now']['text']}")
+    if hangs.get("last"):  # the job ended hung: its culprit, and how it ended
+        lines.append(f"HUNG until the end: {hangs['last']['summary']}")
     if hangs["stall_count"]:
         worst = hangs["stalls"][0]
         lines.append(f"stalls: {hangs['stall_count']} (no step for "

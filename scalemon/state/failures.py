@@ -9,7 +9,10 @@ rules are shared by the hub, the dashboard and `scalemon snapshot`.
 from __future__ import annotations
 
 import re
+import signal
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 PEER_LOSS_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, re.IGNORECASE) for p in (
     r"connection closed by peer",
@@ -31,6 +34,29 @@ PEER_LOSS_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, re.IGNOREC
 
 CALLBACK_WRAPPER = "Got the following error when running the callback: "
 """torch's prefix for an error raised inside a Future callback (DDP comm hooks run in one)."""
+
+
+SIGNAL_REASON = "signal"
+"""The `exit` reason of a rank ended by a signal (agent/sigexit.py); its code: 128 + the number."""
+GUESS = " (killed?)"
+"""What the hub adds to a rank whose process ended without an exit: a guess at why."""
+
+
+def signal_text(body: Mapping[str, Any]) -> str | None:
+    """"ended by SIGTERM, exit 143": how a rank that sent an `exit` with the reason "signal"
+    ended; None for any other exit."""
+    if body.get("reason") != SIGNAL_REASON:
+        return None
+    code = body.get("exit_code")
+    try:
+        return f"ended by {signal.Signals(code - 128).name}, exit {code}"
+    except (TypeError, ValueError):
+        return "ended by a signal"
+
+
+def without_guess(reason: str | None) -> str | None:
+    """The hub's reason for a rank gone, without its guess at why (the user stopped it)."""
+    return reason[:-len(GUESS)] if reason and reason.endswith(GUESS) else reason
 
 
 def is_peer_loss(error: str | None) -> bool:

@@ -2,7 +2,7 @@
 
 Besides the shared `JobState` reducer it keeps, per rank, bounded series of every metric
 (x = step; a rank's arrival lateness at collectives after each `collectives` message), its
-step and token rate samples and its compute time against the median rank (smoothed), and
+step rate samples and its compute time against the median rank (smoothed), and
 job-wide min/mean/max of the plotted metrics per step.
 
 The hub folds every record into one of these as it stores it, so a dashboard that attaches late
@@ -26,6 +26,7 @@ from scalemon.state.jobstate import JobState, RankView
 from scalemon.state.series import Marks, Series
 from scalemon.state.stepcomm import check_step_comm
 from scalemon.text.display import AGGREGATE_AT
+from scalemon.throughput import TokenWindow
 
 STEP_WINDOW = 32
 """Steps whose cross-rank aggregate is still open; older ones are closed with what arrived."""
@@ -46,18 +47,16 @@ MAX_EXTRA_SERIES = 16
 class RankTrack:
     """The per-rank history the reducer does not keep."""
 
-    __slots__ = ("series", "extras", "skipped", "samples", "tokens", "cap", "_rates",
-                 "_rates_of")
+    __slots__ = ("series", "extras", "skipped", "samples", "cap", "_rate", "_rate_of")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.series: dict[str, Series] = {}  # by metric name, values in the metric's wire unit
         self.extras: dict[str, Series] = {}  # numeric log(**extra) names not in the table
         self.skipped = Marks()
-        self.samples: deque[tuple[float, int, int]] = deque(maxlen=24)  # (t, step, tokens)
-        self.tokens = 0
-        self._rates: tuple[float | None, float | None] = (None, None)
-        self._rates_of: tuple[float, int, int] | None = None  # the sample they end with
+        self.samples: deque[tuple[float, int]] = deque(maxlen=24)  # (t, step)
+        self._rate: float | None = None
+        self._rate_of: tuple[float, int] | None = None  # the sample it ends with
 
     def add(self, name: str, x: float, value: float) -> None:
         """Append to series `name`, made on first use."""
@@ -90,21 +89,21 @@ class RankTrack:
         for name, value in heartbeat_values(body).items():
             self.add(name, x, value)
 
-    def rates(self, now: float) -> tuple[float | None, float | None]:
-        """(steps/s, tokens/s) over the last 10 s of samples; 0 when nothing came for 5 s.
-        Kept until the next sample: the header asks every rank at every redraw."""
+    def steps_per_s(self, now: float) -> float | None:
+        """Steps/s over the last 10 s of samples; 0 when nothing came for 5 s. Kept until the
+        next sample: the header asks every rank at every redraw. (Tokens/s is the rank's
+        `tokens_per_s`, `scalemon.throughput`.)"""
         if len(self.samples) < 2:
-            return None, None
+            return None
         last = self.samples[-1]
-        t1, s1, k1 = last
+        t1, s1 = last
         if now - t1 > 5.0:
-            return 0.0, 0.0
-        if last is not self._rates_of:  # a new sample since: recount (else: as before)
-            self._rates_of = last
-            t0, s0, k0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
-            self._rates = ((None, None) if t1 <= t0 else
-                           ((s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)))
-        return self._rates
+            return 0.0
+        if last is not self._rate_of:  # a new sample since: recount (else: as before)
+            self._rate_of = last
+            t0, s0 = next((s for s in self.samples if s[0] >= t1 - 10.0), self.samples[0])
+            self._rate = None if t1 <= t0 else (s1 - s0) / (t1 - t0)
+        return self._rate
 
 
 class StepAcc:
@@ -142,7 +141,7 @@ def _numbers(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]
 def step_values(body: dict[str, Any], derived: dict[str, float]) -> dict[str, float]:
     """The plotted numbers of one `step` body by metric name, in wire units (seconds, bytes),
     with the well-known extras; absent ones left out; then the step's `derived` metrics
-    (`metrics.derived_values`: compute time, tokens/s where the rank measures none)."""
+    (`metrics.derived_values`: compute time, the rank's tokens/s as of the step)."""
     out = _numbers(body, STEP_PLOTTED)
     extra = body.get("extra")
     if extra:
@@ -286,11 +285,8 @@ class JobFold:
         if msg.body.get("skipped"):
             track.skipped.add(step)
             self.skipped.add(step)
-        tokens = msg.body.get("tokens")
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
-            track.tokens += tokens
         if not track.samples or msg.t - track.samples[-1][0] >= 0.5:
-            track.samples.append((msg.t, step, track.tokens))
+            track.samples.append((msg.t, step))
         if self.last_step_t is None or msg.t > self.last_step_t:
             self.last_step_t = msg.t
         if view.steps_received == 1:
@@ -394,14 +390,18 @@ class JobFold:
         step: int | None = None
         view = self.state.ranks.get(rank)
         own_rate = view is not None and "tokens_per_s" in view.extra
+        window = TokenWindow()  # its tokens/s as of each step, as the state folded it
         for msg in messages or ():
             if msg.rank != rank:
                 continue
             if msg.type == "step":
                 step = msg.body["step"]
                 first = step if first is None else min(first, step)
-                derived = metrics.derived_values(msg.body, own_rate)
+                window.add(msg.body.get("tokens"), msg.body.get("step_time_s"))
+                derived = metrics.derived_values(msg.body, None if own_rate else window.rate())
                 track.add_step_series(msg.body, step_values(msg.body, derived))
+            elif msg.type == "hello":  # a new process: no step ended before its first
+                window.clear()
             elif msg.type == "heartbeat":
                 track.add_heartbeat_series(msg.body, step)
             elif msg.type == "collectives" and view is not None and not view.comm_hook:

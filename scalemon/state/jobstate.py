@@ -25,11 +25,13 @@ from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state import alerts as alerting
 from scalemon.state.arrival import ArrivalTracker
-from scalemon.state.failures import first_line, is_peer_loss
+from scalemon.state.failures import first_line, is_peer_loss, signal_text, without_guess
 from scalemon.state.flagstate import FlagState
+from scalemon.state.hangend import hang_end
 from scalemon.state.mesh import job_mesh, pipeline_info, rank_coords
 from scalemon.state.stepcomm import check_step_comm, set_step_comm
 from scalemon.text.ranks import ranks_text
+from scalemon.throughput import TokenWindow
 
 STEP_FIELDS = metrics.latest_of("step")
 
@@ -124,6 +126,9 @@ class RankView:
     derived: dict[str, float] = field(default_factory=dict, repr=False, metadata=_INTERNAL)
     """The table's derived metrics of the latest step (`metrics.derived_values`: tokens/s
     where the script measures none, compute time), computed once as the step is folded."""
+    token_window: TokenWindow = field(default_factory=TokenWindow, repr=False,
+                                      metadata=_INTERNAL)
+    """Its latest steps' tokens and wall times: its `tokens_per_s` (`scalemon.throughput`)."""
 
     def value(self, name: str, now: float | None = None) -> Any:
         """The current value of metric `name` of the table (KeyError for other names): from
@@ -182,6 +187,8 @@ class JobState:
     completed by `attempts_json`."""
     max_restarts: int | None = None
     """The launcher's restart budget, as the ranks' hellos said (None: not known)."""
+    hang_end: dict[str, Any] | None = field(default=None, repr=False)
+    """The hang the job was in when its first rank ended or its user stopped it (`hangend`)."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -230,8 +237,8 @@ class JobState:
 
     def _on_hello(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        if self.stop is not None and self.state in JOB_ENDED_STATES:
-            self.stop = None  # a new run of the job, after the stopped one
+        if (self.stop or self.hang_end) is not None and self.state in JOB_ENDED_STATES:
+            self.stop = self.hang_end = None  # a new run of the job, after the ended one
         self._note_attempt(b.get("restart_count") or 0, msg.t, b.get("max_restarts"))
         view.alerts, view.skip_streak = {}, None
         view.process = view.where = view.outside_stacks = None
@@ -243,6 +250,7 @@ class JobState:
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
         view.ended_t, view.peer_loss, view.monitor_off = None, False, None
         view.comm_hook, view.step_comm = False, None
+        view.token_window.clear()  # a new process: no step ended before its first
         self.world_size = max(self.world_size or 0, b["world_size"])
         if b.get("config") is not None:
             self.info.setdefault("config", {})[msg.rank] = b["config"]
@@ -269,7 +277,9 @@ class JobState:
                 for name, value in extra.items():
                     if name in view.extra or len(view.extra) < EXTRA_NAMES_MAX:
                         view.extra[name] = value
-        view.derived = metrics.derived_values(b, own_rate="tokens_per_s" in view.extra)
+        view.token_window.add(b.get("tokens"), b.get("step_time_s"))
+        own_rate = "tokens_per_s" in view.extra  # the script's: never mixed with the steps'
+        view.derived = metrics.derived_values(b, None if own_rate else view.token_window.rate())
         if view.state in SILENT_RANK_STATES:
             _speaks_again(view)
 
@@ -339,10 +349,12 @@ class JobState:
 
     def _on_exit(self, msg: Message, view: RankView) -> None:
         b = msg.body
-        view.state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
-        view.state_reason = b["reason"]
+        state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
+        if state == "exited":
+            self._note_hang_end(msg.t)  # before this rank's end changes the job
+        view.state, view.state_reason = state, signal_text(b) or b["reason"]
         if view.state == "exited" and self.stop is not None:
-            view.state, view.state_reason = "stopped", self.stop_text(b["reason"])
+            view.state, view.state_reason = "stopped", self.stop_text(view.state_reason)
         view.exit_code = b.get("exit_code")
         view.error = b.get("error")
         view.ended_t = msg.t
@@ -390,13 +402,16 @@ class JobState:
         state = "silent" if b["state"] == "lost" else b["state"]  # a hub before 1.12 said lost
         if state == "running" and view.state in ENDED_RANK_STATES:
             return None  # never brings back a rank that ended
+        if state in (*VANISHED_STATES, "exited"):  # it died after it was last heard of
+            self._note_hang_end(msg.t, view.last_seen_t)  # before its end changes the job
         view.state, view.state_reason = state, b.get("reason")
         if b.get("process") is not None:
             view.process = b["process"]
         if state == "frozen":
             view.where = b.get("where") or view.where
         if state in (*VANISHED_STATES, "exited") and self.stop is not None:
-            view.state, view.state_reason = "stopped", self.stop_text(b.get("reason"))
+            how = without_guess(b.get("reason"))  # the user stopped it: no "killed?"
+            view.state, view.state_reason = "stopped", self.stop_text(how)
         if b.get("exit_code") is not None:
             view.exit_code = b["exit_code"]
         if view.state in ENDED_RANK_STATES and view.ended_t is None:
@@ -461,7 +476,16 @@ class JobState:
             current["first_failure"] = failure["text"] if failure else None
         return [*(dict(a) for a in self.attempts[:-1]), current]
 
+    def _note_hang_end(self, t: float, alive_t: float | None = None) -> None:
+        """Keep the hang the job is in as a rank ends at `t` (`hangend`), where the rank was
+        still alive (`alive_t`, else `t`) after the hang began: once, cheap checks first."""
+        if (self.hang_end is None and self.stop is None and self.last_step_t is not None
+                and (t if alive_t is None else alive_t) - self.last_step_t >= self.hang_after_s
+                and self.hang_possible()):
+            self.hang_end = hang_end(self, t)
+
     def _on_job_stop(self, msg: Message) -> None:
+        self._note_hang_end(msg.t)
         self.stop = {"t": msg.t, "reason": msg.body.get("reason"),
                      "user": msg.body.get("user"), "host": msg.body.get("host")}
 

@@ -1,3 +1,3 @@
 """Text for people, the lowest layer beside the tables: values in display units and table
-columns (`display`), ranks as text (`ranks`), and outside text made safe for a terminal
-(`safe`)."""
+columns (`display`), ranks as text (`ranks`), outside text made safe for a terminal
+(`safe`), and whether there is a terminal at all (`terminal`)."""

@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import DataTable, Input, Static
 
 from scalemon.flags import FLAGS, FlagError, check, parse_assignment, tier_text
 
@@ -31,6 +31,7 @@ from ..views.flags import (
     flags_view,
     values_text,
 )
+from ..widgets.fit import KeysFooter
 from .base import DataScreen
 
 TITLE = "flags  ·  Enter/t: change  ·  R: change with a restart  ·  Esc back"
@@ -111,7 +112,7 @@ class FlagsScreen(DataScreen):
         Binding("R", "change(True)", "Change + restart"),
     ]
     DEFAULT_CSS = """
-    FlagsScreen #flags-title { height: 1; padding: 0 1; background: $boost;
+    FlagsScreen #flags-title { height: auto; padding: 0 1; background: $boost;
                                text-style: bold; }
     FlagsScreen #flags-status { height: auto; padding: 0 1; }
     FlagsScreen #flags-info { height: auto; padding: 0 1; }
@@ -141,7 +142,7 @@ class FlagsScreen(DataScreen):
         yield Static(id="flags-why")
         with VerticalScroll(id="flags-audit"):
             yield Static(id="flags-audit-table")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one(DataTable).focus()

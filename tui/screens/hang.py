@@ -8,12 +8,13 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from ..messages import DumpRequested
 from ..model import DashboardData
 from ..safe_text import clean, literal_text
 from ..views.hang import HangView, hang_view
+from ..widgets.fit import Fit, KeysFooter, cells_width, longest_word, widest
 from .base import DataScreen
 
 ROLE_STYLES = {"culprit": "bold red", "waiting": "yellow", "": ""}
@@ -30,7 +31,7 @@ class HangScreen(DataScreen):
         Binding("d", "dump", "Flight Recorder dump"),
     ]
     DEFAULT_CSS = """
-    HangScreen #hang-title { height: 1; padding: 0 1; background: $error; color: $text;
+    HangScreen #hang-title { height: auto; padding: 0 1; background: $error; color: $text;
                              text-style: bold; }
     HangScreen #hang-text { height: auto; padding: 1 2; text-style: bold; }
     HangScreen #hang-body > Static { height: auto; padding: 0 1; }
@@ -53,7 +54,7 @@ class HangScreen(DataScreen):
             ras.display = False  # while no node's NCCL RAS report came
             yield ras
             yield Static(id="hang-stacks", classes="section")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one("#hang-body").focus()
@@ -64,7 +65,8 @@ class HangScreen(DataScreen):
         title = self.query_one("#hang-title", Static)
         headline = self.query_one("#hang-text", Static)
         if view.hung:
-            title.update("JOB HUNG  ·  d: Flight Recorder dump  ·  Esc back")
+            hung = "JOB ENDED HUNG" if view.ended else "JOB HUNG"
+            title.update(f"{hung}  ·  d: Flight Recorder dump  ·  Esc back")
             headline.update(literal_text(view.text, style="bold red"))
             if plots or self.view is None:  # hundreds of rows: at the plots' pace
                 self.query_one("#hang-why", Static).update(_why(view))
@@ -103,22 +105,39 @@ class HangScreen(DataScreen):
         self.dismiss()
 
 
-def _table(view: HangView) -> Table:
-    table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
-    for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
-        lines = heading.split("\n")  # each line shown as typed
-        title = Text("\n").join(literal_text(line, one_line=True) for line in lines)
-        table.add_column(title, no_wrap=heading != "in flight")
-    for row in view.rows[:TABLE_ROWS]:
-        style = ROLE_STYLES[row.role]
-        table.add_row(*(literal_text(c, style=style) for c in row.cells))
+def _table(view: HangView) -> Fit:
+    """Each rank's whereabouts: a table where it fits (its cells 2, then 1 blank apart),
+    else a line per rank that wraps, each value after its heading."""
     rest = view.rows[TABLE_ROWS:]
-    if rest:
-        waiting = sum(r.role == "waiting" for r in rest)
-        table.caption = Text(f"(+{len(rest)} ranks, {waiting} of them waiting in the "
-                             "collective)", style="dim")
-        table.caption_justify = "left"
-    return table
+    waiting = sum(r.role == "waiting" for r in rest)
+    caption = Text(f"(+{len(rest)} ranks, {waiting} of them waiting in the collective)",
+                   style="dim") if rest else None
+    shown = view.rows[:TABLE_ROWS]
+    widths = [(longest_word if heading == "in flight" else widest)(
+        [*heading.split("\n"), *(row.cells[i] for row in shown)])
+        for i, heading in enumerate(view.headings)]
+    tables: list[tuple[int, Table]] = []
+    for padding, need in (((0, 1), cells_width(widths, 2, 1)),
+                          ((0, 1, 0, 0), cells_width(widths, 1) + 1)):
+        table = Table(box=None, padding=padding, header_style="bold", expand=False,
+                      caption=caption, caption_justify="left")
+        for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
+            lines = heading.split("\n")  # each line shown as typed
+            title = Text("\n").join(literal_text(line, one_line=True) for line in lines)
+            table.add_column(title, no_wrap=heading != "in flight")
+        for row in view.rows[:TABLE_ROWS]:
+            style = ROLE_STYLES[row.role]
+            table.add_row(*(literal_text(c, style=style) for c in row.cells))
+        tables.append((need, table))
+    lines = Text()
+    for row in view.rows[:TABLE_ROWS]:
+        words = [f"{heading.replace(chr(10), ' ')} {cell}" if heading != "role" else cell
+                 for heading, cell in zip(view.headings, row.cells, strict=True) if cell]
+        lines.append(("\n" if lines else "") + clean("  ".join(words), one_line=True),
+                     style=ROLE_STYLES[row.role])
+    if caption is not None:
+        lines.append("\n").append_text(caption)
+    return Fit(*tables, lines)
 
 
 def _why(view: HangView) -> Text:

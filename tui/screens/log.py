@@ -7,19 +7,19 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from ..messages import RedrawNeeded
 from ..model import DashboardData
 from ..safe_text import clean
 from ..views.log import (
-    EMPTY_HELP,
     QUERY_HELP,
     LogFilter,
     LogView,
     log_view,
     parse_filter,
 )
+from ..widgets.fit import KeysFooter
 from .base import DataScreen
 
 TITLE = "log  ·  /: filter  ·  Enter: back to the lines  ·  Esc back"
@@ -35,7 +35,7 @@ class LogScreen(DataScreen):
         Binding("slash", "filter", "Filter", key_display="/"),
     ]
     DEFAULT_CSS = """
-    LogScreen #log-title { height: 1; padding: 0 1; background: $boost; text-style: bold; }
+    LogScreen #log-title { height: auto; padding: 0 1; background: $boost; text-style: bold; }
     LogScreen #log-filter { margin: 0 1; }
     LogScreen #log-counts { height: auto; padding: 0 1; }
     LogScreen #log-body { height: 1fr; padding: 0 1; }
@@ -56,7 +56,7 @@ class LogScreen(DataScreen):
         yield Static(id="log-counts")
         with VerticalScroll(id="log-body"):
             yield Static(id="log-lines")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one("#log-body").focus()
@@ -120,7 +120,7 @@ def _counts(view: LogView, f: LogFilter) -> Text:
 
 def _lines(view: LogView) -> Text:
     if not view.total:
-        return Text(EMPTY_HELP, style="dim")
+        return Text(view.hint, style="dim")
     if not view.lines:
         return Text(f"no line of the {view.kept} kept matches the filter", style="dim")
     t = Text()

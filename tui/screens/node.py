@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from scalemon.text.display import NO_HOST
 
@@ -14,6 +14,7 @@ from ..model import DashboardData
 from ..safe_text import literal_text
 from ..views.nodes import node_ranks
 from ..views.overview import overview
+from ..widgets.fit import KeysFooter
 from ..widgets.header import JobHeader
 from ..widgets.rank_table import RankTable
 from .base import DataScreen
@@ -25,7 +26,7 @@ class NodeScreen(DataScreen):
     BINDINGS = [Binding("escape,backspace", "back", "Back")]
     DEFAULT_CSS = """
     NodeScreen { layout: vertical; }
-    NodeScreen #node-title { height: 1; padding: 0 1; background: $boost; text-style: bold; }
+    NodeScreen #node-title { height: auto; padding: 0 1; background: $boost; text-style: bold; }
     NodeScreen RankTable { height: 1fr; max-height: 100%; }
     """
 
@@ -37,7 +38,7 @@ class NodeScreen(DataScreen):
         yield JobHeader(id="header")
         yield Static(id="node-title")
         yield RankTable(id="ranks")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one(RankTable).focus()

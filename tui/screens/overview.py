@@ -12,12 +12,12 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal
-from textual.widgets import Footer
 
 from ..messages import OpenNode, OpenRank, RedrawNeeded
 from ..model import DashboardData
 from ..views.nodes import NodeView
 from ..views.overview import overview
+from ..widgets.fit import KeysFooter
 from ..widgets.header import JobHeader
 from ..widgets.node_table import NodeTable
 from ..widgets.plot import LinePlot
@@ -69,7 +69,7 @@ class OverviewScreen(DataScreen):
         with Grid(id="plots"):
             for name in PLOTS:
                 yield LinePlot(id=f"plot-{name}")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one(RankTable).focus()

@@ -1,4 +1,4 @@
-"""Choosing one of several live jobs when `scalemon attach` was given none."""
+"""Choosing one of several jobs when `scalemon attach` was given none."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ import time
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, OptionList, Static
+from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
 from scalemon.home.jobfile import JobFile
 
 from ..safe_text import literal_text
+from ..widgets.fit import KeysFooter
 
 
 class PickJobScreen(Screen[str]):
-    """A list of live jobs; Enter attaches to the highlighted one."""
+    """A list of jobs (live ones, else ended ones whose hubs linger), each with its state;
+    Enter attaches to the highlighted one."""
 
     BINDINGS = [Binding("q,escape", "app.quit", "Quit")]
     DEFAULT_CSS = """
@@ -29,11 +31,11 @@ class PickJobScreen(Screen[str]):
         self.jobs = jobs
 
     def compose(self) -> ComposeResult:
-        yield Static(f"{len(self.jobs)} live jobs: pick one (↑/↓, Enter)", id="pick-title")
+        yield Static(f"{pick_title(self.jobs)}: pick one (↑/↓, Enter)", id="pick-title")
         # Text: a str prompt is read as markup, and a host name is none
         yield OptionList(*(Option(literal_text(_label(j), one_line=True), id=j.job)
                            for j in self.jobs))
-        yield Footer()
+        yield KeysFooter()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         """Attach to the chosen job."""
@@ -41,7 +43,20 @@ class PickJobScreen(Screen[str]):
             self.dismiss(event.option.id)
 
 
+def pick_title(jobs: list[JobFile]) -> str:
+    """"2 live jobs", or for ended jobs whose hubs linger "no live job; 2 ended jobs whose
+    hubs still serve them" (an ended job is never called live)."""
+    live = sum(j.state == "running" for j in jobs)
+    if live == len(jobs):
+        return f"{live} live jobs"
+    if not live:
+        return f"no live job; {len(jobs)} ended jobs whose hubs still serve them"
+    return f"{live} live and {len(jobs) - live} ended jobs"
+
+
 def _label(j: JobFile) -> str:
+    """A job's line: id, state (running, or how it ended), world size, start, hub."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started))
     world = "?" if j.world_size is None else str(j.world_size)
-    return f"{j.job}   world size {world}   since {started}   hub pid {j.pid} on {j.host}"
+    return (f"{j.job}   {j.state}   world size {world}   since {started}   "
+            f"hub pid {j.pid} on {j.host}")

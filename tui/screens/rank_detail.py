@@ -9,18 +9,43 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.events import Resize
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from ..messages import RedrawNeeded
 from ..model import DashboardData
 from ..plotdata import PlotSpec
 from ..safe_text import literal_text
 from ..views.rank_detail import DETAIL_PANELS, rank_detail
+from ..widgets.fit import Fit, KeysFooter, cells_width, longest_word, widest
 from ..widgets.plot import LinePlot
 from .base import DataScreen
 
+GAP = 2
+"""Blank cells between the facts' columns."""
 KEYS = "Esc back, ←/→ prev/next rank"
 """The title's keys: those the footer shows for BINDINGS (`,` and `.` also step)."""
+
+
+def facts_table(facts: list[tuple[str, str]]) -> Fit:
+    """The facts in two pairs of (name, value) columns where the values fit without a word
+    cut; else in one pair (the values wrap at spaces, a word longer than the line folds)."""
+    half = (len(facts) + 1) // 2
+    columns = [facts[:half], facts[half:]]
+    names = [widest(name for name, _ in column) for column in columns]
+    word = longest_word(value for _, value in facts)
+    two = Table.grid(padding=(0, GAP), expand=True)
+    for _ in range(2):
+        two.add_column(style="dim", no_wrap=True)
+        two.add_column(overflow="fold")
+    for i in range(half):
+        right = facts[half + i] if half + i < len(facts) else ("", "")
+        two.add_row(*(literal_text(cell) for cell in (*facts[i], *right)))
+    one = Table.grid(padding=(0, GAP))
+    one.add_column(style="dim", no_wrap=True)
+    one.add_column(overflow="fold")
+    for name, value in facts:
+        one.add_row(literal_text(name), literal_text(value))
+    return Fit((cells_width([names[0], word, names[1], word], GAP), two), (0, one))
 
 
 class RankDetailScreen(DataScreen):
@@ -34,7 +59,7 @@ class RankDetailScreen(DataScreen):
         Binding("right,full_stop", "step_rank(1)", "Next rank", key_display="→"),
     ]
     DEFAULT_CSS = """
-    RankDetailScreen #detail-title { height: 1; padding: 0 1; background: $boost;
+    RankDetailScreen #detail-title { height: auto; padding: 0 1; background: $boost;
                                      text-style: bold; }
     RankDetailScreen #facts { height: auto; padding: 0 1; }
     RankDetailScreen #outside-stacks { height: auto; padding: 0 1; margin: 1 0 0 0; }
@@ -56,7 +81,7 @@ class RankDetailScreen(DataScreen):
             with Grid(id="detail-plots"):
                 for _, group in DETAIL_PANELS:
                     yield LinePlot(id=f"detail-{group[0].name}")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one("#detail-body").focus()
@@ -79,16 +104,7 @@ class RankDetailScreen(DataScreen):
         # "[/x]" in them must show as typed, not stop the dashboard with a MarkupError
         facts = detail.facts
         title.update(literal_text(f"rank {self.rank}  ·  {facts[0][1]}  ·  {KEYS}", one_line=True))
-        table = Table.grid(padding=(0, 2), expand=True)
-        half = (len(facts) + 1) // 2
-        for _ in range(2):
-            table.add_column(style="dim", no_wrap=True)
-            table.add_column(overflow="fold")
-        for i in range(half):
-            left = facts[i]
-            right = facts[half + i] if half + i < len(facts) else ("", "")
-            table.add_row(*(literal_text(cell) for cell in (*left, *right)))
-        self.query_one("#facts", Static).update(table)
+        self.query_one("#facts", Static).update(facts_table(facts))
         stacks = self.query_one("#outside-stacks", Static)
         stacks.display = detail.stacks is not None
         if detail.stacks is not None:  # what a peer read: Text, never markup

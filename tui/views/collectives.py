@@ -26,7 +26,8 @@ BUSBW_HELP = ("busbw = S/t x factor (nccl-tests): all_reduce 2(n-1)/n, all_gathe
               "reduce_scatter/all_to_all (n-1)/n, broadcast/reduce 1; S = whole buffer, "
               "t = mean duration, 1 GB = 1e9 B")
 TABLE_HEADINGS = ("group", "op", "n", "size", "count", "bytes", "p50 ms", "p99 ms",
-                  "busbw GB/s", "note")
+                  "busbw GB/s")
+"""Why a value is n/a is said once under the table (`Collectives.notes`), not on each row."""
 P2P_HEADINGS = ("point to point", "group", "count", "bytes", "time", "bandwidth")
 """The sends and receives table: "send 0 -> 2", its group, ops, bytes, summed time, bytes per
 op over the mean time."""
@@ -42,11 +43,12 @@ on a short span each column is drawn several characters wide."""
 @dataclass
 class CollRow:
     """One line of the collectives table: cells in TABLE_HEADINGS order; `total` for an
-    op's sum over several sizes (its size rows follow it)."""
+    op's sum over several sizes (its size rows follow it); `note`: why a value is n/a."""
 
     cells: tuple[str, ...]
     total: bool = False
     size: bool = False
+    note: str = ""
 
 
 @dataclass
@@ -95,6 +97,11 @@ class Collectives:
     p2p: list[tuple[str, ...]] = field(default_factory=list)  # P2P_HEADINGS cells per row
     parallel: list[str] = field(default_factory=list)  # the pipeline's and MoE's lines
 
+    @property
+    def notes(self) -> list[str]:
+        """Why values of the table are n/a: each reason once, in the order of the rows."""
+        return list(dict.fromkeys(row.note for row in self.rows if row.note))
+
 
 def collectives(data: DashboardData, heat_columns: int) -> Collectives:
     """The table, a heat map `heat_columns` wide, the ranking and the recorder health."""
@@ -128,26 +135,28 @@ def _table_rows(table: list[dict[str, Any]]) -> list[CollRow]:
     rows = []
     for op in table:
         sizes = op["sizes"]
+        note = _note(op, op["time_p50_s"] is not None)
         if len(sizes) == 1:
-            rows.append(CollRow(_cells(op, sizes[0]["size_text"])))
+            rows.append(CollRow(_cells(op, sizes[0]["size_text"]), note=note))
             continue
-        rows.append(CollRow(_cells(op, "all"), total=True))
-        rows.extend(CollRow(_cells(size, size["size_text"], first=False), size=True)
+        rows.append(CollRow(_cells(op, "all"), total=True, note=note))
+        rows.extend(CollRow(_cells(size, size["size_text"], first=False), size=True,
+                            note=_note(size, size["time_p50_s"] is not None))
                     for size in sizes)
     return rows
 
 
 def _cells(row: dict[str, Any], size: str, first: bool = True) -> tuple[str, ...]:
-    timed = row["time_p50_s"] is not None
     return (row["group"] if first else "", row["op"] if first else "", str(row["ranks"]),
             size, str(row["count"]), parallel_text.nbytes(row["bytes"]), ms(row["time_p50_s"]),
-            ms(row["time_p99_s"]), gbps(row["busbw_gbps"]), _note(row, timed))
+            ms(row["time_p99_s"]), gbps(row["busbw_gbps"]))
 
 
 def _note(row: dict[str, Any], timed: bool) -> str:
     """Why a value is n/a (or that only part of the collectives was timed)."""
     if not timed:
-        return "n/a: gloo records no duration (host-timed: DDP's all-reduce only)"
+        return ("n/a: gloo records no duration (the agent times DDP's all-reduce on the "
+                "host, nothing else)")
     if row["bus_factor"] is None:
         return f"n/a: {row['op']} moves no data" if row["op"] == "barrier" else \
             f"n/a: nccl-tests defines no factor for {row['op']}"

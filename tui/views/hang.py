@@ -14,7 +14,7 @@ from typing import Any
 from scalemon.reports import parallel_text
 from scalemon.reports.frtrace import report_lines
 from scalemon.reports.groups import group_desc
-from scalemon.reports.hangs import job_hang
+from scalemon.reports.hangs import job_hang, last_hang
 from scalemon.text import display
 from scalemon.text.display import NA
 
@@ -35,7 +35,8 @@ class HangRow:
 
 @dataclass
 class HangView:
-    """What the hang screen draws; `hung` False: no hang now (rows and stacks are empty)."""
+    """What the hang screen draws; `hung` False: no hang now (rows and stacks are empty);
+    `ended`: the hang is the one the job ended in (`reports.hangs.last_hang`), kept after."""
 
     hung: bool
     text: str
@@ -45,6 +46,7 @@ class HangView:
     dump: list[tuple[str, str]]  # (text, style) lines about the latest dump
     ras: list[tuple[str, str]] = field(default_factory=list)  # (heading, NCCL RAS report)
     why: list[tuple[str, str]] = field(default_factory=list)  # (line, role): causes, waits
+    ended: bool = False
 
 
 def judged_at(data: DashboardData, now: float) -> float:
@@ -68,6 +70,9 @@ def hang_view(data: DashboardData, now: float | None = None) -> HangView:
         st = data.state
         at = judged_at(data, now)
         hang = job_hang(st, at)
+        ended = last_hang(st) if hang is None else None
+        if ended is not None:  # the job ended hung: that hang, as it stood then
+            hang, at = ended, ended["ended_t"]
         dump = _dump_lines(st.fr_dumps[-1] if st.fr_dumps else None)
         if hang is None:
             return HangView(False, _no_hang_text(data, at), (), [], [], dump)
@@ -80,8 +85,9 @@ def hang_view(data: DashboardData, now: float | None = None) -> HangView:
     rows = [_row(int(r), _role(hang, int(r)), info, groups, labels,
                  at - offsets.get(int(r), 0.0)) for r, info in hang["ranks"].items()]
     rows.sort(key=lambda r: (_ORDER[r.role], r.rank))  # the culprits on top, however many
-    return HangView(True, hang["text"], headings, rows, _stacks(rows, hang), dump,
-                    _ras(hang.get("nccl_ras") or {}, hosts), _why(hang))
+    text = hang["text"] if ended is None else f"{ended['summary']}\n{hang['text']}"
+    return HangView(True, text, headings, rows, _stacks(rows, hang), dump,
+                    _ras(hang.get("nccl_ras") or {}, hosts), _why(hang), ended is not None)
 
 
 WHY_LINES = 24

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from scalemon import policy
+from scalemon import policy, throughput
 from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.reports import stragglers as straggler_rule
 from scalemon.state.jobstate import JOB_ENDED_STATES
@@ -42,6 +42,8 @@ class Summary:
     step_max: int | None
     steps_per_s: float | None
     tokens_per_s: float | None
+    """The job's (`scalemon.throughput.state_figure`): the sum of the rows' tok/s, a tp group's
+    or a pipeline's ranks counted once."""
     elapsed_s: float | None
     dropped: int
     gaps: int
@@ -56,6 +58,8 @@ class Summary:
     flag_style: str = ""
     failure: str = ""  # which rank failed first and why (JobState.first_failure), or ""
     alert: str = ""  # the job's training-health alerts (JobState.alerts), or ""
+    tokens_label: str = throughput.LABELS[throughput.STEPS]
+    """"tokens/s", or "tokens/s (script)" where a rank's figure is its script's own."""
 
 
 def summary(data: DashboardData, now: float, median_step: float | None,
@@ -83,6 +87,16 @@ def median_step_s(data: DashboardData) -> float | None:
         v.metrics["step_time_s"] for v in data.state.ranks.values() if v.state == "running")
 
 
+def _waiting_text(data: DashboardData, now: float) -> str:
+    """What the job does before any rank said a word: a job this dashboard launched (`scalemon
+    demo`) is starting, its ranks importing torch; else the dashboard waits for ranks."""
+    if data.launched_t is None:
+        return "waiting for ranks: none has reported yet"
+    took = max(0.0, now - data.launched_t)
+    return (f"starting: torchrun launched {took:.0f} s ago, its ranks import torch (the first "
+            "run takes ~10 s)...")
+
+
 def _summary(data: DashboardData, now: float, median_step: float | None,
              failure: dict[str, Any] | None,
              measure: tuple[dict[int, float], str] | None = None) -> Summary:
@@ -99,13 +113,16 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     hang = current_hang(data, now) if running else None
     hub_down = _hub_down_text(data, now)
     if job_state == "waiting":
-        state_text = "waiting for ranks"
+        state_text = _waiting_text(data, now)
     elif job_state in ("stopped", "stopping"):
         state_text = st.stop_text() if job_state == "stopped" else "stopping: " + st.stop_text()
     elif hang is not None:
         job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
     elif hub_down is not None and job_state not in JOB_ENDED_STATES:
         job_state, state_text = "hub down", hub_down
+    elif job_state == "running" and not steps:  # started, not trained yet: say how far
+        state_text = (f"starting: {len(ranks)} of {st.world_size or len(ranks)} ranks "
+                      "connected, waiting for the first step")
     elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
         quiet = now - data.last_step_t
         if quiet > policy.stuck_after_s(median_step):
@@ -113,10 +130,10 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     said = [f"{word}: {rank_list(listed, limit=6)}" for word, listed in by_word.items() if listed]
     if said:  # "degraded, frozen: 1; gone: 2,3; exited: 0"
         state_text += ", " + "; ".join(said)
-    rates = [t.rates(now) for r, t in data.tracks.items()
-             if st.ranks.get(r) is not None and st.ranks[r].state == "running"]
-    step_rates = [s for s, _ in rates if s is not None]
-    token_rates = [k for _, k in rates if k is not None]
+    step_rates = [s for r, t in data.tracks.items()
+                  if st.ranks.get(r) is not None and st.ranks[r].state == "running"
+                  and (s := t.steps_per_s(now)) is not None]
+    tokens_per_s, tokens_source = throughput.state_figure(st)
     ended = job_state in JOB_ENDED_STATES
     elapsed = None
     if st.started_t is not None:
@@ -128,7 +145,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         state_text=state_text, step_min=min(steps) if steps else None,
         step_max=max(steps) if steps else None,
         steps_per_s=statistics.median(step_rates) if step_rates else None,
-        tokens_per_s=sum(token_rates) if token_rates else None,
+        tokens_per_s=tokens_per_s,
         elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
@@ -136,6 +153,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         flag_note=flag_note, flag_style=flag_style,
         failure=failure["text"] if failure else "",
         alert="; ".join(a["text"] for a in st.alerts()),
+        tokens_label=throughput.LABELS[tokens_source or throughput.STEPS],
     )
 
 

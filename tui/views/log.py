@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from scalemon.flags import FLAGS
 from scalemon.state.flagstate import LogLine
 
 from ..model import DashboardData
@@ -21,6 +22,12 @@ SHOWN_MAX = 1000
 SOURCES = ("nccl", "stderr")
 EMPTY_HELP = ("no log lines yet: toggle NCCL_DEBUG=INFO (f) — lines appear here as the ranks "
               "write them")
+GLOO_FLAGS = (("TORCH_DISTRIBUTED_DEBUG", "DETAIL"), ("TORCH_CPP_LOG_LEVEL", "INFO"))
+"""What makes torch write about a gloo job's collectives (gloo has no log of its own)."""
+GLOO_HELP = ("no log lines yet: this job's ranks use gloo, which writes no NCCL log; toggle "
+             + " and ".join(f"{name}={value} (f: {FLAGS[name].tier})"
+                            for name, value in GLOO_FLAGS)
+             + " — torch's lines appear here as the ranks write them")
 QUERY_HELP = "rank:0,2  src:nccl|stderr|all  sub:INFO|WARN|AllReduce|...  other words: text"
 
 
@@ -121,6 +128,7 @@ class LogView:
     kept: int  # lines the reducer keeps
     total: int  # lines received since the job began
     dropped: dict[int, int] = field(default_factory=dict)  # rank -> lines its agent left out
+    hint: str = EMPTY_HELP  # what to toggle for lines, while there are none: by the backend
 
 
 def log_view(data: DashboardData, f: LogFilter) -> LogView:
@@ -130,5 +138,16 @@ def log_view(data: DashboardData, f: LogFilter) -> LogView:
         kept = list(flags.log)
         total = flags.log_total
         dropped = {r: v.log_dropped for r, v in flags.ranks.items() if v.log_dropped}
+        backends = [v.backend for v in data.state.ranks.values()]
     matching = [line for line in kept if f.matches(line)]
-    return LogView(matching[-SHOWN_MAX:], len(matching), len(kept), total, dropped)
+    return LogView(matching[-SHOWN_MAX:], len(matching), len(kept), total, dropped,
+                   empty_help(backends))
+
+
+def empty_help(backends: list[str | None]) -> str:
+    """What to toggle for log lines, given the ranks' backends ("nccl", "gloo",
+    "cpu:gloo,cuda:nccl"; None: not said): the NCCL hint unless every rank said it has no
+    NCCL, the gloo one then."""
+    if backends and all(b is not None and "nccl" not in b.lower() for b in backends):
+        return GLOO_HELP
+    return EMPTY_HELP

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from scalemon import metrics
 from scalemon.metrics import Metric
 from scalemon.reports import parallel_text
+from scalemon.reports.hangs import first_failure
 from scalemon.reports.stragglers import MEASURE_NAMES
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
@@ -59,7 +60,7 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
     now = time.time() if now is None else now
     with data.lock:
         median_step = median_step_s(data)
-        failure = data.state.first_failure()
+        failure = first_failure(data.state)  # the hang, where the job ended hung
         measure = straggler_measure(data)
         header = summary(data, now, median_step, failure, measure)
         straggling = {r for r, _ in header.stragglers}

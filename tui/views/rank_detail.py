@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scalemon import metrics
+from scalemon import metrics, throughput
 from scalemon.metrics import Metric
 from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.protocol import SILENT_RANK_STATES
+from scalemon.reports.hangs import first_failure
 from scalemon.state import alerts as alerting
 from scalemon.state.fold import RankTrack
 from scalemon.state.jobstate import RankView
@@ -89,7 +90,8 @@ def _why_empty(metric: Metric, view: RankView) -> str:
 
 def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
            ) -> list[tuple[str, str]]:
-    steps_s, tokens_s = track.rates(now) if track is not None else (None, None)
+    steps_s = track.steps_per_s(now) if track is not None else None
+    tokens_s, source = throughput.view_figure(v)  # the rank's row and --json figure
     m = v.metrics
     facts = [
         ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")
@@ -98,7 +100,8 @@ def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
         ("device / backend", f"{v.device or NA} / {v.backend or NA}"),
         ("scalemon / torch", f"{v.agent_version or NA} / {v.torch_version or NA}"),
         ("step", display.text_of(v.step)),
-        ("steps/s  tokens/s", f"{display.num(steps_s, 2)}  {display.si(tokens_s)}"),
+        (f"steps/s  {throughput.LABELS[source or throughput.STEPS]}",
+         f"{display.num(steps_s, 2)}  {display.si(tokens_s)}"),
         ("loss", display.num(m["loss"])),
         ("phase", f"{m['phase'] or NA} for {display.age(m['phase_since_s'])} s"),
         ("collectives issued / done", f"{display.text_of(m['collectives_issued'])} / "
@@ -131,7 +134,7 @@ def _failure_note(data: DashboardData, v: RankView) -> str:
     """", the first rank to fail" or ", only because a peer went away" for failed ranks."""
     if v.peer_loss:
         return ", only because a peer went away"
-    failure = data.state.first_failure()
+    failure = first_failure(data.state)  # the hang, where the job ended hung
     return ", the first rank to fail" if failure and failure["rank"] == v.rank else ""
 
 

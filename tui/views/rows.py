@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scalemon import metrics, policy
+from scalemon import metrics, policy, throughput
 from scalemon.protocol import SILENT_RANK_STATES
+from scalemon.reports.snapshot_text import script_rate_columns
 from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
@@ -41,9 +42,14 @@ def columns(mesh_width: int | None = None, views: Iterable[RankView] | None = No
             ) -> tuple[Column, ...]:
     """The rank table's columns; with `mesh_width`, a "mesh" column that wide after the rank
     ("pp0 dp1 tp0"); with `views`, a column shown only when seen (the pipeline bubble) only
-    where one of those ranks has a value."""
+    where one of those ranks has a value, and the tokens/s heading "tok/s (script)" where one
+    of them shows its script's own rate (`scalemon.throughput`)."""
+    views = None if views is None else list(views)
     base = COLUMNS if views is None else display.rank_columns(
         seen=(v.metrics for v in views))
+    if views is not None and any(throughput.view_figure(v)[1] == throughput.SCRIPT
+                                 for v in views):
+        base = script_rate_columns(base)
     if mesh_width is None:
         return base
     return (*base[:MESH_AT], Column("mesh", "mesh", mesh_width, align_left=True),

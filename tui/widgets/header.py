@@ -56,7 +56,7 @@ def header_text(s: Summary) -> Text:
     else:
         t.append("step min/max ", style="dim").append(f"{s.step_min}/{s.step_max}", style="bold")
     t.append("  steps/s ", style="dim").append(display.num(s.steps_per_s, 2))
-    t.append("  tokens/s ", style="dim").append(display.si(s.tokens_per_s))
+    t.append(f"  {s.tokens_label} ", style="dim").append(display.si(s.tokens_per_s))
     t.append("  dropped ", style="dim").append(str(s.dropped),
                                                style="bold red" if s.dropped else "")
     t.append("  seq gaps ", style="dim").append(str(s.gaps), style="bold red" if s.gaps else "")

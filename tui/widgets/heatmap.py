@@ -6,9 +6,11 @@ Drawn with the Line API: only the rows on screen are built, each from runs of eq
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 
+from rich.console import Console
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -34,6 +36,8 @@ HEAD = 2
 _SHADE_STYLES = [Style(color=c) for c in SHADES]
 _NONE_STYLE = Style(color="grey30")
 _DIM = Style(dim=True)
+_CONSOLE = Console(width=1 << 16, color_system=None, file=io.StringIO())
+"""Only measures and wraps text (the head): never prints."""
 
 
 def levels(row: Sequence[float], top: float) -> list[int]:
@@ -47,23 +51,30 @@ def levels(row: Sequence[float], top: float) -> list[int]:
     return out
 
 
-def head_text(heat: Heat | None) -> list[Text]:
-    """The title and the scale lines (one line saying why when there is nothing)."""
+def head_text(heat: Heat | None, width: int = 1 << 16) -> list[Text]:
+    """The title and the scale, wrapped to `width` (one line saying why when there is
+    nothing); the scale breaks between its entries, never inside one."""
     if heat is None:
-        return [Text("no collective issued by every rank of a group yet: nothing to shade",
-                     style="dim")]
+        return list(Text("no collective issued by every rank of a group yet: nothing to shade",
+                         style="dim").wrap(_CONSOLE, max(1, width)))
     columns = heat.columns
     span = heat.t1 - heat.t0
     title = Text.assemble(("arrival lateness by rank", "bold"),
                           (" (after the first rank to issue each collective)", "dim"))
-    scale = Text.assemble((unit(LATE).rjust(LABEL - 1) + " ", "dim"))
     step = heat.top / len(SHADES)
-    for i, shade in enumerate(SHADES):
-        scale.append(CELL * 2, style=shade)
-        scale.append(f" {shown(LATE, i * step):.3g}  ", style="dim")
-    scale.append(f"to {shown(LATE, heat.top):.3g};  {NONE} none;  column = {span / columns:.2g} s",
-                 style="dim")
-    return [title, scale]
+    entries = [Text.assemble((CELL * 2, shade), (f" {shown(LATE, i * step):.3g}", "dim"))
+               for i, shade in enumerate(SHADES)]
+    entries += [Text(f"to {shown(LATE, heat.top):.3g};", style="dim"),
+                Text(f"{NONE} none;", style="dim"),
+                Text(f"column = {span / columns:.2g} s", style="dim")]
+    lines = [Text(unit(LATE).rjust(LABEL - 1), style="dim")]
+    for entry in entries:
+        if lines[-1].cell_len + 2 + entry.cell_len > width and lines[-1].cell_len > LABEL:
+            lines.append(Text(" " * LABEL))
+        else:
+            lines[-1].append("  " if lines[-1].cell_len >= LABEL else " ")
+        lines[-1].append_text(entry)
+    return [*title.wrap(_CONSOLE, max(1, width)), *lines]
 
 
 def axis_text(heat: Heat) -> str:
@@ -85,6 +96,7 @@ class HeatMap(Widget):
         super().__init__(id=id, classes=classes)
         self.heat: Heat | None = None
         self._head: list[Text] = head_text(None)
+        self._head_width = 0  # the width `_head` is wrapped to
         self._rows: dict[int, Strip] = {}  # built on demand, per shown heat map
         self._columns = 0  # the width last asked for
 
@@ -102,12 +114,16 @@ class HeatMap(Widget):
     def show(self, heat: Heat | None) -> None:
         """Draw a new heat map."""
         self.heat = heat
-        self._head = head_text(heat)
+        self._head_width = self.content_region.width or self.app.size.width - 2
+        self._head = head_text(heat, self._head_width)
         self._rows = {}
         self.refresh(layout=True)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         """Title, scale, a row per rank, the axis."""
+        if width and width != self._head_width:
+            self._head_width = width
+            self._head = head_text(self.heat, width)
         return len(self._head) + (len(self.heat.ranks) + 1 if self.heat is not None else 0)
 
     def text_rows(self) -> list[str]:

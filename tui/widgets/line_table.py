@@ -3,7 +3,9 @@ table and the node table).
 
 Only the visible rows are drawn, each from a strip cached until its cells change, so a redraw
 of a 512-row table costs about as much as one of 8. The heading stays at the top and the first
-column at the left while the rest scrolls. Up/down/PgUp/PgDn/Home/End move the cursor,
+column at the left while the rest scrolls, a whole column at a time: a column that does
+not fit is left out, never cut (an arrow at the end of the heading says more columns are off to
+that side), and there is no horizontal scroll bar. Up/down/PgUp/PgDn/Home/End move the cursor,
 left/right scroll sideways, Enter or a click on the highlighted row (or a double click) selects
 the row (`selected`, which a subclass turns into its message).
 """
@@ -74,6 +76,9 @@ class LineTable(ScrollView, Generic[K], can_focus=True):
         Binding("home", "cursor_to(0)", "First", show=False),
         Binding("end", "cursor_to(-1)", "Last", show=False),
     ]
+    DEFAULT_CSS = """
+    LineTable { scrollbar-size-horizontal: 0; }
+    """
     HEADER = ""
     CURSOR = ""
     FOLLOW = False
@@ -162,7 +167,7 @@ class LineTable(ScrollView, Generic[K], can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         """The heading lines, then the rows from the vertical scroll position."""
-        width = self.size.width
+        width = self.scrollable_content_region.width  # not under the vertical scroll bar
         scroll_x, scroll_y = self.scroll_offset
         if y < len(self._head):
             strip = Strip([Segment(self._head[y], self.get_component_rich_style(self.HEADER))],
@@ -173,9 +178,38 @@ class LineTable(ScrollView, Generic[K], can_focus=True):
                 return Strip.blank(width, self.rich_style)
             strip = self._row_strip(index)
         fixed = self._widths[0]
-        head = strip.crop(0, fixed)
-        rest = strip.crop(fixed + scroll_x, fixed + scroll_x + max(0, width - fixed))
-        return Strip.join([head, rest]).adjust_cell_length(width, self.rich_style)
+        start, stop, more = self._window(scroll_x, width - fixed)
+        line = Strip.join([strip.crop(0, fixed), strip.crop(fixed + start, fixed + stop)])
+        line = line.adjust_cell_length(width, self.rich_style)
+        if y == len(self._head) - 1 and width > fixed + 1:  # columns left out: an arrow
+            style = self.get_component_rich_style(self.HEADER)
+            if start > 0:
+                line = Strip.join([line.crop(0, fixed), Strip([Segment("←", style)], 1),
+                                   line.crop(fixed + 1, width)])
+            if more:
+                line = Strip.join([line.crop(0, width - 1), Strip([Segment("→", style)], 1)])
+        return line
+
+    def _starts(self) -> list[int]:
+        """Where each scrolled column (all but the first) starts, in cells after the first."""
+        starts, x = [], 0
+        for w in self._widths[1:]:
+            starts.append(x)
+            x += w
+        return starts
+
+    def _window(self, scroll_x: int, room: int) -> tuple[int, int, bool]:
+        """The cells of the scrolled part drawn at `scroll_x`: from the first column starting
+        there or after, whole columns while they fit in `room`; and whether columns to the
+        right are left out."""
+        start: int | None = None
+        for x, w in zip(self._starts(), self._widths[1:], strict=True):
+            if start is None and x >= scroll_x:
+                start = x
+            if start is not None and x + w - start > room:
+                return start, x, True
+        end = self._total - self._widths[0]
+        return (end if start is None else start), end, False
 
     def _row_strip(self, index: int) -> Strip:
         key = self.keys[index]
@@ -224,6 +258,18 @@ class LineTable(ScrollView, Generic[K], can_focus=True):
             self.scroll_to(y=self.cursor, animate=False)
         elif self.cursor >= top + visible:
             self.scroll_to(y=self.cursor - visible + 1, animate=False)
+
+    def action_scroll_right(self) -> None:
+        """The next column into view on the right (a whole column at a time)."""
+        x = round(self.scroll_x)
+        after = [s for s in self._starts() if s > x]
+        if after and x < self.max_scroll_x:
+            self.scroll_to(x=min(after[0], self.max_scroll_x), animate=False)
+
+    def action_scroll_left(self) -> None:
+        """The previous column into view on the left."""
+        x = round(self.scroll_x)
+        self.scroll_to(x=max((s for s in self._starts() if s < x), default=0), animate=False)
 
     def action_cursor(self, delta: int) -> None:
         """Move the cursor."""

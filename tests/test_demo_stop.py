@@ -1,0 +1,124 @@
+"""How a job ends, told truly, with real processes: Ctrl-C quits the dashboard as q does;
+SIGTERM or SIGHUP (its terminal gone) to `scalemon demo` stops its torchrun, ranks and hub, and
+the job reads `stopped`; a rank ended by SIGTERM reads so (exit 143), not gone or "killed?"; a
+job killed while hung keeps its hang and its culprit, which is its first failure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from test_lifecycle import job_env, scalemon, snapshot, strict_json
+from test_tui_app import until
+from test_tui_demo import Tmux, ranks_on
+
+from conftest import SCALEMON, job_processes, kill_tree, torchrun_cmd, wait_for
+from scalemon.tui.app import DashboardApp
+
+HANG_AFTER_S = 3.0
+
+
+def test_ctrl_c_quits_the_dashboard_as_q_does():
+    async def scenario() -> None:
+        app = DashboardApp()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: not app.is_running, timeout=10)
+
+    asyncio.run(scenario())
+
+
+def demo_process(job: str) -> psutil.Process | None:
+    """The `scalemon demo --job JOB` process (its environment does not name the job)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "demo" in cmdline and job in cmdline:
+            return proc
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP"])
+def test_a_signal_to_scalemon_demo_stops_its_job_and_the_job_reads_stopped(home: Path, how):
+    job = f"sig{how.lower()}{os.getpid()}"
+    cmd = (f"env SCALEMON_HOME={home} OMP_NUM_THREADS=1 {SCALEMON} demo --job {job} "
+           f"--step-delay 0.05; echo DEMO-EXIT=$? > {home}/exit; sleep 60")
+    tmux = Tmux(f"smsig-{how}-{os.getpid()}")
+    try:
+        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "120", "-y", "40", cmd)
+        wait_for(lambda: (r := ranks_on(tmux.screen())) and len(r) == 2
+                 and min(s for s, _ in r.values()) >= 3, timeout=180, interval=0.5)
+        demo = demo_process(job)
+        assert demo is not None and len(job_processes(job)) >= 4  # torchrun, 2 ranks, hub
+        if how == "SIGTERM":
+            demo.send_signal(signal.SIGTERM)  # `timeout 5 scalemon demo`, `kill`
+        else:
+            tmux.kill()  # the terminal goes away: SIGHUP
+        wait_for(lambda: not job_processes(job), timeout=45, interval=0.5)  # no orphan
+        if how == "SIGTERM":
+            assert wait_for(lambda: (home / "exit").exists() and (home / "exit").read_text(),
+                            timeout=30) == "DEMO-EXIT=143\n"
+        log = (home / "demo" / f"{job}.log").read_text()
+        assert f"scalemon demo: stopped job {job} on {how} (SIGTERM); torchrun ended: " in log
+        done = scalemon(home, "snapshot", job, "--json")  # replayed: the hub has gone
+        state = strict_json(done.stdout)
+        assert state["state"] == "stopped" and state["first_failure"] is None, done.stdout
+        assert state["stop"]["reason"] == f"scalemon demo: {how}"
+        for rank in state["ranks"]:
+            assert rank["state"] == "stopped" and rank["exit_code"] == 143, rank
+            assert rank["state_reason"].startswith(f"stopped by user (scalemon demo: {how}; ")
+            assert rank["state_reason"].endswith("; ended by SIGTERM, exit 143)"), rank
+    finally:
+        tmux.kill()
+        for proc in job_processes(job):
+            proc.kill()
+
+
+@pytest.mark.integration
+def test_a_job_killed_with_sigterm_while_hung_reads_ended_by_sigterm_and_keeps_its_hang(
+        home: Path, tmp_path: Path):
+    job = "termhung"
+    out = tmp_path / "job.out"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            torchrun_cmd("--preset", "tiny", "--batch-size", "2", "--max-steps", "300",
+                         "--step-delay", "0.05", "--monitor", "--inject-hang", "1:5"),
+            env=job_env(home, job, f"--linger 60 --hang-after {HANG_AFTER_S:g}"), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        hung = wait_for(lambda: (s := snapshot(home, job)) and s["hang"] and s, timeout=240,
+                        interval=0.5)
+        assert hung["hang"]["culprits"] == [1]
+        os.kill(proc.pid, signal.SIGTERM)  # `kill -TERM` of torchrun: it stops its ranks
+        proc.wait(timeout=60)
+        state = wait_for(lambda: (s := snapshot(home, job)) and all(
+            r["state"] != "running" for r in s["ranks"]) and s, timeout=30, interval=0.5)
+        for rank in state["ranks"]:  # each said how it ended: no "gone", no "killed?"
+            assert (rank["state"], rank["state_reason"], rank["exit_code"]) == (
+                "exited", "ended by SIGTERM, exit 143", 143), rank
+        assert state["hang"] is None  # no hang now: the job ended; the one it ended in stays
+        last = state["last_hang"]
+        assert last["culprits"] == [1] and last["step"] == 4, last
+        assert last["summary"].startswith("hung after step 4 ")
+        assert "(culprit rank 1)" in last["summary"]
+        assert last["summary"].endswith(", then ended by SIGTERM (ranks 0,1, exit 143)")
+        failure = state["first_failure"]  # the hang, not the first rank killed
+        assert failure["rank"] == 1 and failure["state"] == "hung", failure
+        text = scalemon(home, "snapshot", job).stdout
+        assert f"HUNG until the end: {last['summary']}" in text and "killed?" not in text
+        summary = scalemon(home, "summary", job)
+        assert summary.returncode == 0, summary.stderr
+        assert f"HUNG until the end: {last['summary']}" in summary.stdout
+        assert f"first failure: the job {last['summary']}" in summary.stdout
+        assert "stalls: 1 " in summary.stdout
+    finally:
+        kill_tree(proc)
+        for p in job_processes(job):
+            p.kill()
