@@ -2,18 +2,32 @@
 when the process is ended by SIGTERM (torchrun's stop, a scheduler's, `kill`).
 
 SIGTERM: the handler is installed at init, in the main thread, and only where SIGTERM's handler
-is the default one (a script's or a framework's own handler is never replaced). It sends the
-rank's `exit` (reason "signal", exit code 128 + the signal's number) behind the steps queued,
-waits for it to leave `FLUSH_S` at most, puts the default handler back and sends itself the
-signal again: the process still dies by SIGTERM (status -15, 143 in a shell), as it would
-without the agent. It skips what `finish()` does first (the recorder's last read, the last
-heartbeat, the log reader's end: seconds in a hung job); where `finish()` runs already (an
-exception on its way out), it lets that one's `exit` leave instead.
+is the default one (a script's or a framework's own handler is never replaced). It puts the
+default handler back first (a second SIGTERM kills at once), sends the rank's `exit` (reason
+"signal", exit code 128 + the signal's number) behind the steps queued, waits for it to leave
+`FLUSH_S` at most and sends itself the signal again: the process still dies by SIGTERM (status
+-15, 143 in a shell), as it would without the agent. It skips what `finish()` does first (the
+recorder's last read, the last heartbeat, the log reader's end: seconds in a hung job); where
+`finish()` runs already (an exception on its way out, `atexit`), it lets that one's `exit`
+leave instead. Whatever fails on the way (no thread can start at interpreter shutdown), the
+process still dies by the signal.
+
+Called by someone else's handler (Lightning's, or any `prev = signal.getsignal(SIGTERM)` that
+chains to the handler it replaced), it does nothing: that handler ends the process its own way
+(a graceful stop, a checkpoint), and `finish()` or `atexit` reports the end as usual.
 
 Python runs a handler in the main thread between bytecodes, so a rank stuck in a collective
 (native code) would not run it until the collective returns. The handler's C part also writes
 the signal's number to a wakeup pipe (`signal.set_wakeup_fd`, only where nothing else uses
-one), which a thread of ours reads: whichever of the two comes first ends the process.
+one), which a thread of ours reads: whichever of the two comes first sends the `exit`; the
+other waits for it and dies too. So for up to `FLUSH_S` after SIGTERM (torchrun's stop signals
+the whole process group) a main thread in native code keeps running it, and nothing else: when
+it comes back to Python the pending SIGTERM handler runs first (before SIGCHLD's, whose
+DataLoader handler would raise "worker killed by signal") and waits there until the process
+dies. Both ways need the GIL: a main thread that holds it in native code and never lets go
+defers the end until it does; held forever, the process dies only by the launcher's SIGKILL
+after its grace period, where without the agent SIGTERM would kill it at once. No Python code
+can run without the GIL, so that is a limit of this design.
 """
 
 from __future__ import annotations
@@ -26,8 +40,9 @@ import signal
 import threading
 from typing import Any, Protocol
 
-FLUSH_S = 1.0
-"""The most a signalled rank waits for its `exit` to leave before it dies."""
+FLUSH_S = 0.2
+"""The most a signalled rank waits for its `exit` to leave before it dies: the send over ipc
+took 2 ms (45 ms with 200 steps queued on two busy cores) when measured."""
 SIGNALS = (signal.SIGTERM,)
 EXIT_REASON = "signal"
 """The `exit` message's reason of a rank ended by a signal (its exit code: 128 + the number)."""
@@ -64,12 +79,14 @@ class SignalExit:
         self.installed: list[int] = []
         self.pid = os.getpid()
         self._once = threading.Lock()
+        self._sent = threading.Event()
         self._pipe: tuple[int, int] | None = None
 
     def follow(self, run: Ending) -> None:
         """Report the end of `run` from now on (the handler stays where it is)."""
         self.run = run
         self._once = threading.Lock()
+        self._sent = threading.Event()
 
     def install(self) -> bool:
         """Take SIGTERM where its handler is the default one, from the main thread only;
@@ -118,30 +135,53 @@ class SignalExit:
                     self.end(signum, main_thread=False)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        if signal.getsignal(signum) != self._on_signal:
+            return  # chained to by the handler that replaced ours: that one decides
         self.end(signum, main_thread=True)
 
     def end(self, signum: int, main_thread: bool) -> None:
-        """Send the exit (once, `FLUSH_S` at most), then die by `signum`."""
-        if os.getpid() == self.pid:
-            if not self._once.acquire(blocking=False):
-                return  # the other way in ends it
+        """Put the default handler back, send the exit (once, `FLUSH_S` at most), then die
+        by `signum`, whatever fails on the way."""
+        kill_by = signal.SIGKILL  # where the handler could not be reset: end all the same
+        try:
+            if main_thread:
+                signal.signal(signum, signal.SIG_DFL)
+                kill_by = signum
+            elif _default_handler(signum):
+                kill_by = signum
+            if os.getpid() == self.pid:
+                self._flush(signum)
+        finally:
+            os.kill(os.getpid(), kill_by)
+
+    def _flush(self, signum: int) -> None:
+        """Send the exit, `FLUSH_S` at most; where the other way in sends it, wait for that."""
+        if not self._once.acquire(blocking=False):
+            self._sent.wait(2 * FLUSH_S)  # then die too: no user code runs meanwhile
+            return
+        try:
+            run = self.run
+            if getattr(run, "_finished", False):  # finish() runs (atexit): its exit leaves
+                with contextlib.suppress(Exception):
+                    run.sender.close_timeout_s = min(run.sender.close_timeout_s, FLUSH_S / 2)
+                    run.sender._thread.join(FLUSH_S)
+                return
             sending = threading.Thread(target=self._send_exit, args=(signum,), daemon=True)
-            sending.start()
+            try:
+                sending.start()
+            except RuntimeError:  # at interpreter shutdown (3.12+), or at a thread limit
+                return  # die unreported: the hub reads the process gone
             sending.join(FLUSH_S)
-        if main_thread:
-            signal.signal(signum, signal.SIG_DFL)
-        elif not _default_handler(signum):
-            signum = signal.SIGKILL  # the handler could not be reset: end all the same
-        os.kill(os.getpid(), signum)
+        finally:
+            self._sent.set()
 
     def _send_exit(self, signum: int) -> None:
-        """The `exit`, sent; or, where the rank's end is being reported already, its end."""
+        """The `exit`, sent (unless the rank's end is being reported already)."""
         run = self.run
         with contextlib.suppress(Exception):
             sender = run.sender
             sender.close_timeout_s = min(sender.close_timeout_s, FLUSH_S / 2)
             if run._finished:
-                sender._thread.join(FLUSH_S)
                 return
             run._finished = True  # no other exit after this one (atexit)
             body = {"reason": EXIT_REASON, "exit_code": 128 + signum, "step": run.phase.step}

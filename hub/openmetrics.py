@@ -40,7 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from scalemon import settings
+from scalemon import settings, throughput
 from scalemon.reports.groups import collectives_table
 from scalemon.reports.hangs import job_hang
 from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
@@ -80,7 +80,8 @@ RANK_GAUGES: tuple[RankGauge, ...] = (
     RankGauge("loss", "loss", "Loss of the rank's latest step (NaN when it was NaN).", nan=True),
     RankGauge("step_time_seconds", "step_time_s", "Wall time of the rank's latest step."),
     RankGauge("tokens_per_second", "tokens_per_s", "Tokens per second of the rank (the "
-              "script's tokens_per_s, else its steps' tokens over their wall time)."),
+              "script's tokens_per_s, else its steps' tokens over their wall time); 0 while "
+              "it runs with no step for a while (stalled, hung), no sample once it ended."),
     RankGauge("mfu_ratio", "mfu", "Model FLOPs utilisation of the rank, 0..1."),
     RankGauge("loss_scale", "loss_scale", "AMP GradScaler scale after the rank's latest step."),
     RankGauge("optimizer_time_seconds", "optimizer_time_s", "Time in optimizer.step() in the "
@@ -167,7 +168,10 @@ def families(state: JobState, job: str, now: float | None = None) -> list[Metric
     for gauge in RANK_GAUGES:
         family = GaugeMetricFamily(f"scalemon_{gauge.name}", gauge.help, labels=RANK_LABELS)
         for view, names in zip(views, labels, strict=True):
-            value = _number(view.value(gauge.source, now), gauge.nan)
+            if gauge.source == "tokens_per_s":  # live: 0 when stalled, none once ended
+                value = _number(throughput.rank_figure_at(view, now).live, gauge.nan)
+            else:
+                value = _number(view.value(gauge.source, now), gauge.nan)
             if value is not None:
                 family.add_metric(names, value * gauge.scale)
         out.append(family)

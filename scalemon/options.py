@@ -76,6 +76,18 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Commands)
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """As argparse's, with the closest choice named: `scalemon snapsht` is "invalid
+        choice: 'snapsht' (did you mean snapshot?)", then the choices."""
+        choices = action.choices
+        if choices is None or value in choices or not isinstance(value, str):
+            return super()._check_value(action, value)
+        names = [str(c) for c in choices]
+        close = difflib.get_close_matches(value, names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from "
+                                             f"{', '.join(map(repr, names))})")
+
     def parse_args(self, args: Any = None,  # type: ignore[override]
                    namespace: Any = None) -> argparse.Namespace:
         """As argparse's, with the closest option named for each unknown one."""

@@ -11,14 +11,24 @@ live views' window (`TokenWindow`) is a rank's latest steps that end within `WIN
 time. Where the script passes a rate of its own (`log(tokens_per_s=...)`), that one is shown
 instead, labelled as the script's (`SCRIPT`).
 
+A live view shows a rank's figure only while it trains (`rank_figure_at`): a rank that is not
+running (ended, stopped, restarting, frozen, gone) has none (None), and a running rank from which
+no step came for `stale_after_s` (`STALE_S`, or `STALE_STEPS` of its last step times where that
+is longer) has 0: a hung or stalled job reads 0 tokens/s, not the rate it had before. The
+figure as of its last step stays available as `last` (`snapshot --json`'s
+`last_tokens_per_s`); the summary, a history over steps, keeps its per-step figures.
+
 The job's figure (`job_tokens_per_s`) is the sum of the ranks' figures over the ranks that
-process tokens of their own: a rank of a tensor-parallel group processes the same tokens as its
-tp peers, and the stages of a pipeline pass the same tokens along, so of each tp group and each
-pipeline only the rank at coordinate 0 of the mesh axes `SHARED_TOKEN_AXES` is counted (the
-coordinates the hub knows from the ranks' `mesh` info or the `mesh_<dim>` process groups:
-`JobState.mesh`); every other axis (dp, ep, data shards and replicas) splits the data, and a rank
-without a mesh is a data-parallel replica of its own. The rows of the counted ranks add up to
-the job's figure; in a job without tp or pp that is every row.
+process tokens of their own (`counted`): a rank of a tensor-parallel group processes the same
+tokens as its tp peers, and the stages of a pipeline pass the same tokens along, so the ranks
+with the same coordinates on every mesh axis but `SHARED_TOKEN_AXES` (one tp group x pipeline:
+a "token group") count once, with the figure of the member nearest coordinate 0 on those axes
+that has one (a pipeline whose script logs tokens on its last stage only counts that stage's).
+The coordinates are the ones the hub knows from the ranks' `mesh` info or the `mesh_<dim>`
+process groups (`JobState.mesh`); every other axis (dp, ep, data shards and replicas) splits the
+data, and a rank without a mesh is a data-parallel replica of its own. What adds up: where every
+rank has a figure, the job's is the sum of the rows of the ranks at coordinate 0 of
+`SHARED_TOKEN_AXES`; in a job without such axes that is every row.
 """
 
 from __future__ import annotations
@@ -26,16 +36,20 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 WINDOW_S = 10.0
 """A live view's window: a rank's latest steps whose wall times add up to at most this (its
 latest step always)."""
 WINDOW_STEPS = 1024
 """... and at most this many steps (very short steps)."""
-SHARED_TOKEN_AXES = ("tp", "pp")
-"""Mesh axes whose ranks process the same tokens: only coordinate 0 of each counts for the
-job."""
+SHARED_TOKEN_AXES = ("tp", "tensor", "mp", "model", "pp", "pipe", "pipeline")
+"""Mesh axes (as the script names its mesh's dims) whose ranks process the same tokens: tensor
+(model) parallel and pipeline stages; of each token group one member counts for the job."""
+STALE_S = 5.0
+"""A running rank's live figure is 0 once no step came from it for this long ..."""
+STALE_STEPS = 3.0
+"""... or for this many of its last step times, where that is longer (slow steps keep it)."""
 STEPS = "steps"
 """`source` of a figure made from the steps' `tokens` and `step_time_s` (the definition)."""
 SCRIPT = "script"
@@ -63,15 +77,21 @@ def step_of(tokens: Any, step_time_s: Any) -> tuple[int, float] | None:
 class TokenWindow:
     """A rank's latest steps for its live `tokens_per_s` (`WINDOW_S`, `WINDOW_STEPS`)."""
 
-    __slots__ = ("steps", "tokens", "seconds")
+    __slots__ = ("steps", "tokens", "seconds", "last_step_s")
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, float]] = deque()
         self.tokens = 0
         self.seconds = 0.0
+        self.last_step_s: float | None = None
+        """The wall time of the rank's latest step that had one (with tokens or not): how
+        long a quiet spell is before its live figure is 0 (`stale_after_s`)."""
 
     def add(self, tokens: Any, step_time_s: Any) -> None:
-        """One step as its message gives them; a step `step_of` refuses is left out."""
+        """One step as its message gives them; a step `step_of` refuses is left out (its
+        step time, where it has one, is still its `last_step_s`)."""
+        if step_of(0, step_time_s) is not None:
+            self.last_step_s = float(step_time_s)
         step = step_of(tokens, step_time_s)
         if step is None:
             return
@@ -89,7 +109,7 @@ class TokenWindow:
     def clear(self) -> None:
         """Forget every step (a new process of the rank)."""
         self.steps.clear()
-        self.tokens, self.seconds = 0, 0.0
+        self.tokens, self.seconds, self.last_step_s = 0, 0.0, None
 
     def rate(self) -> float | None:
         """The window's `tokens_per_s`; None before a step with tokens and a time."""
@@ -106,17 +126,69 @@ def rank_figure(extra: Mapping[str, Any], window_rate: float | None
     return (window_rate, STEPS) if window_rate is not None else (None, None)
 
 
-def counts_for_job(coords: Mapping[str, int] | None) -> bool:
-    """True for a rank whose tokens count for the job: at 0 on every `SHARED_TOKEN_AXES` axis
-    of its mesh coordinates (None: no mesh, a replica of its own)."""
-    return coords is None or all(coords.get(axis, 0) == 0 for axis in SHARED_TOKEN_AXES)
+class Figure(NamedTuple):
+    """A rank's or the job's tokens/s as a live view shows it."""
+
+    live: float | None
+    """Now (`rank_figure_at`): None where no rank trains with a figure, 0 after a quiet spell."""
+    last: float | None
+    """As of the latest steps, however old and whatever the rank's state since."""
+    source: str | None
+    """`STEPS` or `SCRIPT` (of `last`); None without a figure."""
+
+
+def stale_after_s(last_step_s: float | None) -> float:
+    """How long a running rank may send no step before its live figure is 0: `STALE_S`, or
+    `STALE_STEPS` times its last step's wall time where that is longer."""
+    return max(STALE_S, STALE_STEPS * last_step_s) if last_step_s else STALE_S
+
+
+def rank_figure_at(view: Any, now: float) -> Figure:
+    """The `Figure` of a `RankView` at wall time `now`: live, its `view_figure` while it is
+    running and its latest step came within `stale_after_s`; 0 when it is running but none
+    came for that long (hung, stalled); None when it does not run (ended, stopped,
+    restarting, frozen, gone: no live rate) or has no figure."""
+    last, source = view_figure(view)
+    live = last
+    if last is not None and view.state != "running":
+        live = None
+    elif last is not None and (view.last_step_t is None or now - view.last_step_t
+                               > stale_after_s(view.token_window.last_step_s)):
+        live = 0.0
+    return Figure(live, last, source)
+
+
+def _token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The key of a rank's token group: its coordinates on every axis but
+    `SHARED_TOKEN_AXES`."""
+    return tuple(sorted((axis, c) for axis, c in coords.items() if axis not in SHARED_TOKEN_AXES))
+
+
+def counted(ranks: Iterable[tuple[Any, Mapping[str, int] | None]]) -> list[Any]:
+    """The keys, of the (key, mesh coordinates) given (the ranks that have a figure), whose
+    figures count for the job, in the order given: every rank without a mesh, and of each
+    token group (`_token_group`: a tp group x pipeline) the member nearest coordinate 0 on the
+    `SHARED_TOKEN_AXES` (the first given on a tie)."""
+    given = list(ranks)
+    best: dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], int]] = {}
+    keep = set()
+    for i, (_, coords) in enumerate(given):
+        if coords is None:
+            keep.add(i)
+            continue
+        place = (tuple(coords.get(axis, 0) for axis in SHARED_TOKEN_AXES), i)
+        group = _token_group(coords)
+        if group not in best or place < best[group]:
+            best[group] = place
+    keep.update(i for _, i in best.values())
+    return [key for i, (key, _) in enumerate(given) if i in keep]
 
 
 def job_tokens_per_s(ranks: Iterable[tuple[float | None, Mapping[str, int] | None]]
                      ) -> float | None:
-    """The job's tokens/s from each rank's (figure, mesh coordinates): the sum over the ranks
-    that `counts_for_job`, of those with a figure; None when none has one."""
-    rates = [rate for rate, coords in ranks if rate is not None and counts_for_job(coords)]
+    """The job's tokens/s from each rank's (figure, mesh coordinates), in rank order: the sum
+    of the `counted` figures of those with one; None when none has one."""
+    rates = counted((rate, coords) for rate, coords in ranks if rate is not None)
     return math.fsum(rates) if rates else None
 
 
@@ -133,9 +205,23 @@ def view_figure(view: Any) -> tuple[float | None, str | None]:
     return rank_figure(view.extra, view.derived.get("tokens_per_s"))
 
 
-def state_figure(state: Any) -> tuple[float | None, str | None]:
-    """(the job's tokens/s, its source) of a `JobState`: `job_tokens_per_s` of its ranks'
-    `view_figure`s with their mesh coordinates (`JobState.mesh`)."""
-    figures = [(*view_figure(view), state.mesh(rank)) for rank, view in state.ranks.items()]
-    return (job_tokens_per_s((rate, coords) for rate, _, coords in figures),
-            job_source(source for _, source, coords in figures if counts_for_job(coords)))
+def job_figure(ranks: Iterable[tuple[float | None, str | None, Mapping[str, int] | None]]
+               ) -> tuple[float | None, str | None]:
+    """(`job_tokens_per_s`, `job_source` of the `counted` ranks) of the ranks' (figure,
+    source, mesh coordinates), in rank order."""
+    given = [(rate, source, coords) for rate, source, coords in ranks if rate is not None]
+    kept = counted(((rate, source), coords) for rate, source, coords in given)
+    if not kept:
+        return None, None
+    return math.fsum(rate for rate, _ in kept), job_source(source for _, source in kept)
+
+
+def state_figure(state: Any, now: float) -> Figure:
+    """The job's `Figure` of a `JobState` at wall time `now`: live, `job_figure` of its ranks'
+    live figures (`rank_figure_at`: running ranks, 0 after a quiet spell; None where no rank
+    trains); last, of their last figures (an ended job's last rate); with their mesh
+    coordinates (`JobState.mesh`)."""
+    ranks = [(rank_figure_at(state.ranks[r], now), state.mesh(r)) for r in sorted(state.ranks)]
+    live, live_source = job_figure((f.live, f.source, coords) for f, coords in ranks)
+    last, last_source = job_figure((f.last, f.source, coords) for f, coords in ranks)
+    return Figure(live, last, live_source or last_source)

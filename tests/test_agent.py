@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
@@ -309,3 +310,121 @@ def test_a_rank_ended_by_sigterm_says_so_and_still_dies_by_it(start_hub, where):
     assert (view["state"], view["state_reason"], view["exit_code"]) == (
         "exited", "ended by SIGTERM, exit 143", 143), view
     assert view["step"] == 1
+
+
+CHAINED_SCRIPT = """
+import signal, sys, time
+import scalemon.agent as sm
+run = sm.init(job=sys.argv[1], hub=sys.argv[2])
+run.log(1, loss=1.0)
+prev, stop = signal.getsignal(signal.SIGTERM), []
+def graceful(signum, frame):  # as Lightning's: note it, call the one it replaced, stop later
+    stop.append(signum)
+    prev(signum, frame)
+signal.signal(signal.SIGTERM, graceful)
+print("ready", prev.__qualname__, flush=True)
+while not stop:
+    time.sleep(0.01)
+time.sleep(2)  # a checkpoint on preemption
+print("stopped my way", flush=True)
+run.finish()
+"""
+
+
+def test_a_handler_chaining_to_the_agents_sigterm_handler_stops_its_own_way(start_hub):
+    """A handler installed after init that calls the one it replaced (ours) keeps the rank
+    alive: the script stops gracefully and its end reads as its own (finished)."""
+    hub = start_hub("agentchain")
+    proc = subprocess.Popen([sys.executable, "-c", CHAINED_SCRIPT, "agentchain",
+                             hub.address.base], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.split()[1:] == ["SignalExit._on_signal"], ready + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert code == 0 and "stopped my way" in proc.stdout.read(), (code, proc.stderr.read())
+    view = wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
+                    and r[0]["state"] != "running" and r[0])
+    assert (view["state"], view["exit_code"]) == ("finished", 0), view
+
+
+AT_SHUTDOWN_SCRIPT = """
+import atexit, signal, sys, threading, time
+def at_shutdown():  # SIGTERM in an atexit hook, where no thread can start (Python 3.12+)
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    threading.Thread.start = refuse
+    print("ready", flush=True)
+    time.sleep(60)
+if sys.argv[1] == "finished":  # runs after the agent's own atexit finish()
+    atexit.register(at_shutdown)
+import scalemon.agent as sm
+run = sm.init(job=sys.argv[2], hub=sys.argv[3])
+run.log(1, loss=1.0)
+if sys.argv[1] == "unfinished":  # runs before it
+    atexit.register(at_shutdown)
+"""
+
+
+@pytest.mark.parametrize("when", ["unfinished", "finished"])
+def test_sigterm_at_interpreter_shutdown_still_kills(start_hub, when):
+    """SIGTERM while atexit hooks run and no thread can start: the rank still dies by it."""
+    job = f"agentshut{when}"
+    hub = start_hub(job)
+    proc = subprocess.Popen([sys.executable, "-c", AT_SHUTDOWN_SCRIPT, when, job,
+                             hub.address.base], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready"), ready + proc.stderr.read()
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+    assert code == -signal.SIGTERM and took < 5.0, (code, took, proc.stderr.read())
+
+
+NATIVE_RETURN_SCRIPT = """
+import ctypes, signal, sys
+import scalemon.agent as sm
+run = sm.init(job=sys.argv[1], hub=sys.argv[2])
+run.log(1, loss=1.0)
+sys.stdin.readline()  # the hub is gone now: the exit cannot leave, its send takes FLUSH_S
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # our reader thread takes it
+print("ready", flush=True)
+ctypes.CDLL(None).read(0, ctypes.create_string_buffer(1), 1)  # native, as a collective
+print("user code ran", flush=True)  # as a DataLoader's SIGCHLD error would
+"""
+
+
+def test_a_main_thread_back_from_native_code_runs_no_user_code_while_the_exit_is_sent(
+        start_hub):
+    """SIGTERM read by the agent's thread while the main thread is in native code: when
+    that returns during the send, the main thread goes no further and the rank dies by it."""
+    hub = start_hub("agentnative")
+    proc = subprocess.Popen([sys.executable, "-c", NATIVE_RETURN_SCRIPT, "agentnative",
+                             hub.address.base], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
+                 and r[0]["step"] == 1)
+        hub.kill()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready"), ready + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.03)  # within FLUSH_S: the reader thread is sending
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("x")
+            proc.stdin.flush()  # the native call returns
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert code == -signal.SIGTERM, (code, proc.stderr.read())
+    assert "user code ran" not in proc.stdout.read()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from test_cli_edges import typed_into_a_shell
 from test_tui_demo import Tmux
 
 from conftest import SCALEMON, FakeRank, HubProcess, wait_for
@@ -92,15 +93,13 @@ def attach(*args: str, home: Path) -> subprocess.Popen:
 
 
 def test_attach_waits_the_time_given_then_exits_2_saying_why(home: Path):
-    began = time.monotonic()
-    proc = attach("--wait", "3", "nosuch", home=home)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    assert time.monotonic() - began >= 3
-    lines = err.splitlines()
-    assert lines[0] == "scalemon attach: waiting for job nosuch's hub: 3 s left (Ctrl-C to stop)"
-    assert lines[-1] == ("scalemon attach: no live hub and no history for job 'nosuch' "
-                         "(live jobs: none) (waited 3 s)")
+    """On a terminal: without one the dashboard is refused, so there is nothing to wait for."""
+    shown, took = typed_into_a_shell(f"{SCALEMON} attach --wait 3 nosuch", home, timeout=60)
+    assert took >= 3
+    assert "\rscalemon attach: waiting for job nosuch's hub: 3 s left (Ctrl-C to stop)\x1b[K" \
+        in shown
+    assert shown.endswith("\r\x1b[Kscalemon attach: no live hub and no history for job "
+                          "'nosuch' (live jobs: none) (waited 3 s)\r\nRC=2\r\n"), shown
 
 
 def test_attach_wait_0_fails_at_once(home: Path):
@@ -111,17 +110,22 @@ def test_attach_wait_0_fails_at_once(home: Path):
                    "(live jobs: none)\n")
 
 
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_ctrl_c_stops_the_wait(home: Path):
-    proc = attach("--wait", "120", "nosuch", home=home)
+    cmd = (f"env SCALEMON_HOME={home} {SCALEMON} attach --wait 120 nosuch; "
+           "echo ATTACH-EXIT=$?; sleep 60")
+    tmux = Tmux(f"smctrlcwait-{os.getpid()}")
     try:
-        assert proc.stderr is not None
-        assert "waiting for job nosuch's hub: 120 s left" in proc.stderr.readline()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "120", "-y", "40", cmd)
+        wait_for(lambda: "waiting for job nosuch's hub: 1" in tmux.screen(), timeout=60,
+                 interval=0.3)
+        tmux.run("send-keys", "-t", tmux.session, "C-c")
+        wait_for(lambda: "ATTACH-EXIT=" in tmux.screen(), timeout=30, interval=0.3)
+        lines = [line for line in tmux.screen().splitlines() if line.strip()]
+        assert lines[-2:] == ["scalemon attach: stopped waiting", "ATTACH-EXIT=130"], lines
+        assert "s left" not in tmux.screen()  # the countdown line was cleared
     finally:
-        proc.kill()
-    assert proc.returncode == 130
-    assert err.splitlines()[-1] == "scalemon attach: stopped waiting"
+        tmux.kill()
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

@@ -7,20 +7,30 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
+import fcntl
 import os
+import pty
 import re
+import select
+import shlex
 import signal
+import struct
 import subprocess
+import termios
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import zmq
 from test_tui_app import header, until
 from test_tui_snapshots import screen_text
 
-from conftest import SCALEMON, FakeRank, HubProcess, wait_for
+from conftest import SCALEMON, FakeRank, HubProcess, job_processes, wait_for
 from scalemon.cli.main import build_parser
+from scalemon.home.history import history_path
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.tui.app import DashboardApp
@@ -59,22 +69,182 @@ def test_attach_without_a_terminal_refuses_at_once_naming_snapshot(
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""  # nothing drawn into the pipe
     assert out.stderr == ("scalemon attach: the dashboard needs a terminal, and stdin and "
-                          "stdout are not one: `scalemon snapshot ttyjob` prints the job's "
+                          "stderr are not one: `scalemon snapshot ttyjob` prints the job's "
                           "state instead\n")
     assert time.monotonic() - began < 20
 
 
 def test_the_demo_without_a_terminal_refuses_before_starting_a_job(home: Path):
-    out = scalemon("demo", "--job", "ttydemo", "--max-steps", "1", "--step-delay", "0",
-                   home=home)
+    out = scalemon("demo", "--job", "ttydemo", "--ranks", "3", "--max-steps", "7",
+                   "--step-delay", "0.25", "--preset", "small", "--batch-size", "5", home=home)
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     (line,) = out.stderr.splitlines()
     assert line.startswith("scalemon demo: its dashboard needs a terminal, and stdin and "
-                           "stdout are not one: ")
-    assert "SCALEMON_JOB_ID=ttydemo" in line and "--monitor" in line
+                           "stderr are not one: ")
     assert line.endswith("read it with `scalemon snapshot ttydemo`")
+    run = shlex.split(line.split("(`", 1)[1].split("`)", 1)[0])  # the job without a dashboard
+    assert run[0] == "SCALEMON_JOB_ID=ttydemo"
+    assert run[run.index("--nproc-per-node") + 1] == "3"
+    trainer = run[run.index("--") + 1:]  # the user's options, as the demo would run them
+    assert trainer[0].endswith("train.py") and trainer[1:] == [
+        "--monitor", "--device", "cpu", "--max-steps", "7", "--step-delay", "0.25",
+        "--preset", "small", "--batch-size", "5"]
     assert not (home / "demo").exists() and not (home / "run").exists()  # no job, no log
+
+
+class OnAPty:
+    """`scalemon ARGS` with stdin, stdout and stderr on a 100x30 pseudo-terminal but those
+    given as files; a thread reads what it draws there (a full pty would block it)."""
+
+    def __init__(self, *args: str, home: Path, **streams: object) -> None:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        self.master, self.drawn = master, bytearray()
+        std = {name: streams.get(name, slave) for name in ("stdin", "stdout", "stderr")}
+        self.proc = subprocess.Popen([SCALEMON, *args], **std,  # type: ignore[call-overload]
+                                     env={**os.environ, "SCALEMON_HOME": str(home)},
+                                     start_new_session=True)
+        os.close(slave)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):  # EIO once the process closed its side
+            while chunk := os.read(self.master, 65536):
+                self.drawn += chunk
+
+    def exit_code(self, timeout: float) -> int:
+        """The exit status; a run past `timeout` is killed, and fails the test."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still ran after {timeout} s") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_attach_refuses_when_only_stderr_is_not_a_terminal(
+        home: Path, tmp_path: Path, start_hub: Callable[..., HubProcess]):
+    """Textual draws on stderr: `attach 2>err.log` on a terminal would draw into the file."""
+    start_hub("ttyjob")
+    with open(tmp_path / "err.log", "w") as err:
+        run = OnAPty("attach", "ttyjob", home=home, stderr=err)
+    try:
+        assert run.exit_code(timeout=20) == 2
+        assert (tmp_path / "err.log").read_text() == (
+            "scalemon attach: the dashboard needs a terminal, and stderr is not one: "
+            "`scalemon snapshot ttyjob` prints the job's state instead\n")
+    finally:
+        run.close()
+
+
+def test_attach_with_only_stdout_redirected_runs_the_dashboard(
+        home: Path, tmp_path: Path, start_hub: Callable[..., HubProcess]):
+    """stdout is not the dashboard's: `attach > out.txt` or `| tee` draws on the terminal."""
+    start_hub("ttyjob")
+    with open(tmp_path / "out.txt", "w") as out:
+        run = OnAPty("attach", "ttyjob", home=home, stdout=out)
+    try:
+        wait_for(lambda: b"ttyjob" in run.drawn or run.proc.poll() is not None, timeout=60,
+                 interval=0.2)
+        time.sleep(1.0)  # a refusal would have ended it by now
+        assert run.proc.poll() is None, bytes(run.drawn)  # drawing: not refused
+        os.write(run.master, b"q")
+        assert run.exit_code(timeout=30) == 0, bytes(run.drawn)
+        assert (tmp_path / "out.txt").read_text() == ""  # nothing drawn into stdout
+    finally:
+        run.close()
+
+
+def typed_into_a_shell(command: str, home: Path, timeout: float) -> tuple[str, float]:
+    """`command` as typed at a shell prompt in a terminal (a pty that the shell's session
+    controls, as in a tmux pane), then `echo RC=$?`: what the terminal showed and the seconds
+    it took. A run past `timeout` fails the test (what is left of it is killed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    began = time.monotonic()
+    shell = subprocess.Popen(
+        ["sh", "-c", f"{command}; echo RC=$?"], stdin=slave, stdout=slave, stderr=slave,
+        env={**os.environ, "SCALEMON_HOME": str(home)}, start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # the shell's terminal
+    os.close(slave)
+    shown = bytearray()
+    try:
+        while b"RC=" not in shown or not shown.endswith(b"\n"):
+            left = timeout - (time.monotonic() - began)
+            if left <= 0:
+                raise AssertionError(f"`{command}` still ran after {timeout} s: {bytes(shown)!r}")
+            with contextlib.suppress(OSError):  # EIO: every process left the terminal
+                if select.select([master], [], [], min(left, 0.2))[0]:
+                    shown += os.read(master, 65536)
+        return shown.decode(errors="replace"), time.monotonic() - began
+    finally:
+        for proc in [shell, *psutil.Process(shell.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        shell.wait()
+        os.close(master)
+
+
+def test_the_demo_in_the_background_of_its_terminal_refuses_at_once_and_starts_no_job(
+        home: Path):
+    """`timeout 5 scalemon demo` at a prompt: timeout runs it in a process group of its own,
+    in the terminal's background, where the terminal stopped it at its first draw: a blank
+    screen, and timeout's SIGTERM never ended it (nor its job)."""
+    job = f"bgdemo{os.getpid()}"
+    try:
+        shown, took = typed_into_a_shell(f"timeout 20 {SCALEMON} demo --job {job} --ranks 3",
+                                         home, timeout=40)
+        assert shown.endswith("RC=2\r\n"), shown
+        (line,) = shown.splitlines()[:-1]
+        assert line.startswith(
+            "scalemon demo: it runs in the background of its terminal (`timeout` without "
+            "--foreground, or `&`), where the terminal would stop its dashboard: run it in the "
+            "foreground (`timeout --foreground S scalemon demo`), or run the job without a "
+            f"dashboard (`SCALEMON_JOB_ID={job} "), line
+        assert "--nproc-per-node 3 " in line
+        assert line.endswith(f"read it with `scalemon snapshot {job}`")
+        assert took < 20  # at once, not when timeout gave up
+        assert not job_processes(job)
+        assert not (home / "demo").exists() and not (home / "run").exists()  # no job, no log
+    finally:
+        for proc in job_processes(job):
+            proc.kill()
+
+
+def test_attach_in_the_background_of_its_terminal_refuses_at_once(
+        home: Path, start_hub: Callable[..., HubProcess]):
+    start_hub("bgjob")
+    shown, took = typed_into_a_shell(f"timeout 20 {SCALEMON} attach bgjob", home, timeout=40)
+    assert shown == (
+        "scalemon attach: it runs in the background of its terminal (`timeout` without "
+        "--foreground, or `&`), where the terminal would stop the dashboard: run it in the "
+        "foreground (`timeout --foreground S scalemon attach`), or `scalemon snapshot bgjob` "
+        "prints the job's state instead\r\nRC=2\r\n")
+    assert took < 20
+
+
+def test_attach_without_a_terminal_looks_the_job_up_once_without_waiting(
+        home: Path, start_hub: Callable[..., HubProcess], zctx: zmq.Context):
+    began = time.monotonic()
+    out = scalemon("attach", "nonexist", home=home)  # the default --wait is 30 s
+    assert out.returncode == 2
+    assert out.stderr == ("scalemon attach: no live hub and no history for job 'nonexist' "
+                          "(live jobs: none)\n")
+    none = scalemon("attach", home=home)
+    assert none.returncode == 2 and "no live scalemon job found" in none.stderr
+    assert time.monotonic() - began < 20
+    hub = start_hub("endedjob", "--linger", "0.5")
+    _end_job(hub, zctx, crash=True)
+    assert hub.proc.wait(timeout=30) == 0
+    typo = scalemon("attach", "endedjb", home=home)  # the job that ended is named
+    assert typo.returncode == 2
+    assert "no live hub and no history for job 'endedjb' (live jobs: none); the last job to " \
+           "end: endedjob (crashed at " in typo.stderr
 
 
 # ---- item 7: no abbreviations; the closest option or flag named ------------------------------
@@ -158,6 +328,16 @@ def test_a_mistyped_flag_name_gets_the_closest_and_the_list(home: Path):
 
 # ---- item 5: pickers and pointers name each job's state ---------------------------------------
 
+def test_a_mistyped_command_gets_the_closest_named(home: Path):
+    out = scalemon("snapsht", "myjob", home=home)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "scalemon: error: argument COMMAND: invalid choice: 'snapsht' (did you mean " \
+           "snapshot?) (choose from 'snapshot', 'jobs', " in out.stderr
+    far = scalemon("xyzzy", home=home)  # nothing close: no guess
+    assert "invalid choice: 'xyzzy' (choose from 'snapshot', " in far.stderr
+    assert "did you mean" not in far.stderr
+
+
 def _end_job(hub: HubProcess, zctx: zmq.Context, crash: bool) -> None:
     """One rank says hello, steps and exits (finished, or with an error), so the job ends
     while its hub lingers; returns when the job file says so."""
@@ -209,6 +389,25 @@ def test_with_no_live_hub_snapshot_and_attach_name_the_last_ended_job(
     assert summary.returncode == 0, summary.stderr
 
 
+def test_snapshot_of_an_unknown_job_points_to_jobs_and_the_last_ended_job(
+        home: Path, start_hub: Callable[..., HubProcess], zctx: zmq.Context):
+    alone = scalemon("snapshot", "nosuchjob", home=home)
+    assert alone.returncode == 2
+    assert alone.stderr == (
+        "scalemon snapshot: no live hub for job 'nosuchjob' (live jobs: none), and no history "
+        f"file at {history_path('nosuchjob', home)}: is the job id right? (`scalemon jobs` lists "
+        "live jobs)\n")
+    hub = start_hub("ended1", "--linger", "0.5")
+    _end_job(hub, zctx, crash=False)
+    assert hub.proc.wait(timeout=30) == 0
+    typo = scalemon("snapshot", "endd1", home=home)
+    assert typo.returncode == 2
+    assert "(`scalemon jobs` lists live jobs); the last job to end: ended1 (finished at " \
+           in typo.stderr
+    assert "`scalemon summary ended1` or `scalemon snapshot ended1` replays its history" \
+           in typo.stderr
+
+
 # ---- item 9: the wait for ranks says what is going on ------------------------------------------
 
 def test_the_demos_header_tells_its_start_up_then_how_many_ranks_connected(
@@ -222,8 +421,9 @@ def test_the_demos_header_tells_its_start_up_then_how_many_ranks_connected(
             await until(pilot, lambda: "waiting for ranks: none has reported yet"
                         in header(plain))
         async with app.run_test(size=(160, 30)) as pilot:
-            await until(pilot, lambda: "starting: torchrun launched" in header(app))
-            assert "its ranks import torch (the first run takes ~10 s)" in header(app)
+            await until(pilot, lambda: "starting: the ranks import torch (torchrun launched"
+                        in header(app))
+            assert "the first run takes ~10 s" in header(app)
             hub = start_hub("slowstart")
             FakeRank(zctx, hub.address, "slowstart", 0).hello(world_size=2)
             await until(pilot, lambda: "starting: 1 of 2 ranks connected, waiting for the "

@@ -86,7 +86,8 @@ def test_torchrun_job_then_snapshot_shows_both_ranks_finished(home):
         assert r["mem_allocated_bytes"] is None and r["gpu_util_pct"] is None  # n/a on CPU
         assert r["rss_bytes"] > 0 and r["dropped"] == 0 and r["seq_gaps"] == 0
         # tokens/s from the steps' tokens and times, the agent's identity reach the snapshot too
-        assert r["tokens_per_s"] > 0 and r["tokens_per_s_source"] == "steps"
+        assert r["last_tokens_per_s"] > 0 and r["tokens_per_s_source"] == "steps"
+        assert r["tokens_per_s"] is None  # finished: no live rate
         assert "tokens_per_s" not in r["extra"] and "mfu" not in r["extra"]  # no CPU peak
         assert r["agent_version"] == scalemon.__version__ and r["torch_version"]
     config = state["info"]["config"]

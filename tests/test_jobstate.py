@@ -102,10 +102,10 @@ def test_ranks_that_end_after_the_users_stop_are_stopped_not_lost_or_failed():
     state.apply(msg("exit", 1, 1, {"reason": "signal", "exit_code": 143}))  # its agent told
     views = state.ranks
     assert [views[0].state, views[1].state] == ["stopped", "stopped"]
-    assert views[0].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
-                                     "process 101 ended without reporting an exit)")  # no guess
-    assert views[1].state_reason == ("stopped by user (scalemon demo: quit (q); ann@n1; "
-                                     "ended by SIGTERM, exit 143)") and views[1].exit_code == 143
+    assert views[0].state_reason == ("stopped by the user (scalemon demo: quit (q), ann@n1); "
+                                     "process 101 ended without reporting an exit")  # no guess
+    assert views[1].state_reason == ("stopped by the user (scalemon demo: quit (q), ann@n1); "
+                                     "ended by SIGTERM, exit 143") and views[1].exit_code == 143
     assert state.state == "stopped" and state.failed() == [] and state.first_failure() is None
     as_json = snapshot_json(state, now=2.0)
     assert as_json["state"] == "stopped" and as_json["stop"]["user"] == "ann"

@@ -68,7 +68,7 @@ def test_a_demo_job_quit_from_the_dashboard_is_stopped_by_user_also_when_replaye
         assert not job_file.is_alive() and not job_file.serving()
         done = scalemon(home, "snapshot", job, "--json")  # replayed: the hub has gone
         assert done.returncode == 0, done.stderr
-        assert "the job was stopped by its user (its hub exited at" in done.stderr
+        assert "the job was stopped by its user or a stop signal (its hub exited at" in done.stderr
         assert "replaying" in done.stderr
         state = strict_json(done.stdout)
         assert state["state"] == "stopped" and state["first_failure"] is None
@@ -76,9 +76,9 @@ def test_a_demo_job_quit_from_the_dashboard_is_stopped_by_user_also_when_replaye
         for rank in state["ranks"]:
             assert rank["state"] == "stopped", rank
             assert rank["state_reason"].startswith(
-                f"stopped by user ({demo.QUIT_REASON}; "), rank["state_reason"]
+                f"stopped by the user ({demo.QUIT_REASON}, "), rank["state_reason"]
             # its agent said how it ended (torchrun's SIGTERM): no "(killed?)" guess
-            assert rank["state_reason"].endswith("; ended by SIGTERM, exit 143)"), rank
+            assert rank["state_reason"].endswith("); ended by SIGTERM, exit 143"), rank
             assert rank["exit_code"] == 143
         text = scalemon(home, "snapshot", job).stdout
         assert "state stopped" in text.splitlines()[0]
@@ -260,6 +260,6 @@ def test_the_dashboard_says_stopped_by_user_and_colours_the_stopped_ranks():
             "target": r, "state": "lost", "reason": "process gone"}) for r in (0, 1))])
     view = overview(data, now=t + 2, plots=False)
     assert view.summary.state == "stopped" and STATE_STYLES["stopped"] == "bold cyan"
-    assert view.summary.state_text == ("stopped by user (scalemon demo: quit (q); ann@n1)")
+    assert view.summary.state_text == "stopped by the user (scalemon demo: q, ann@n1)"
     assert view.summary.failure == "" and view.summary.alert == ""
     assert [row.style for row in view.rows] == ["stopped", "stopped"]

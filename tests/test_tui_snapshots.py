@@ -22,12 +22,16 @@ from rich.console import Console
 from textual.pilot import Pilot
 
 from scalemon.flags import FLAGS, check
+from scalemon.home.jobfile import JobFile
 from scalemon.tui.app import DashboardApp
+from scalemon.tui.feed import HubFeed
 from scalemon.tui.model import DashboardData
 from scalemon.tui.screens.collectives import CollectivesScreen
+from scalemon.tui.screens.flags import FlagsScreen
 from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.log import LogScreen
 from scalemon.tui.screens.overview import OverviewScreen
+from scalemon.tui.screens.pick_job import PickJobScreen
 from scalemon.tui.screens.rank_detail import RankDetailScreen
 from scalemon.tui.screenshot import settle, simulated_app
 from scalemon.tui.sim import SimJob
@@ -143,7 +147,9 @@ def test_hang_120x40():
 # ---- every main screen at 120x35, 80x24 and 60x20 (issue 38: narrow terminals) -------------
 
 SIZES = ((120, 35), (80, 24), (60, 20))
-SCREENS = ("overview", "collectives", "rank_detail", "hang", "log")
+SCREENS = ("overview", "collectives", "rank_detail", "hang", "log", "flags", "hung_overview")
+"""hung_overview: the overview of a hung job (Esc from its hang screen): the header's long
+hang line."""
 NCCL_LINES = ("node0:100:110 [{r}] NCCL INFO Channel 00/02 : 0 1 2 3 4 5 6 7",
               "node0:100:110 [{r}] NCCL INFO AllReduce: opCount 4d2 sendbuff 0x7f3a2c000000 "
               "recvbuff 0x7f3a2c000000 count 6553600 datatype 7 op 0 root 0 comm 0x55d1 "
@@ -155,7 +161,7 @@ def job_app(screen: str, gpu: bool = True) -> DashboardApp:
     next all-reduce; the log: two NCCL lines per rank)."""
     if screen != "log":
         return sim_app(ranks=8 if gpu else 2, gpu=gpu, straggler=5 if gpu else None,
-                       hang=3 if screen == "hang" else None,
+                       hang=3 if screen in ("hang", "hung_overview") else None,
                        wrapped=2 if screen == "collectives" else None)
     sim = SimJob(job="snap", ranks=8 if gpu else 2, gpu=gpu, amp=gpu, seed=7)
     data = DashboardData()
@@ -173,13 +179,48 @@ async def open_screen(pilot: Pilot[None], app: DashboardApp, screen: str) -> Non
     await settle(pilot, app)
     if screen == "rank_detail":
         app.open_rank(1)
-    elif screen in ("collectives", "log"):
-        await pilot.press("c" if screen == "collectives" else "L")
+    elif screen in ("collectives", "log", "flags", "hung_overview"):
+        await pilot.press({"collectives": "c", "log": "L", "flags": "f",
+                           "hung_overview": "escape"}[screen])
     await pilot.pause(0.1)
     await settle(pilot, app)
     expected = {"overview": OverviewScreen, "collectives": CollectivesScreen,
-                "rank_detail": RankDetailScreen, "hang": HangScreen, "log": LogScreen}
+                "rank_detail": RankDetailScreen, "hang": HangScreen, "log": LogScreen,
+                "flags": FlagsScreen, "hung_overview": OverviewScreen}
     assert isinstance(app.screen, expected[screen])
+
+
+BLOCKS = "▁▂▃▄▅▆▇█▉▊▋▌▍▎▏"
+"""Block glyphs: a plot's or heat map's, a scroll bar's, a border's."""
+
+
+def graphic(line: str) -> bool:
+    """A line of a plot (braille, its legend) or a heat map (its cells, its legend)."""
+    return bool(re.search(r"[\u2800-\u28ff]|min\.\.max|███|█ [\d.]+", line))
+
+
+THUMB = re.compile(f"([{BLOCKS}])\\1? {{0,3}}$")
+"""A scrolling widget's vertical thumb at the right edge of a line."""
+
+
+def assert_no_stray_blocks(lines: list[str], strict: set[int]) -> None:
+    """No block glyph outside plots and heat maps: none in the footer (its one separator
+    apart), none in the `strict` rows (headers, table headings) and none elsewhere but a
+    scrolling widget's thumb at its right edge (a horizontal scroll bar, a screen's thumb
+    over the footer are strays)."""
+    footer = lines[-1]
+    assert [c for c in footer if c in BLOCKS] == ["▏"], footer
+    for i, line in enumerate(lines[:-1]):
+        if graphic(line):
+            continue
+        body = line if i in strict else THUMB.sub("", line)
+        assert not any(c in BLOCKS for c in body), (i, line)
+
+
+def assert_no_cut_words(lines: list[str]) -> None:
+    """No line cut mid-word ("…" right after a letter or digit), anywhere on the screen."""
+    for line in lines:
+        assert not re.search(r"\w…", line), line
 
 
 def footer_line(text: str) -> str:
@@ -202,8 +243,10 @@ def assert_footer_whole(app: DashboardApp, text: str) -> None:
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("screen", SCREENS)
 def test_main_screens_fit_the_terminal(screen: str, size: tuple[int, int]):
-    """Each main screen at 120x35, 80x24 and 60x20: as committed; no table heading cut to
-    "…"; the footer's keys whole; the rank detail never a character per line."""
+    """Each main screen at 120x35, 80x24 and 60x20: as committed; no word cut to "…" on
+    the whole screen, header included; no table heading cut; no stray block glyph; the
+    footer's keys whole; the header's facts (state, a hang's culprit, step, stragglers)
+    whole; the rank detail never a character per line."""
     app = job_app(screen)
 
     async def run() -> None:
@@ -212,8 +255,20 @@ def test_main_screens_fit_the_terminal(screen: str, size: tuple[int, int]):
             text = screen_text(app)
             assert_footer_whole(app, text)
             lines = text.splitlines()
-            if screen == "overview":
+            assert_no_cut_words(lines)
+            strict = {0}  # a title or the header's first line
+            if screen in ("overview", "hung_overview"):
                 at = next(i for i, line in enumerate(lines) if line.startswith(" rank  state"))
+                strict |= set(range(at + 1))
+                header = " ".join(" ".join(lines[:at]).split())
+                assert "job snap  world 8" in lines[0] and "step 300" in header, header
+                if screen == "overview":
+                    assert "…" not in text, text
+                    assert ("stragglers rank 5 +24 ms (arrival at collectives, vs the first "
+                            "rank)") in header
+                else:  # the state and the culprit first; only what is spared cut, at a word
+                    assert "HUNG (h: details): rank 3 never issued all_reduce" in header
+                    assert all(line.rstrip().endswith(" …") for line in lines[:at] if "…" in line)
                 headings = {w for c in rows.columns() for w in c.heading.split()} | {"→"}
                 assert set(lines[at].split()) <= headings, lines[at]  # whole headings only
                 assert "→" in lines[at]  # more columns to the right (host at least)
@@ -222,6 +277,19 @@ def test_main_screens_fit_the_terminal(screen: str, size: tuple[int, int]):
                 #                                         scroll bar between them
             else:
                 assert "…" not in text, text
+            if screen == "flags":
+                at = next(i for i, line in enumerate(lines) if line.startswith("  flag "))
+                strict.add(at)
+                assert lines[at].split() == ["flag", "tier", "value"], lines[at]
+                assert "not reported" in lines[at + 1]  # the values whole too
+            if screen == "hang":
+                strict |= {i for i, line in enumerate(lines) if " role " in line}  # a table
+                if size[0] >= 120:  # what a rank waits in, on one line
+                    assert "default_pg #1234 all_reduce 20 s" in text, text
+            if screen == "log":
+                hint = next(line for line in lines if line.startswith(" filter:"))
+                assert hint.rstrip().endswith("words: text"), hint  # the filter's hint whole
+            assert_no_stray_blocks(lines, strict)
             if screen == "rank_detail":
                 facts = lines[1:next(i for i, line in enumerate(lines)
                                      if line.startswith("loss"))]
@@ -299,5 +367,62 @@ def test_the_log_pane_suggests_what_the_backend_has(gpu: bool):
                                 ("TORCH_CPP_LOG_LEVEL", "INFO")):
                 assert f"{name}={value} (f: {FLAGS[name].tier})" in text
                 assert check(name, value).name == name  # the flags panel can set it
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_job_picker_fits_and_offers_its_own_keys(size: tuple[int, int], home):
+    """The picker at 120x35, 80x24 and 60x20: as committed; its states in one column; its
+    footer offers its own keys only (not the job's l c h f L); no border of block glyphs."""
+    jobs = [JobFile(job=job, address=f"ipc:///tmp/none{i}", host="node0", pid=100 + i,
+                    started=1_700_000_000.0, world_size=2, run_dir="/tmp", protocol=[1, 0],
+                    state=state)
+            for i, (job, state) in enumerate((("nuend", "finished"), ("nuhang", "crashed"),
+                                              ("x", "running")))]
+    app = DashboardApp(jobs=jobs, home=home)
+
+    async def run() -> None:
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, PickJobScreen)
+            text = screen_text(app)
+            lines = text.splitlines()
+            assert_footer_whole(app, text)
+            keys = footer_line(text).split("▏")[0].split()
+            assert keys == ["q", "Quit"], footer_line(text)
+            at = [next(line.index(state) for line in lines if f" {job} " in line)
+                  for job, state in (("nuend", "finished"), ("nuhang", "crashed"),
+                                     ("x", "running"))]
+            assert len(set(at)) == 1, at
+            assert_no_cut_words(lines)
+            assert_no_stray_blocks(lines, set(range(len(lines))))
+            for key in ("c", "f", "L"):  # nothing of a job's opens over the picker
+                await pilot.press(key)
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, PickJobScreen)
+            compare(f"pick_job_{size[0]}x{size[1]}", text, app.export_screenshot())
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_starting_job_names_its_id_and_says_torch_imports(size: tuple[int, int], home):
+    """A job launched by this dashboard (`scalemon demo`), no hub yet: the header names the
+    job and says its ranks import torch, whole, at every width."""
+    app = DashboardApp(HubFeed(job="nu4", home=home, retry_s=0.2), clock=lambda: 1000.0)
+    app.data.launched_t = 997.0  # as `job_process` sets it
+
+    async def run() -> None:
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(0.5)
+            await settle(pilot, app)
+            lines = screen_text(app).splitlines()
+            at = next(i for i, line in enumerate(lines) if line.startswith(" rank"))
+            header = " ".join(" ".join(lines[:at]).split())
+            assert header.startswith("job nu4 "), header
+            assert "starting: the ranks import torch (torchrun launched 3 s ago; the first " \
+                   "run takes ~10 s)..." in header, header
+            assert_no_cut_words(lines)
 
     asyncio.run(run())

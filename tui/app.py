@@ -90,13 +90,17 @@ class FeedStatus(Message):
         self.detail = detail
 
 
+JOB_ACTIONS = frozenset({"help", "toggle_lines", "collectives", "hang", "flags", "log"})
+"""The app's keys that show a job (none to show while the job picker is up)."""
+
+
 class DashboardApp(App[None]):
     """The scalemon dashboard."""
 
     TITLE = "scalemon"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
-        Binding("ctrl+c", "quit", "Quit", show=False),  # quits, as q (Textual's only says how)
+        Binding("ctrl+c", "quit_ctrl_c", "Quit", show=False),  # as q (Textual's only says how)
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("l", "toggle_lines", "Lines/band"),
         Binding("c", "collectives", "Collectives"),
@@ -154,6 +158,11 @@ class DashboardApp(App[None]):
             return
         self._start()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The job's keys (and its help) only once a job is shown: the job picker offers its
+        own keys, in its footer too."""
+        return not (isinstance(self.screen, PickJobScreen) and action in JOB_ACTIONS)
+
     def _picked(self, job: str | None) -> None:
         if job is None:
             self.exit()
@@ -163,6 +172,9 @@ class DashboardApp(App[None]):
 
     def _start(self) -> None:
         self.push_screen(OverviewScreen())
+        if isinstance(self.feed, HubFeed) and self.feed.job is not None:
+            with self.data.lock:
+                self.data.expect_job(self.feed.job)
         if self.feed is not None:
             self.sub_title = self.feed.label
             self._receive()
@@ -283,6 +295,15 @@ class DashboardApp(App[None]):
     def on_redraw_needed(self, message: RedrawNeeded) -> None:
         """A screen needs a redraw (rows scrolled into view, another rank shown)."""
         self.redraw_now(plots=message.plots)
+
+    quit_key = "q"
+    """The key that quit the dashboard, "q" or "Ctrl-C": how `scalemon demo` says its user
+    stopped the job."""
+
+    async def action_quit_ctrl_c(self) -> None:
+        """Ctrl-C: quit as q does, remembered as Ctrl-C."""
+        self.quit_key = "Ctrl-C"
+        await self.action_quit()
 
     def action_help(self) -> None:
         """Keys and meanings."""

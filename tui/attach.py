@@ -13,7 +13,7 @@ from scalemon.home.history import history_path
 from scalemon.home.lookup import JobLookupError, default_jobs, ended_jobs_text, serving_jobs
 from scalemon.link.client import hub_key_problem
 from scalemon.text.safe import clean
-from scalemon.text.terminal import not_a_terminal
+from scalemon.text.terminal import in_background, not_a_terminal
 
 from .app import DashboardApp, run_app
 from .feed import HubFeed
@@ -45,7 +45,9 @@ def make_app(target: str | None, home: Path | None = None, stats_path: Path | No
             return str(exc)
         if not known and not has_history:
             names = ", ".join(j.job for j in serving if j.state == "running") or "none"
-            return f"no live hub and no history for job {target!r} (live jobs: {names})"
+            ended = ended_jobs_text(home)  # a job just ended: name it, and how to read it
+            return (f"no live hub and no history for job {target!r} (live jobs: {names})"
+                    + (f"; {ended}" if ended else ""))
         return DashboardApp(HubFeed(job=target, home=home), home=home, stats_path=stats_path,
                             hang_after_s=hang_after_s)
     jobs = default_jobs(home)
@@ -110,7 +112,12 @@ def wait_for_job(target: str | None, wait_s: float, home: Path | None = None,
 def attach(target: str | None, stats_path: Path | None = None,
            hang_after_s: float | None = None, wait_s: float = 0.0) -> int:
     """Run the dashboard, after waiting up to `wait_s` seconds for the job to appear; returns
-    the exit code."""
+    the exit code. Where the dashboard cannot run (no terminal, or in its background) the job
+    is looked up once, not waited for: it is refused either way."""
+    missing = not_a_terminal()  # drawn into a file or a pipe, the dashboard only spins
+    background = missing is None and in_background()  # stopped by the terminal: never ends
+    if missing or background:
+        wait_s = 0.0
     try:
         found = wait_for_job(target, wait_s)
     except KeyboardInterrupt:
@@ -124,12 +131,17 @@ def attach(target: str | None, stats_path: Path | None = None,
         waited = f" (waited {wait_s:g} s)" if wait_s > 0 and not found else ""
         print(f"scalemon attach: {clean(app)}{waited}", file=sys.stderr)
         return 2
-    missing = not_a_terminal()  # drawn into a file or a pipe, the dashboard only spins
+    job = target or getattr(app.feed, "job", None) or "JOB"
+    instead = f"`scalemon snapshot {clean(job)}` prints the job's state instead"
     if missing:
         verb = "are" if " and " in missing else "is"
-        job = target or getattr(app.feed, "job", None) or "JOB"
         print(f"scalemon attach: the dashboard needs a terminal, and {missing} {verb} not one: "
-              f"`scalemon snapshot {clean(job)}` prints the job's state instead",
+              f"{instead}", file=sys.stderr)
+        return 2
+    if background:
+        print("scalemon attach: it runs in the background of its terminal (`timeout` without "
+              "--foreground, or `&`), where the terminal would stop the dashboard: run it in "
+              f"the foreground (`timeout --foreground S scalemon attach`), or {instead}",
               file=sys.stderr)
         return 2
     return run_app(app)  # 1 when the dashboard crashed

@@ -112,6 +112,12 @@ class DashboardData(JobFold):
             hang_after_s = settings.hang_after_s()
         super().__init__(job, cap, hang_after_s)
 
+    def expect_job(self, job: str) -> None:
+        """The job's id, known before any of its records came (the dashboard attaches to it
+        by id): the header names it while the job starts (under the lock)."""
+        self._job = self._job or job
+        self.state.job = self.state.job or job
+
     def clear(self) -> None:
         """Forget every record folded (under the lock, or before the data is shared)."""
         super().clear()

@@ -37,11 +37,11 @@ from scalemon.home.safefs import private_dir
 from scalemon.options import LazyChoices, int_at_least, job_id, seconds
 from scalemon.text.display import exit_text
 from scalemon.text.safe import clean
-from scalemon.text.terminal import not_a_terminal
+from scalemon.text.terminal import in_background, not_a_terminal
 
 MAX_RANKS = 64
 """More ranks than this on one machine is a typo, not a demo."""
-QUIT_REASON = "scalemon demo: quit (q)"
+QUIT_REASON = "scalemon demo: q"
 """How the demo's user stopped the job, as the hub records it (`job_stop`)."""
 
 
@@ -68,19 +68,26 @@ def _stop_without_extra() -> None:
 
 
 def terminal_refusal(args: argparse.Namespace, job: str) -> str | None:
-    """Why the demo will not start here, with what to run instead: its dashboard needs a
-    terminal on stdin and stdout (drawn into a pipe or a file it only spins); None on one."""
+    """Why the demo will not start here, with what to run instead (the job as the demo would
+    run it, with the user's options): its dashboard needs a terminal on stdin and stderr
+    (drawn into a pipe or a file it only spins), in the foreground (in the background the
+    terminal stops it at its first draw, and it never quits: a job left behind); None there."""
     missing = not_a_terminal()
-    if missing is None:
+    background = missing is None and in_background()
+    if missing is None and not background:
         return None
     device = demo_device(args.ranks, gpu_count())
     run = shlex.join([f"SCALEMON_JOB_ID={job}", sys.executable, "-m", "torch.distributed.run",
-                      "--nproc-per-node", str(args.ranks), "--", trainer_path(), "--monitor",
-                      "--device", device, "--max-steps", "200"])
+                      *torchrun_arguments(args, device)])
+    headless = (f"run the job without a dashboard (`{run}`) and read it with "
+                f"`scalemon snapshot {job}`")
+    if background:
+        return ("scalemon demo: it runs in the background of its terminal (`timeout` without "
+                "--foreground, or `&`), where the terminal would stop its dashboard: run it in "
+                f"the foreground (`timeout --foreground S scalemon demo`), or {headless}")
     verb = "are" if " and " in missing else "is"
     return (f"scalemon demo: its dashboard needs a terminal, and {missing} {verb} not one: run "
-            f"it in a terminal, or run the job without a dashboard (`{run}`) and read it with "
-            f"`scalemon snapshot {job}`")
+            f"it in a terminal, or {headless}")
 
 
 def preset_names() -> list[str]:
@@ -191,15 +198,21 @@ def run_torchrun() -> None:
         sys.exit(128 + int(exc.sigval))
 
 
-def job_command(args: argparse.Namespace, device: str) -> list[str]:
-    """The torchrun command line of the demo job."""
+def torchrun_arguments(args: argparse.Namespace, device: str) -> list[str]:
+    """torchrun's arguments for the demo job but its rendezvous port: the ranks, the trainer
+    and the user's options (the job's command, and the one the no-terminal refusal offers)."""
     return [
-        sys.executable, "-c", LAUNCHER, "--nproc-per-node", str(args.ranks),
-        "--master-port", str(free_port()), "--", trainer_path(), "--monitor",
+        "--nproc-per-node", str(args.ranks), "--", trainer_path(), "--monitor",
         "--device", device, "--max-steps", str(args.max_steps),
         "--step-delay", str(args.step_delay), "--preset", args.preset,
         "--batch-size", str(args.batch_size),
     ]
+
+
+def job_command(args: argparse.Namespace, device: str) -> list[str]:
+    """The torchrun command line of the demo job."""
+    return [sys.executable, "-c", LAUNCHER, "--master-port", str(free_port()),
+            *torchrun_arguments(args, device)]
 
 
 def job_env(job: str) -> dict[str, str]:
@@ -289,6 +302,42 @@ def stop_job(proc: subprocess.Popen, job: str, grace_s: float = 10.0,
     stop_hub(job)
 
 
+def stop_budget_s(grace_s: float = 10.0) -> float:
+    """The longest `stop_job` takes: the hub told (3 s), torchrun's grace, the wait after
+    SIGKILL (10 s), the group's stragglers (5 s), then the ranks left (5 s, 5 s more after
+    SIGKILL)."""
+    return 3.0 + grace_s + 10.0 + 5.0 + 5.0 + 5.0
+
+
+def say(text: str) -> None:
+    """One line to stderr, now; lost quietly where the terminal has gone (SIGHUP)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
+
+
+class PatientStop:
+    """While the demo stops its job: Ctrl-C is answered with the time left, not obeyed (a
+    KeyboardInterrupt inside `stop_job` would skip the ranks and the hub: orphans)."""
+
+    def __init__(self, job: str, budget_s: float) -> None:
+        self.job, self.budget_s = job, budget_s
+        self.end = time.monotonic() + budget_s
+        self._previous: Any = None
+
+    def __enter__(self) -> PatientStop:
+        self.end = time.monotonic() + self.budget_s
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, _signum: int, _frame: object) -> None:
+        left = max(1, int(self.end - time.monotonic() + 0.999))
+        say(f"scalemon demo: still stopping job {self.job}, up to {left} s left "
+            "(stopped halfway, its ranks and hub would run on)")
+
+
 def job_children(pid: int, job: str) -> list[psutil.Process]:
     """The processes under torchrun `pid` but the job's hub (rank 0 starts it; `stop_hub`
     stops it once the ranks are gone, so that it records their end)."""
@@ -359,8 +408,8 @@ class SignalStop:
     @property
     def reason(self) -> str:
         """How the user stopped the job, as its hub records it."""
-        if self.signum is None:
-            return QUIT_REASON
+        if self.signum is None:  # the dashboard's q or Ctrl-C
+            return f"scalemon demo: {getattr(self.app, 'quit_key', 'q')}"
         return f"scalemon demo: {signal.Signals(self.signum).name}"
 
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -427,8 +476,13 @@ def demo(args: argparse.Namespace) -> int:
             else:  # stopped before its dashboard started
                 app_code = 0
         finally:
-            code = proc.poll()  # None while it runs: the quit stops it
-            stop_job(proc, job, log_path=log_path, reason=stopper.reason)
+            with PatientStop(job, stop_budget_s()) as patient:  # Ctrl-C: told to wait
+                code = proc.poll()  # None while it runs: the quit stops it
+                if code is None:
+                    say(f"scalemon demo: stopping job {job}: torchrun, its {args.ranks} "
+                        f"rank{'s' if args.ranks != 1 else ''} and its hub (up to "
+                        f"{patient.budget_s:g} s)...")
+                stop_job(proc, job, log_path=log_path, reason=stopper.reason)
     replay = (f"; `scalemon snapshot {job}` replays its history"
               if history_path(job).exists() else "")
     if stopper.signum is not None and code is None:

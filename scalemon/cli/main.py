@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="job id or hub address (default: the live job, or pick from a list)")
     attach.add_argument("--wait", type=seconds(0.0), default=30.0, metavar="S",
                         help="wait up to S seconds for the job's hub (without TARGET: for a "
-                             "live job) to appear; 0 does not wait")
+                             "live job) to appear; 0 does not wait, nor does a dashboard "
+                             "that is refused (no terminal, or in its background)")
     attach.add_argument("--hang-after", type=seconds(0.0, above=True), metavar="S",
                         help="call the job hung after S seconds without a completed step "
                              "(default: the hub's; without a hub $SCALEMON_HANG_AFTER, else "
@@ -94,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "gloo unless there is a GPU per rank) and open the dashboard on it. q "
                     "stops the job and its hub. Exit status: 0, or the job's when it failed "
                     "by itself (1 when a signal killed it); 2 for bad options, or without a "
-                    "terminal (stdin and stdout) for the dashboard.")
+                    "terminal (stdin and stderr; stdout may be redirected) for the dashboard. "
+                    "Ctrl-C while it stops the job says how long is left instead of "
+                    "cutting the stop short.")
     from scalemon.cli.demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(demo)

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from scalemon import __version__, protocol
-from scalemon.home.lookup import JobLookupError, hub_gone_text, resolve_hub
+from scalemon.home.lookup import JobLookupError, ended_jobs_text, hub_gone_text, resolve_hub
 from scalemon.reports.snapshot_text import format_snapshot, group_by_problem
 
 
@@ -33,6 +33,16 @@ def _offline_state(job: str) -> dict[str, Any] | None:
         out["hub_notes"] = [*(out.get("hub_notes") or []), {"t": time.time(), "kind": "history",
                                                            "text": loss}]
     return {"state": out, "hub": None, "source": str(path), "rejected": rejected}
+
+
+def no_history_text(job: str, problem: str) -> str:
+    """`problem` (no live hub for `job`), with no history file to replay either: where to look
+    for the right id (`scalemon jobs`, the jobs that ended last)."""
+    from scalemon.home.history import history_path
+
+    ended = ended_jobs_text()
+    return (f"{problem}, and no history file at {history_path(job)}: is the job id right? "
+            "(`scalemon jobs` lists live jobs)" + (f"; {ended}" if ended else ""))
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -58,6 +68,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         if job and "://" not in job:  # a job id: its history file may still be there
             try:
                 reply = _offline_state(job)
+                if reply is None and isinstance(exc, JobLookupError):  # no such live job
+                    problem = no_history_text(job, problem)
             except ValueError as bad_id:
                 problem = str(bad_id)
         if reply is None:

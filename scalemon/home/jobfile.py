@@ -115,10 +115,12 @@ class JobFile:
 
 ENDED_STATES = ("finished", "stopped", "crashed", "lost", "abandoned")
 """A job file's `state` once its job ended (older hubs also wrote "ended")."""
-STATE_WORDS = {"finished": "finished", "stopped": "was stopped by its user",
+STATE_WORDS = {"finished": "finished",
+               "stopped": "was stopped by its user or a stop signal",
                "crashed": "crashed", "lost": "lost a rank", "abandoned": "was abandoned",
                "ended": "ended"}
-"""A job file's final `state` in a sentence: "the job was stopped by its user"."""
+"""A job file's final `state` in a sentence: "the job was stopped by its user or a stop
+signal" (SIGTERM, SIGINT, SIGHUP: a scheduler's cancel or preemption too)."""
 
 
 def pid_alive(pid: int) -> bool:

@@ -99,7 +99,7 @@ def ended_jobs(home: Path | None = None) -> list[JobFile]:
         try:
             jf = JobFile.read(path)
             jf.check_trusted()
-        except ValueError:  # UnsafePathError included: said by serving_jobs
+        except (ValueError, OSError):  # UnsafePathError (an OSError): said by serving_jobs
             continue
         if not jf.serving():
             found.append(jf)

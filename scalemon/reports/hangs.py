@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.reports.groups import group_label
 from scalemon.reports.waitfor import wait_for_graph
-from scalemon.state.failures import first_line
-from scalemon.state.jobstate import ENDED_RANK_STATES, VANISHED_STATES
+from scalemon.state.ending import ranks_end_text
+from scalemon.state.jobstate import VANISHED_STATES
 from scalemon.text.ranks import ranks_text
 
 if TYPE_CHECKING:
@@ -459,13 +459,13 @@ def job_hang(st: JobState, now: float | None = None) -> dict[str, Any] | None:
 
 
 def last_hang(st: JobState) -> dict[str, Any] | None:
-    """The hang the job was in as it ended (its first rank killed or gone, or its user's stop:
-    `state.hangend`), as `job_hang` told it then, with `step` (the last step completed),
+    """The hang the job was in as it ended (its first rank killed, failed or gone, or its user's
+    stop: `state.hangend`), as `job_hang` told it then, with `step` (the last step completed),
     `ended_t`, `end` (how the job ended, in words) and `summary` ("hung after step 40 in
     all_reduce #41 of default_pg [0,1] (culprit rank 1) for 35 s, then ended by SIGTERM (ranks
-    0,1, exit 143)"); None when it did not end hung."""
+    0,1, exit 143)"); None when it did not end hung, or every rank finished after all."""
     end = st.hang_end
-    if end is None:
+    if end is None or st.state == "finished":
         return None
     if "report" not in end:  # the kept ranks never change: told once
         kept = copy.copy(st)
@@ -484,39 +484,21 @@ def last_hang(st: JobState) -> dict[str, Any] | None:
 
 
 def end_text(st: JobState) -> str:
-    """How the job's ranks ended, in words: "stopped by its user (scalemon demo: quit (q))",
-    "ended by SIGTERM (ranks 0,1, exit 143)", "rank 1 gone without reporting an exit"."""
-    if st.stop is not None:
-        reason = st.stop.get("reason")
-        return "stopped by its user" + (f" ({reason})" if reason else "")
-    how: dict[tuple[str, str], list[int]] = {}  # (what, a detail) -> the ranks
-    for rank, v in sorted(st.ranks.items()):
-        if v.state not in ENDED_RANK_STATES:
-            continue
-        if v.state_reason and v.state_reason.startswith("ended by "):
-            what, _, code = v.state_reason.partition(", ")  # "ended by SIGTERM", "exit 143"
-            how.setdefault((what, f", {code}" if code else ""), []).append(rank)
-        elif v.state in VANISHED_STATES:
-            how.setdefault((f"{v.state} without reporting an exit", ""), []).append(rank)
-        elif v.state == "exited":
-            why = first_line(v.error) or (f"exit code {v.exit_code}"
-                                          if v.exit_code is not None else "no exit code")
-            how.setdefault((f"exited: {why}", ""), []).append(rank)
-        else:
-            how.setdefault((v.state, ""), []).append(rank)
-    if not how:
-        return "its ranks run on"
-    return "; ".join(f"{what} ({ranks_text(ranks)}{detail})" if what.startswith("ended by ")
-                     else f"{ranks_text(ranks)} {what}" for (what, detail), ranks in how.items())
+    """How the job's ranks ended, in words: "stopped by the user (scalemon demo: q,
+    ann@node1)", "ended by SIGTERM (ranks 0,1, exit 143)", "rank 1 gone without reporting an
+    exit" (`state.ending`)."""
+    return st.stop_text() if st.stop is not None else ranks_end_text(st.ranks)
 
 
 def first_failure(st: JobState) -> dict[str, Any] | None:
     """`JobState.first_failure`, but where the job ended hung (`last_hang`): then the hang is
-    the first failure, named by its culprit, unless the first rank to fail is a culprit that
-    failed with an error of its own (the hang's cause, told)."""
+    the first failure, named by its culprit, unless a rank failed before the hang began (its
+    cause: a rank killed -9 or OOM-killed, the others then wait for it) or the first rank to
+    fail is a culprit that failed with an error of its own (the hang's cause, told). None for
+    a job that finished."""
     failure = st.first_failure()
     hang = last_hang(st)
-    if hang is None:
+    if hang is None or (failure is not None and _failed_before_hang(st, failure)):
         return failure
     culprits = hang["culprits"]
     if (failure is not None and failure["rank"] in culprits and failure["state"] == "exited"
@@ -526,3 +508,13 @@ def first_failure(st: JobState) -> dict[str, Any] | None:
     return {"rank": rank, "state": "hung", "exit_code": None, "step": hang["step"],
             "t": hang["ended_t"], "error": hang["summary"], "peer_loss": [],
             "text": f"the job {hang['summary']}"}
+
+
+def _failed_before_hang(st: JobState, failure: dict[str, Any]) -> bool:
+    """True when the `failure` of `st` happened before its kept hang began (`hang_after_s`
+    after the last step): a rank vanished when it was last heard of, another when it ended."""
+    view, end = st.ranks.get(failure["rank"]), st.hang_end
+    when = view.last_seen_t if view is not None and view.state in VANISHED_STATES else None
+    when = failure["t"] if when is None else when
+    return (end is not None and when is not None and end["last_step_t"] is not None
+            and when < end["last_step_t"] + st.hang_after_s)

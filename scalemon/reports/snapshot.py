@@ -10,11 +10,11 @@ from typing import Any
 
 from scalemon import metrics, throughput
 from scalemon.reports import groups
-from scalemon.reports.hangs import first_failure, job_hang, last_hang
+from scalemon.reports.hangs import end_text, first_failure, job_hang, last_hang
 from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
 from scalemon.reports.stragglers import stragglers_json
 from scalemon.state import alerts as alerting
-from scalemon.state.jobstate import JobState, RankView
+from scalemon.state.jobstate import JOB_ENDED_STATES, JobState, RankView
 
 RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("json", True))
 """The `RankView` fields `to_json` writes as they are, in declaration order."""
@@ -22,10 +22,13 @@ RANK_JSON_FIELDS = tuple(f.name for f in fields(RankView) if f.metadata.get("jso
 
 def rank_json(view: RankView, now: float | None = None) -> dict[str, Any]:
     """One rank: identity and state, then every metric under its own name, its tokens/s
-    (`scalemon.throughput`) with its source."""
+    (`scalemon.throughput.rank_figure_at`: live as of `now`, and as of its last step) with
+    its source."""
     out = {name: getattr(view, name) for name in RANK_JSON_FIELDS}
     out.update(view.metrics)
-    out["tokens_per_s"], out["tokens_per_s_source"] = throughput.view_figure(view)
+    figure = throughput.rank_figure_at(view, time.time() if now is None else now)
+    out["tokens_per_s"], out["last_tokens_per_s"] = figure.live, figure.last
+    out["tokens_per_s_source"] = figure.source
     out["extra"] = dict(view.extra)
     out["alerts"] = alerting.rank_alerts(view.rank, view.alerts)
     for m in metrics.KEPT:
@@ -38,17 +41,19 @@ def snapshot_json(st: JobState, now: float | None = None) -> dict[str, Any]:
     """The whole state as JSON-ready data (what `scalemon snapshot --json` prints)."""
     now = time.time() if now is None else now
     hang = job_hang(st, now)
-    tokens_per_s, tokens_source = throughput.state_figure(st)
+    tokens = throughput.state_figure(st, now)
     ranks = [{**rank_json(st.ranks[r], now), "mesh": st.mesh(r),
               "flags": st.flags.values_of(r)} for r in sorted(st.ranks)]
     return {
         "job": st.job,
         "world_size": st.world_size,
         "state": "hung" if hang else st.state,
-        "tokens_per_s": tokens_per_s,  # the ranks' summed, tp and pp peers once
-        "tokens_per_s_source": tokens_source,
+        "tokens_per_s": tokens.live,  # the running ranks' summed, a tp group x pipeline once
+        "last_tokens_per_s": tokens.last,  # as of their last steps, whatever their state
+        "tokens_per_s_source": tokens.source,
         "alerts": st.alerts(),
         "stop": dict(st.stop) if st.stop else None,
+        "end": end_text(st) if st.state in JOB_ENDED_STATES else None,
         "messages": st.messages,
         "started_t": st.started_t,
         "last_t": st.last_t,

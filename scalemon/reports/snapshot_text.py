@@ -20,6 +20,7 @@ from scalemon.policy import (
 )
 from scalemon.reports import parallel_text
 from scalemon.reports.stragglers import ARRIVAL_BASIS, json_measure
+from scalemon.state.ending import with_reason
 from scalemon.text import display
 from scalemon.text.display import (
     AGGREGATE_AT,
@@ -176,7 +177,7 @@ def _extra_lines(ranks: list[dict[str, Any]], width: int) -> list[str]:
 def _frame_cell(key: str, rank: dict[str, Any]) -> str:
     if key == "state":
         reason = rank.get("state_reason")
-        text = rank["state"] + (f" ({reason})" if reason and reason != rank["state"] else "")
+        text = with_reason(rank["state"], reason)
         text += ", peer lost" if rank.get("peer_loss") else ""
         text += f"; monitor off: {rank['monitor_off']}" if rank.get("monitor_off") else ""
         alerts = rank.get("alerts") or []
@@ -219,6 +220,8 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
         who = f" by {stop['user']}@{stop['host']}" if stop.get("user") else ""
         lines.append(f"{state['state']}: the user asked{who}"
                      + (f" ({stop['reason']})" if stop.get("reason") else ""))
+    elif state["state"] == "stopped" and state.get("end"):  # by a signal: how the ranks ended
+        lines.append(f"stopped: {state['end']}")
     if state.get("first_failure"):
         lines.append(state["first_failure"]["text"])
     lines.extend(attempt_lines(state.get("attempts") or [], state.get("max_restarts")))

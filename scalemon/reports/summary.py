@@ -243,11 +243,13 @@ def _throughput(records: RunRecords, by_rank: Mapping[int, Mapping[str, Any]]
                 ) -> dict[str, Any]:
     """tokens/s (`scalemon.throughput`) of one rank (its figure as of each step, as the
     dashboard showed it then) and of the job (per step, `job_tokens_per_s` of the ranks'
-    figures: a tp group's or a pipeline's ranks once), median and p10 over the steps (p10: the
-    slow tail); `source`: `steps`, or `script` where a counted rank's is its script's own."""
+    figures: of a tp group x pipeline the member nearest coordinate 0 with figures,
+    `throughput.counted`), median and p10 over the steps (p10: the slow tail); `source`:
+    `steps`, or `script` where a counted rank's is its script's own."""
     series = _series(records, "tokens_per_s")
     coords = {r: (by_rank.get(r) or {}).get("mesh") for r in series}
-    counted = {r: s for r, s in series.items() if s and throughput.counts_for_job(coords[r])}
+    counted = {r: series[r] for r in throughput.counted(
+        (r, coords[r]) for r in sorted(series) if series[r])}
     steps = set.intersection(*(set(s) for s in counted.values())) if counted else set()
     job: list[float] = []
     for step in sorted(steps):

@@ -24,10 +24,11 @@ from scalemon.collectives import CollectiveStats, P2PStats
 from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state import alerts as alerting
+from scalemon.state import ending, hangend
 from scalemon.state.arrival import ArrivalTracker
+from scalemon.state.ending import ENDED_RANK_STATES, TERMINAL_STATES, VANISHED_STATES
 from scalemon.state.failures import first_line, is_peer_loss, signal_text, without_guess
 from scalemon.state.flagstate import FlagState
-from scalemon.state.hangend import hang_end
 from scalemon.state.mesh import job_mesh, pipeline_info, rank_coords
 from scalemon.state.stepcomm import check_step_comm, set_step_comm
 from scalemon.text.ranks import ranks_text
@@ -39,18 +40,10 @@ HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
 EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
 logs a new name every step cannot grow the state without bound."""
-TERMINAL_STATES = ("exited", "finished", "stopped")
-"""Rank states of a process that ended and said so (or was stopped by its user)."""
-VANISHED_STATES = ("gone", "unreachable", "silent")
-"""Rank states of a rank that stopped sending and is taken for ended: its process is gone, or
-nothing can look at it (its node's relay is silent too, or no reader is on its node). A `frozen`
-rank's process still exists: it has not ended (the job hangs on it, `reports.hangs`)."""
-ENDED_RANK_STATES = (*TERMINAL_STATES, *VANISHED_STATES)
 JOB_ENDED_STATES = ("finished", "stopped", "crashed", "lost")
-"""Job states of a job whose every rank ended: every rank finished; the user stopped it; a rank
-failed first with an error of its own; the job lost a rank first: it vanished without an exit
-(gone, unreachable or silent)."""
-STOPPED_BY_USER = "stopped by user"
+"""Job states of a job whose every rank ended: every rank finished; the user stopped it, or its
+ranks ended by a stop signal (`ending.STOP_SIGNALS`); a rank failed first with an error of its
+own; the job lost a rank first: it vanished without an exit (gone, unreachable or silent)."""
 
 
 def _no_values() -> dict[str, Any]:
@@ -95,6 +88,9 @@ class RankView:
     reader), kept after the rank speaks again until its next hello."""
     peer_loss: bool = False
     """Exited with an error that reads like a peer's death (`failures.is_peer_loss`)."""
+    end_signal: str | None = field(default=None, metadata=_INTERNAL)
+    """"SIGTERM": the stop signal its `exit` says it ended by (`ending.stop_signal`): the rank
+    was stopped, it did not fail."""
     monitor_off: str | None = None
     """Why this rank's agent switched itself off (`monitor_off` message); None while it runs."""
     step: int | None = None
@@ -188,7 +184,8 @@ class JobState:
     max_restarts: int | None = None
     """The launcher's restart budget, as the ranks' hellos said (None: not known)."""
     hang_end: dict[str, Any] | None = field(default=None, repr=False)
-    """The hang the job was in when its first rank ended or its user stopped it (`hangend`)."""
+    """The hang the job was in when its first rank ended abnormally or its user stopped it
+    (`hangend`): kept until a new attempt or run of the job, or news that it was no hang."""
 
     def __post_init__(self) -> None:
         # message type -> handler, looked up once (subclasses may override `_on_<type>`)
@@ -248,7 +245,7 @@ class JobState:
         view.device, view.backend = b.get("device"), b.get("backend")
         view.agent_version, view.torch_version = b.get("agent_version"), b.get("torch_version")
         view.state, view.state_reason, view.exit_code, view.error = "running", None, None, None
-        view.ended_t, view.peer_loss, view.monitor_off = None, False, None
+        view.ended_t, view.peer_loss, view.monitor_off, view.end_signal = None, False, None, None
         view.comm_hook, view.step_comm = False, None
         view.token_window.clear()  # a new process: no step ended before its first
         self.world_size = max(self.world_size or 0, b["world_size"])
@@ -280,8 +277,10 @@ class JobState:
         view.token_window.add(b.get("tokens"), b.get("step_time_s"))
         own_rate = "tokens_per_s" in view.extra  # the script's: never mixed with the steps'
         view.derived = metrics.derived_values(b, None if own_rate else view.token_window.rate())
+        if self.hang_end is not None:
+            hangend.forget(self, msg.rank, msg.t)  # a step ended: the job ran then
         if view.state in SILENT_RANK_STATES:
-            _speaks_again(view)
+            _speaks_again(self, view)
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
@@ -290,7 +289,7 @@ class JobState:
         if view.host is not None and isinstance(offset, (int, float)):
             self.host_offsets.setdefault(view.host, {})[msg.rank] = offset
         if view.state in SILENT_RANK_STATES:
-            _speaks_again(view)
+            _speaks_again(self, view)
 
     def _on_collectives(self, msg: Message, view: RankView) -> None:
         b = msg.body
@@ -350,8 +349,8 @@ class JobState:
     def _on_exit(self, msg: Message, view: RankView) -> None:
         b = msg.body
         state = {"finished": "finished", "restart": "restarting"}.get(b["reason"], "exited")
-        if state == "exited":
-            self._note_hang_end(msg.t)  # before this rank's end changes the job
+        if state == "exited" and hangend.abnormal_exit(b):
+            hangend.note(self, msg.t)  # before this rank's end changes the job
         view.state, view.state_reason = state, signal_text(b) or b["reason"]
         if view.state == "exited" and self.stop is not None:
             view.state, view.state_reason = "stopped", self.stop_text(view.state_reason)
@@ -359,6 +358,7 @@ class JobState:
         view.error = b.get("error")
         view.ended_t = msg.t
         view.peer_loss = view.state == "exited" and is_peer_loss(view.error)
+        view.end_signal = ending.stop_signal(b) if view.state in ("exited", "stopped") else None
         if b.get("dropped") is not None:
             view.metrics["dropped"] = b["dropped"]
 
@@ -402,8 +402,8 @@ class JobState:
         state = "silent" if b["state"] == "lost" else b["state"]  # a hub before 1.12 said lost
         if state == "running" and view.state in ENDED_RANK_STATES:
             return None  # never brings back a rank that ended
-        if state in (*VANISHED_STATES, "exited"):  # it died after it was last heard of
-            self._note_hang_end(msg.t, view.last_seen_t)  # before its end changes the job
+        if state in VANISHED_STATES or (state == "exited" and b.get("exit_code") != 0):
+            hangend.note(self, msg.t, view.last_seen_t, view.rank)  # it died after last heard
         view.state, view.state_reason = state, b.get("reason")
         if b.get("process") is not None:
             view.process = b["process"]
@@ -436,6 +436,7 @@ class JobState:
             return
         if current is not None:
             current.update(self._attempt_end(t))
+            self.hang_end = None  # the last attempt's hang: this one has none yet
         self.attempts.append({"attempt": count, "start": t, "end": None, "how": None,
                               "first_failure": None, "last_step": None})
 
@@ -476,26 +477,19 @@ class JobState:
             current["first_failure"] = failure["text"] if failure else None
         return [*(dict(a) for a in self.attempts[:-1]), current]
 
-    def _note_hang_end(self, t: float, alive_t: float | None = None) -> None:
-        """Keep the hang the job is in as a rank ends at `t` (`hangend`), where the rank was
-        still alive (`alive_t`, else `t`) after the hang began: once, cheap checks first."""
-        if (self.hang_end is None and self.stop is None and self.last_step_t is not None
-                and (t if alive_t is None else alive_t) - self.last_step_t >= self.hang_after_s
-                and self.hang_possible()):
-            self.hang_end = hang_end(self, t)
-
     def _on_job_stop(self, msg: Message) -> None:
-        self._note_hang_end(msg.t)
+        hangend.note(self, msg.t)
         self.stop = {"t": msg.t, "reason": msg.body.get("reason"),
                      "user": msg.body.get("user"), "host": msg.body.get("host")}
 
     def stop_text(self, how: str | None = None) -> str:
-        """"stopped by user (scalemon demo: q; process 4242 gone)": why a rank that ended
-        after the user's stop request is `stopped`, with what the rank or the hub saw."""
-        stop = self.stop or {}
-        who = f"{stop['user']}@{stop['host']}" if stop.get("user") and stop.get("host") else ""
-        details = [d for d in (stop.get("reason"), who, how) if d]
-        return STOPPED_BY_USER + (f" ({'; '.join(details)})" if details else "")
+        """"stopped by the user (scalemon demo: q, ann@node1); process 4242 gone": why a rank
+        that ended after the user's stop request is `stopped`, with what the rank or the hub
+        saw (`how`); without a stop request, how the job's ranks ended ("ended by SIGTERM
+        (ranks 0,1, exit 143)": a job `stopped` by a signal)."""
+        if self.stop is None:
+            return how or ending.ranks_end_text(self.ranks)
+        return ending.stop_text(self.stop, how)
 
     def alerts(self) -> list[dict[str, Any]]:
         """The job's training-health alerts, one per kind over the ranks (`state.alerts`)."""
@@ -506,10 +500,14 @@ class JobState:
         """Ranks that failed (lost, or exited with a non-zero code or an error), in the order
         that explains the job: ranks that failed for a reason of their own before those that
         only lost a peer, each kind earliest first. A script that just ends without calling
-        `finish()` exits with no code and no error (its agent's atexit): not a failure."""
+        `finish()` exits with no code and no error (its agent's atexit), and a rank ended by
+        a stop signal (`end_signal`) was stopped: not failures; nor are ranks that only lost a
+        peer where some rank was stopped so (the peer that went away)."""
         views = [v for v in self.ranks.values()
-                 if v.state in VANISHED_STATES or (v.state == "exited" and (
+                 if v.state in VANISHED_STATES or (v.state == "exited" and not v.end_signal and (
                      v.exit_code not in (0, None) or v.error or v.peer_loss))]
+        if all(v.peer_loss for v in views) and any(v.end_signal for v in self.ranks.values()):
+            return []
         return sorted(views, key=lambda v: (v.peer_loss, v.ended_t or float("inf"), v.rank))
 
     def first_failure(self) -> dict[str, Any] | None:
@@ -547,7 +545,8 @@ class JobState:
                 return "restarting"
             if failed:
                 return "lost" if failed[0].state in VANISHED_STATES else "crashed"
-            return "stopped" if "stopped" in states else "finished"
+            stopped = "stopped" in states or any(v.end_signal for v in views)
+            return "stopped" if stopped else "finished"
         if "restarting" in states:
             return "restarting"
         if self.stop is not None:
@@ -578,8 +577,10 @@ class JobState:
             *JOB_ENDED_STATES, "waiting", "restarting", "stopping")
 
 
-def _speaks_again(view: RankView) -> None:
-    """A rank the hub took for frozen, gone or unreachable sent a message: it runs."""
+def _speaks_again(st: JobState, view: RankView) -> None:
+    """A rank the hub took for frozen, gone or unreachable sent a message: it runs (and a hang
+    kept as it vanished was none: `hangend.forget`)."""
+    hangend.forget(st, view.rank)
     view.state, view.state_reason, view.where = "running", None, None
     view.process = None
     if view.ended_t is not None and view.exit_code is None:

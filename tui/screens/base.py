@@ -13,7 +13,12 @@ from ..model import DashboardData
 class DataScreen(Screen[None]):
     """A screen that draws the job: the app calls `refresh_view` when the data changed, and
     once more whenever the screen is shown again (what it drew may be stale: another screen
-    was drawn meanwhile, the plot mode changed there)."""
+    was drawn meanwhile, the plot mode changed there). The screen itself never scrolls (its
+    scroll bar would sit over the footer): its widgets scroll, each in its own room."""
+
+    DEFAULT_CSS = """
+    DataScreen { overflow: hidden hidden; }
+    """
 
     def on_screen_resume(self) -> None:
         """Shown (again): draw everything at the next tick."""

@@ -116,9 +116,10 @@ class FlagsScreen(DataScreen):
                                text-style: bold; }
     FlagsScreen #flags-status { height: auto; padding: 0 1; }
     FlagsScreen #flags-info { height: auto; padding: 0 1; }
-    FlagsScreen #flags-table { height: auto; max-height: 60%; margin: 0 1; }
+    FlagsScreen #flags-table { height: 1fr; min-height: 4; margin: 0 1;
+                               scrollbar-size-horizontal: 0; }
     FlagsScreen #flags-why { height: auto; padding: 0 1; margin-bottom: 1; }
-    FlagsScreen #flags-audit { height: 1fr; padding: 0 1; }
+    FlagsScreen #flags-audit { height: auto; max-height: 40%; padding: 0 1; }
     FlagsScreen #flags-audit > Static { height: auto; }
     """
 
@@ -135,7 +136,7 @@ class FlagsScreen(DataScreen):
         table: DataTable = DataTable(cursor_type="row", id="flags-table")
         table.add_column("flag", key="name")
         table.add_column("tier", key="tier")
-        table.add_column("value in effect", key="value")
+        table.add_column("value", key="value")  # as in effect: fits 60 columns
         for name in NAMES:
             table.add_row(name, "", "", key=name)
         yield table

@@ -34,7 +34,8 @@ class HangScreen(DataScreen):
     HangScreen #hang-title { height: auto; padding: 0 1; background: $error; color: $text;
                              text-style: bold; }
     HangScreen #hang-text { height: auto; padding: 1 2; text-style: bold; }
-    HangScreen #hang-body > Static { height: auto; padding: 0 1; }
+    HangScreen #hang-body { scrollbar-size-vertical: 1; }
+    HangScreen #hang-body > Static { height: auto; padding: 0 0 0 1; }
     HangScreen #hang-body > .section { margin-top: 1; }
     """
 
@@ -113,22 +114,14 @@ def _table(view: HangView) -> Fit:
     caption = Text(f"(+{len(rest)} ranks, {waiting} of them waiting in the collective)",
                    style="dim") if rest else None
     shown = view.rows[:TABLE_ROWS]
-    widths = [(longest_word if heading == "in flight" else widest)(
-        [*heading.split("\n"), *(row.cells[i] for row in shown)])
-        for i, heading in enumerate(view.headings)]
     tables: list[tuple[int, Table]] = []
-    for padding, need in (((0, 1), cells_width(widths, 2, 1)),
-                          ((0, 1, 0, 0), cells_width(widths, 1) + 1)):
-        table = Table(box=None, padding=padding, header_style="bold", expand=False,
-                      caption=caption, caption_justify="left")
-        for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
-            lines = heading.split("\n")  # each line shown as typed
-            title = Text("\n").join(literal_text(line, one_line=True) for line in lines)
-            table.add_column(title, no_wrap=heading != "in flight")
-        for row in view.rows[:TABLE_ROWS]:
-            style = ROLE_STYLES[row.role]
-            table.add_row(*(literal_text(c, style=style) for c in row.cells))
-        tables.append((need, table))
+    for wrapping in ((), ("frame",), ("in flight",)):  # "in flight" on one line where it fits
+        widths = [(longest_word if heading in wrapping else widest)(
+            [*heading.split("\n"), *(row.cells[i] for row in shown)])
+            for i, heading in enumerate(view.headings)]
+        for padding, need in (((0, 1), cells_width(widths, 2, 1)),
+                              ((0, 1, 0, 0), cells_width(widths, 1) + 1)):
+            tables.append((need, _rank_table(view, padding, wrapping, caption)))
     lines = Text()
     for row in view.rows[:TABLE_ROWS]:
         words = [f"{heading.replace(chr(10), ' ')} {cell}" if heading != "role" else cell
@@ -138,6 +131,21 @@ def _table(view: HangView) -> Fit:
     if caption is not None:
         lines.append("\n").append_text(caption)
     return Fit(*tables, lines)
+
+
+def _rank_table(view: HangView, padding: tuple[int, ...], wrapping: tuple[str, ...],
+                caption: Text | None) -> Table:
+    """The ranks' table, its cells `padding` apart, the columns `wrapping` names wrapped."""
+    table = Table(box=None, padding=padding, header_style="bold", expand=False,
+                  caption=caption, caption_justify="left")
+    for heading in view.headings:  # "<group>\nissued/done": group names come from ranks
+        lines = heading.split("\n")  # each line shown as typed
+        title = Text("\n").join(literal_text(line, one_line=True) for line in lines)
+        table.add_column(title, no_wrap=heading not in wrapping)
+    for row in view.rows[:TABLE_ROWS]:
+        style = ROLE_STYLES[row.role]
+        table.add_row(*(literal_text(c, style=style) for c in row.cells))
+    return table
 
 
 def _why(view: HangView) -> Text:

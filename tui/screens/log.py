@@ -7,13 +7,14 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.events import Resize
 from textual.widgets import Input, Static
 
 from ..messages import RedrawNeeded
 from ..model import DashboardData
 from ..safe_text import clean
 from ..views.log import (
-    QUERY_HELP,
+    QUERY_HELPS,
     LogFilter,
     LogView,
     log_view,
@@ -51,7 +52,7 @@ class LogScreen(DataScreen):
 
     def compose(self) -> ComposeResult:
         yield Static(TITLE, id="log-title")
-        yield Input(self.query_text, placeholder=f"filter: {QUERY_HELP}", compact=True,
+        yield Input(self.query_text, placeholder=f"filter: {QUERY_HELPS[0]}", compact=True,
                     id="log-filter")
         yield Static(id="log-counts")
         with VerticalScroll(id="log-body"):
@@ -60,6 +61,13 @@ class LogScreen(DataScreen):
 
     def on_mount(self) -> None:
         self.query_one("#log-body").focus()
+
+    def on_resize(self, event: Resize) -> None:
+        """The filter's hint that fits the width whole (`QUERY_HELPS`)."""
+        field = self.query_one("#log-filter", Input)
+        room = event.size.width - 3  # the field's margins, the cursor
+        field.placeholder = next((f"filter: {h}" for h in QUERY_HELPS if len(h) + 8 <= room),
+                                 f"filter: {QUERY_HELPS[-1]}")
 
     # ---- drawing -------------------------------------------------------------------------
 

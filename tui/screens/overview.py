@@ -42,7 +42,7 @@ class OverviewScreen(DataScreen):
                 Binding("g", "group_by", "Group by mesh axis")]
     DEFAULT_CSS = """
     OverviewScreen { layout: vertical; }
-    OverviewScreen #plots { grid-size: 2 2; grid-gutter: 0 1; height: 1fr; min-height: 8; }
+    OverviewScreen #plots { grid-size: 2 2; grid-gutter: 0 1; height: 1fr; min-height: 6; }
     OverviewScreen #watch { height: 9; display: none; }
     OverviewScreen #slowest { width: 34; }
     OverviewScreen #nodes { display: none; }

@@ -24,6 +24,7 @@ class PickJobScreen(Screen[str]):
     DEFAULT_CSS = """
     PickJobScreen #pick-title { padding: 1 2; }
     PickJobScreen OptionList { margin: 0 2; height: auto; max-height: 80%; }
+    PickJobScreen OptionList, PickJobScreen OptionList:focus { border: none; }
     """
 
     def __init__(self, jobs: list[JobFile]) -> None:
@@ -33,8 +34,8 @@ class PickJobScreen(Screen[str]):
     def compose(self) -> ComposeResult:
         yield Static(f"{pick_title(self.jobs)}: pick one (↑/↓, Enter)", id="pick-title")
         # Text: a str prompt is read as markup, and a host name is none
-        yield OptionList(*(Option(literal_text(_label(j), one_line=True), id=j.job)
-                           for j in self.jobs))
+        yield OptionList(*(Option(literal_text(label, one_line=True), id=j.job)
+                           for j, label in zip(self.jobs, labels(self.jobs), strict=True)))
         yield KeysFooter()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
@@ -54,9 +55,14 @@ def pick_title(jobs: list[JobFile]) -> str:
     return f"{live} live and {len(jobs) - live} ended jobs"
 
 
-def _label(j: JobFile) -> str:
-    """A job's line: id, state (running, or how it ended), world size, start, hub."""
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started))
-    world = "?" if j.world_size is None else str(j.world_size)
-    return (f"{j.job}   {j.state}   world size {world}   since {started}   "
-            f"hub pid {j.pid} on {j.host}")
+def labels(jobs: list[JobFile]) -> list[str]:
+    """Each job's line, in columns: id, state (running, or how it ended), world size, start
+    and hub (last: on a narrow terminal it wraps onto a line of its own)."""
+    if not jobs:
+        return []
+    ids, states = (max(len(f(j)) for j in jobs) for f in (lambda j: j.job, lambda j: j.state))
+    worlds = ["?" if j.world_size is None else str(j.world_size) for j in jobs]
+    wide = max(map(len, worlds))
+    return [f"{j.job:<{ids}}  {j.state:<{states}}  world size {world:>{wide}}  since "
+            f"{time.strftime('%m-%d %H:%M', time.localtime(j.started))}  "
+            f"hub pid {j.pid} on {j.host}" for j, world in zip(jobs, worlds, strict=True)]

@@ -79,15 +79,24 @@ def hang_view(data: DashboardData, now: float | None = None) -> HangView:
         offsets = {r: st.clock_offset(v) for r, v in st.ranks.items()}
         labels = {name: group_desc(st.groups, name) for name in st.groups}  # the heading has ranks
         hosts = {str(r): v.host for r, v in st.ranks.items()}
+        ends = {r: end_word(v.state, v.exit_code) for r, v in st.ranks.items()}
     groups = _group_columns(hang)
     headings = ("rank", "role", "state", "step", "phase", "stuck s", "frame",
                 *(f"{g}\nissued/done" for g in groups), "in flight")
     rows = [_row(int(r), _role(hang, int(r)), info, groups, labels,
                  at - offsets.get(int(r), 0.0)) for r, info in hang["ranks"].items()]
     rows.sort(key=lambda r: (_ORDER[r.role], r.rank))  # the culprits on top, however many
+    if ended is not None:  # the analysis as of the hang, each rank's state as of now: its end
+        rows = [HangRow(r.rank, r.role, (*r.cells[:2], ends.get(r.rank, NA), *r.cells[3:]))
+                for r in rows]
     text = hang["text"] if ended is None else f"{ended['summary']}\n{hang['text']}"
     return HangView(True, text, headings, rows, _stacks(rows, hang), dump,
                     _ras(hang.get("nccl_ras") or {}, hosts), _why(hang), ended is not None)
+
+
+def end_word(state: str, exit_code: int | None) -> str:
+    """A rank's state in the table of a job that ended hung: "exited 143", "stopped", "gone"."""
+    return f"{state} {exit_code}" if state == "exited" and exit_code is not None else state
 
 
 WHY_LINES = 24

@@ -42,8 +42,9 @@ class Summary:
     step_max: int | None
     steps_per_s: float | None
     tokens_per_s: float | None
-    """The job's (`scalemon.throughput.state_figure`): the sum of the rows' tok/s, a tp group's
-    or a pipeline's ranks counted once."""
+    """The job's live figure (`scalemon.throughput.state_figure`): the sum of the running
+    ranks' rows' tok/s, a tp group's or a pipeline's ranks counted once (0 once no step came
+    for a while: hung, stalled; None when no rank trains)."""
     elapsed_s: float | None
     dropped: int
     gaps: int
@@ -93,7 +94,7 @@ def _waiting_text(data: DashboardData, now: float) -> str:
     if data.launched_t is None:
         return "waiting for ranks: none has reported yet"
     took = max(0.0, now - data.launched_t)
-    return (f"starting: torchrun launched {took:.0f} s ago, its ranks import torch (the first "
+    return (f"starting: the ranks import torch (torchrun launched {took:.0f} s ago; the first "
             "run takes ~10 s)...")
 
 
@@ -133,7 +134,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
     step_rates = [s for r, t in data.tracks.items()
                   if st.ranks.get(r) is not None and st.ranks[r].state == "running"
                   and (s := t.steps_per_s(now)) is not None]
-    tokens_per_s, tokens_source = throughput.state_figure(st)
+    tokens = throughput.state_figure(st, now)  # running ranks only, 0 after a quiet spell
     ended = job_state in JOB_ENDED_STATES
     elapsed = None
     if st.started_t is not None:
@@ -145,7 +146,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         state_text=state_text, step_min=min(steps) if steps else None,
         step_max=max(steps) if steps else None,
         steps_per_s=statistics.median(step_rates) if step_rates else None,
-        tokens_per_s=tokens_per_s,
+        tokens_per_s=tokens.live,
         elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
         gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
         stragglers=stragglers, straggler_basis=basis, conn=data.conn,
@@ -153,7 +154,7 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         flag_note=flag_note, flag_style=flag_style,
         failure=failure["text"] if failure else "",
         alert="; ".join(a["text"] for a in st.alerts()),
-        tokens_label=throughput.LABELS[tokens_source or throughput.STEPS],
+        tokens_label=throughput.LABELS[tokens.source or throughput.STEPS],
     )
 
 

@@ -29,6 +29,9 @@ GLOO_HELP = ("no log lines yet: this job's ranks use gloo, which writes no NCCL 
                             for name, value in GLOO_FLAGS)
              + " — torch's lines appear here as the ranks write them")
 QUERY_HELP = "rank:0,2  src:nccl|stderr|all  sub:INFO|WARN|AllReduce|...  other words: text"
+QUERY_HELPS = (QUERY_HELP, "rank:0,2  src:nccl|stderr  sub:INFO|WARN|...  other words: text",
+               "rank:0,2  src:nccl  sub:INFO  words: text", "rank:  src:  sub:  text")
+"""`QUERY_HELP`, then shorter for narrower terminals: each whole, never cut."""
 
 
 @dataclass

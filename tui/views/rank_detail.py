@@ -16,6 +16,7 @@ from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.reports.hangs import first_failure
 from scalemon.state import alerts as alerting
+from scalemon.state.ending import with_reason
 from scalemon.state.fold import RankTrack
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
@@ -91,10 +92,10 @@ def _why_empty(metric: Metric, view: RankView) -> str:
 def _facts(data: DashboardData, v: RankView, now: float, track: RankTrack | None
            ) -> list[tuple[str, str]]:
     steps_s = track.steps_per_s(now) if track is not None else None
-    tokens_s, source = throughput.view_figure(v)  # the rank's row and --json figure
+    tokens_s, _, source = throughput.rank_figure_at(v, now)  # the rank's row and --json figure
     m = v.metrics
     facts = [
-        ("state", v.state + (f" ({v.state_reason})" if v.state_reason else "")
+        ("state", with_reason(v.state, v.state_reason)
          + _failure_note(data, v)),
         ("host / pid", f"{v.host or NA} / {display.text_of(v.pid)}"),
         ("device / backend", f"{v.device or NA} / {v.backend or NA}"),

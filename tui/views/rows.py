@@ -77,6 +77,7 @@ def rank_values(v: RankView, now: float,
                 values[m.name] = late.get(v.rank)
             else:
                 values[m.name] = v.value(m.name, now)
+    values["tokens_per_s"] = throughput.rank_figure_at(v, now).live  # none once it stops
     return values
 
 
