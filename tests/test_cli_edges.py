@@ -408,6 +408,21 @@ def test_snapshot_of_an_unknown_job_points_to_jobs_and_the_last_ended_job(
            in typo.stderr
 
 
+def test_a_mistyped_job_id_names_the_closest_and_jobs_ended_whose_hubs_linger(
+        home: Path, start_hub: Callable[..., HubProcess], zctx: zmq.Context):
+    """A repeat of the new-user pass: `snapshot nu-hng` named older jobs and not nu-hang,
+    which had just ended and whose hub still lingered to serve it."""
+    hub = start_hub("nu-hang", "--linger", "60")
+    _end_job(hub, zctx, crash=False)
+    typo = scalemon("snapshot", "nu-hng", home=home)
+    assert typo.returncode == 2
+    assert "no live hub for job 'nu-hng' (did you mean nu-hang?)" in typo.stderr
+    assert "the last job to end: nu-hang (finished at " in typo.stderr
+    assert ", its hub lingers)" in typo.stderr
+    far = scalemon("snapshot", "zzz", home=home)
+    assert "did you mean" not in far.stderr
+
+
 # ---- item 9: the wait for ranks says what is going on ------------------------------------------
 
 def test_the_demos_header_tells_its_start_up_then_how_many_ranks_connected(

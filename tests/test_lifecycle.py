@@ -82,7 +82,7 @@ def test_a_demo_job_quit_from_the_dashboard_is_stopped_by_user_also_when_replaye
             assert rank["exit_code"] == 143
         text = scalemon(home, "snapshot", job).stdout
         assert "state stopped" in text.splitlines()[0]
-        assert "stopped: the user asked by" in text and "failed" not in text
+        assert text.splitlines()[1].startswith("stopped by ") and "failed" not in text
     finally:
         for p in job_processes(job):
             p.kill()

@@ -4,6 +4,7 @@ files of hubs that serve, checked before they are trusted, and why a job has no 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import stat
@@ -88,8 +89,9 @@ STALE_JOB_FILE_S = 7 * 24 * 3600.0
 
 
 def ended_jobs(home: Path | None = None) -> list[JobFile]:
-    """Job files of jobs whose hubs no longer serve (ended, or the hub died), the most recent
-    end first; files not to be trusted or unreadable are left out."""
+    """Job files of jobs that ended (whether or not their hub still lingers to serve them)
+    or whose hub no longer serves (it died while the job ran), the most recent end first;
+    files not to be trusted or unreadable are left out."""
     directory = jobs_dir(home)
     if not os.path.lexists(directory):
         return []
@@ -101,7 +103,7 @@ def ended_jobs(home: Path | None = None) -> list[JobFile]:
             jf.check_trusted()
         except (ValueError, OSError):  # UnsafePathError (an OSError): said by serving_jobs
             continue
-        if not jf.serving():
+        if jf.state != "running" or not jf.serving():
             found.append(jf)
     return sorted(found, key=lambda j: j.hub_stopped or j.ended or j.started, reverse=True)
 
@@ -123,6 +125,8 @@ def ended_jobs_text(home: Path | None = None, count: int = 3) -> str:
                              time.localtime(jf.ended or jf.hub_stopped or jf.started))
         how = (f"{jf.state} at {when}" if jf.state != "running" else
                f"its hub exited or died while it ran, started {when}")
+        if jf.state != "running" and jf.serving():
+            how += ", its hub lingers"
         said.append(f"{jf.job} ({how})")
     first = jobs[0].job
     try:
@@ -158,6 +162,18 @@ def hub_gone_text(job: str, home: Path | None = None) -> str | None:
     return None
 
 
+def closest_job(target: str, home: Path | None = None) -> str:
+    """" (did you mean ID?)" naming the known job (a job file's id) closest to a mistyped
+    `target`; "" when none is close."""
+    directory = jobs_dir(home)
+    try:
+        ids = [path.stem for path in directory.glob("*.json")] if directory.is_dir() else []
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(target, [i for i in ids if i != target], n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubAddress]:
     """Turn what the user typed (nothing, a job id or an address) into (job, address)."""
     if target and ("://" in target):
@@ -168,7 +184,8 @@ def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubA
             if jf.job == target:
                 return jf.job, jf.hub_address()
         names = ", ".join(j.job for j in serving if j.state == "running") or "none"
-        raise JobLookupError(f"no live hub for job {target!r} (live jobs: {names})")
+        raise JobLookupError(f"no live hub for job {target!r}{closest_job(target, home)} "
+                             f"(live jobs: {names})")
     jobs = default_jobs(home, clean=False)
     if not jobs:
         where = jobs_dir(home)

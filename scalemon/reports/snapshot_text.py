@@ -217,9 +217,9 @@ def format_snapshot(state: dict[str, Any], width: int = 60, group_by: str | None
     ]
     if state.get("stop") and state["state"] in ("stopped", "stopping"):
         stop = state["stop"]
-        who = f" by {stop['user']}@{stop['host']}" if stop.get("user") else ""
-        lines.append(f"{state['state']}: the user asked{who}"
-                     + (f" ({stop['reason']})" if stop.get("reason") else ""))
+        who = f"{stop['user']}@{stop['host']}" if stop.get("user") else "its user"
+        words = "stopped by" if state["state"] == "stopped" else "stopping: asked by"
+        lines.append(f"{words} {who}" + (f" ({stop['reason']})" if stop.get("reason") else ""))
     elif state["state"] == "stopped" and state.get("end"):  # by a signal: how the ranks ended
         lines.append(f"stopped: {state['end']}")
     if state.get("first_failure"):
