@@ -63,7 +63,13 @@ def test_a_signal_to_scalemon_demo_stops_its_job_and_the_job_reads_stopped(home:
             demo.send_signal(signal.SIGTERM)  # `timeout 5 scalemon demo`, `kill`
         else:
             tmux.kill()  # the terminal goes away: SIGHUP
-        wait_for(lambda: not job_processes(job), timeout=45, interval=0.5)  # no orphan
+        try:
+            wait_for(lambda: not job_processes(job), timeout=45, interval=0.5)  # no orphan
+        except AssertionError:
+            left = [(p.pid, p.status(), " ".join(p.cmdline())[:120]) for p in job_processes(job)]
+            log = home / "demo" / f"{job}.log"
+            raise AssertionError(f"left running: {left}; the demo's log ends: "
+                                 f"{log.read_text()[-1500:] if log.exists() else None}") from None
         if how == "SIGTERM":
             assert wait_for(lambda: (home / "exit").exists() and (home / "exit").read_text(),
                             timeout=30) == "DEMO-EXIT=143\n"
@@ -191,3 +197,36 @@ def test_a_torchrun_killed_with_sigterm_reads_stopped_not_crashed(home: Path, tm
         kill_tree(proc)
         for p in job_processes(job):
             p.kill()
+
+
+def test_a_signal_stops_the_job_itself_where_the_dashboard_cannot_exit(monkeypatch):
+    """Its terminal gone (SIGHUP), Textual's output thread dies on the write error and the app
+    then blocks on its full queue: it never exits, and the demo never reached its stop (a
+    fresh-clone CI run left the job running). The signal's thread stops the job itself."""
+    import threading
+    import time
+
+    from scalemon.cli import demo as demo_cli
+
+    class StuckApp:
+        is_running = True
+
+        def call_from_thread(self, _fn):
+            threading.Event().wait()  # the app's loop never runs it
+
+        exit = None
+
+    stopped, ended = threading.Event(), []
+    monkeypatch.setattr(demo_cli.SignalStop, "APP_EXIT_S", 0.5)
+    monkeypatch.setattr(demo_cli.os, "_exit", lambda code: ended.append(code))
+    stopper = demo_cli.SignalStop()
+    with stopper:
+        stopper.app = StuckApp()
+        stopper.fallback = stopped.set
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stopped.wait(10), "the job was not stopped"
+        end = time.monotonic() + 5
+        while not ended and time.monotonic() < end:
+            time.sleep(0.05)
+    assert ended == [128 + signal.SIGHUP]
+    assert stopper.reason == "scalemon demo: SIGHUP"

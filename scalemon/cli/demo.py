@@ -382,15 +382,23 @@ class SignalStop:
     quits, then `demo` stops the job (telling its hub first: its ranks read `stopped`) and its
     hub, and exits with 128 + the signal's number. Without this a signal would kill the demo
     alone, leaving torchrun, the ranks and the hub running (their own session: no terminal
-    signal reaches them). A handler only records the signal; a thread asks the app to exit."""
+    signal reaches them). A handler only records the signal; a thread asks the app to exit.
+    Where the app does not exit within `APP_EXIT_S` (its terminal went away: Textual's output
+    thread dies on the write error and the app then blocks on its full queue), that thread
+    stops the job itself (`fallback`) and ends the process."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+    APP_EXIT_S = 5.0
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.app: Any = None  # the dashboard, once made
         self.done = False
         self._asked = threading.Event()
+        self.app_ended = threading.Event()
+        """Set once the dashboard returned (or never started)."""
+        self.fallback: Any = None
+        """Stops the job where the app cannot exit: set once the job started."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SignalStop:
@@ -418,15 +426,26 @@ class SignalStop:
         self._asked.set()
 
     def _quit_app(self) -> None:
-        """Once a signal came: make the app exit, as soon as it runs (and while it does)."""
+        """Once a signal came: make the app exit, as soon as it runs (and while it does); where
+        it does not within `APP_EXIT_S`, stop the job from here (`fallback`) and end."""
         self._asked.wait()
-        while not self.done:
+        while not self.done and not self.app_ended.is_set():
             app = self.app
             if app is not None and app.is_running:
-                with contextlib.suppress(RuntimeError):  # it ended meanwhile
-                    app.call_from_thread(app.exit)
-                    return
+                # in a thread of its own: call_from_thread waits for an app that may be stuck
+                threading.Thread(target=self._exit_app, args=(app,), daemon=True).start()
+                break
             time.sleep(0.05)
+        if self.done or self.app_ended.wait(self.APP_EXIT_S) or self.fallback is None:
+            return
+        with contextlib.suppress(Exception):
+            self.fallback()
+        os._exit(128 + (self.signum or signal.SIGTERM))
+
+    @staticmethod
+    def _exit_app(app: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # it ended meanwhile
+            app.call_from_thread(app.exit)
 
 
 def default_job_id() -> str:
@@ -469,6 +488,7 @@ def demo(args: argparse.Namespace) -> int:
     app_code = 1
     with SignalStop() as stopper:
         proc, log_path = start_job(args, job)
+        stopper.fallback = lambda: stop_job(proc, job, log_path=log_path, reason=stopper.reason)
         try:
             if stopper.signum is None:
                 stopper.app = DashboardApp(HubFeed(job=job), job_process=proc, job_log=log_path)
@@ -476,6 +496,7 @@ def demo(args: argparse.Namespace) -> int:
             else:  # stopped before its dashboard started
                 app_code = 0
         finally:
+            stopper.app_ended.set()
             with PatientStop(job, stop_budget_s()) as patient:  # Ctrl-C: told to wait
                 code = proc.poll()  # None while it runs: the quit stops it
                 if code is None:
