@@ -293,7 +293,7 @@ def test_a_rank_ended_by_sigterm_says_so_and_still_dies_by_it(start_hub, where):
         ready = proc.stdout.readline()
         assert ready.startswith("ready"), ready + proc.stderr.read()
         wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
-                 and r[0]["step"] == 1)
+                 and r[0]["step"] == 1, timeout=60)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
@@ -306,7 +306,7 @@ def test_a_rank_ended_by_sigterm_says_so_and_still_dies_by_it(start_hub, where):
         return
     assert code == -signal.SIGTERM and took < 5.0, (code, took)  # died by it, as before
     view = wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
-                    and r[0]["state"] != "running" and r[0])
+                    and r[0]["state"] != "running" and r[0], timeout=60)
     assert (view["state"], view["state_reason"], view["exit_code"]) == (
         "exited", "ended by SIGTERM, exit 143", 143), view
     assert view["step"] == 1
@@ -347,7 +347,7 @@ def test_a_handler_chaining_to_the_agents_sigterm_handler_stops_its_own_way(star
         proc.kill()
     assert code == 0 and "stopped my way" in proc.stdout.read(), (code, proc.stderr.read())
     view = wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
-                    and r[0]["state"] != "running" and r[0])
+                    and r[0]["state"] != "running" and r[0], timeout=60)
     assert (view["state"], view["exit_code"]) == ("finished", 0), view
 
 
@@ -412,7 +412,7 @@ def test_a_main_thread_back_from_native_code_runs_no_user_code_while_the_exit_is
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (r := HubClient(hub.address).state()["state"]["ranks"])
-                 and r[0]["step"] == 1)
+                 and r[0]["step"] == 1, timeout=60)
         hub.kill()
         proc.stdin.write("go\n")
         proc.stdin.flush()
