@@ -16,10 +16,11 @@ the table, and any value its check refuses, raises `FlagError` naming what was w
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from scalemon.options import did_you_mean
 
 LIVE = "live"
 NEW_COMMUNICATOR = "new communicator"
@@ -170,9 +171,7 @@ def check(name: str, value: str) -> Flag:
     flag = FLAGS.get(name)
     if flag is None:
         known = ", ".join(FLAGS)
-        upper = {known_name.upper(): known_name for known_name in FLAGS}
-        close = difflib.get_close_matches(name.upper(), upper, n=1, cutoff=0.8)
-        guess = f" (did you mean {upper[close[0]]}?)" if close else ""
+        guess = did_you_mean(name, FLAGS, cutoff=0.8, fold=str.upper)
         if name.startswith(("NCCL_", "TORCH_")):
             raise FlagError(f"{name} is not among the flags scalemon can change (unknown or not "
                             f"safe to change in a running job){guess}; it changes: {known}")

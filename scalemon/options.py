@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from scalemon.protocol import check_job_id
@@ -33,6 +33,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6,
+                 fold: Callable[[str], str] | None = None) -> str:
+    """" (did you mean NAME?)" naming the choice closest to a mistyped `word` (both compared
+    after `fold`, e.g. `str.upper`, where given); "" when none is closer than `cutoff`. One
+    wording for options, commands, flags and job ids."""
+    by_key = {(fold(c) if fold else c): c for c in choices}
+    close = difflib.get_close_matches(fold(word) if fold else word, by_key, n=1, cutoff=cutoff)
+    return f" (did you mean {by_key[close[0]]}?)" if close else ""
+
+
 def unrecognized_text(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """argparse's "unrecognized arguments: ..." with the closest option of `parser` for each
     unknown one ("--restrat (did you mean --restart?)")."""
@@ -40,8 +50,7 @@ def unrecognized_text(parser: argparse.ArgumentParser, extras: list[str]) -> str
     words = []
     for word in extras:
         name = word.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1) if name.startswith("-") else []
-        words.append(f"{word} (did you mean {close[0]}?)" if close else word)
+        words.append(word + (did_you_mean(name, known) if name.startswith("-") else ""))
     return "unrecognized arguments: " + " ".join(words)
 
 
@@ -83,8 +92,7 @@ class Parser(argparse.ArgumentParser):
         if choices is None or value in choices or not isinstance(value, str):
             return super()._check_value(action, value)
         names = [str(c) for c in choices]
-        close = difflib.get_close_matches(value, names, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = did_you_mean(value, names)
         raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from "
                                              f"{', '.join(map(repr, names))})")
 

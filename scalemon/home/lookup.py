@@ -4,7 +4,6 @@ files of hubs that serve, checked before they are trusted, and why a job has no 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import stat
@@ -19,6 +18,7 @@ from scalemon.home.safefs import (
     UnsafePathError,
     check_dir,
 )
+from scalemon.options import did_you_mean
 from scalemon.settings import node_name
 
 log = logging.getLogger("scalemon")
@@ -170,8 +170,7 @@ def closest_job(target: str, home: Path | None = None) -> str:
         ids = [path.stem for path in directory.glob("*.json")] if directory.is_dir() else []
     except OSError:
         return ""
-    close = difflib.get_close_matches(target, [i for i in ids if i != target], n=1, cutoff=0.7)
-    return f" (did you mean {close[0]}?)" if close else ""
+    return did_you_mean(target, [i for i in ids if i != target], cutoff=0.7)
 
 
 def resolve_hub(target: str | None, home: Path | None = None) -> tuple[str, HubAddress]:
