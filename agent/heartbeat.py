@@ -1,4 +1,8 @@
-"""Once a second, from a daemon thread: what the training thread is doing, and host/GPU load."""
+"""Once a second, from a daemon thread: what the training thread is doing, and host/GPU load.
+
+While the rank completes steps, a big job's hub asks for fewer heartbeats (`stepping_s`, from
+the answer to the rank's sync: `scalemon.policy.heartbeat_stepping_s`); the steps tell it the
+rank lives. A rank that stops stepping, or is found stuck, beats every second again at once."""
 
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class Heartbeat:
         interval_s: float = 1.0,
         warnings: Warnings | None = None,
         chore: Callable[[float], None] | None = None,
+        stepping_s: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.phase = phase
         self.warnings = warnings or Warnings()
@@ -51,6 +56,11 @@ class Heartbeat:
         self.interval_s = interval_s
         self.chore = chore
         """Called after each beat with time.monotonic() (the stack reader kept named)."""
+        self.stepping_s = stepping_s
+        """The interval while steps flow (None: every `interval_s`)."""
+        self._sent_step: int | None = None
+        self._sent_at = float("-inf")
+        self._forced = False
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # prime: the next call measures from here
         self._stop = threading.Event()
@@ -71,11 +81,23 @@ class Heartbeat:
             **self.counters(),
         }
         self.submit("heartbeat", body)
+        self._sent_step, self._sent_at = body["step"], time.monotonic()
         return body
 
+    def due(self, now: float) -> bool:
+        """True when a reading should go now: always, unless the rank completed a step since
+        the last one and that one is younger than the stepping interval."""
+        step = self.phase.step
+        every = self.stepping_s()
+        if every is None or every <= self.interval_s or step is None or step == self._sent_step:
+            return True
+        return now - self._sent_at >= every - 0.5 * self.interval_s
+
     def _beat_safely(self) -> None:
+        forced, self._forced = self._forced, False
         try:
-            self.beat()
+            if forced or self._stop.is_set() or self.due(time.monotonic()):
+                self.beat()
             if self.chore is not None:
                 self.chore(time.monotonic())
         except Exception as exc:  # keep beating; a heartbeat is never worth a crash
@@ -93,6 +115,7 @@ class Heartbeat:
 
     def wake(self) -> None:
         """Send a reading now (from any thread), not at the next interval."""
+        self._forced = True
         self._wake.set()
 
     def stop(self) -> None:

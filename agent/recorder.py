@@ -59,6 +59,7 @@ from scalemon.collectives import (
 from scalemon.policy import HANG_AFTER_S
 
 from . import c10d
+from .frsummary import write_beside
 from .p2p import OpIds, P2PTimer
 from .recorder_p2p import P2PReader
 from .rings import RecorderSource, find_sources, group_uses_nccl
@@ -83,6 +84,21 @@ completed, gloo calls without their duration) before it takes them as they are; 
 join timeout of `stop()`."""
 
 
+GROUP_LISTED_BY_ALL = 1024
+"""A process group of more ranks than this has its members listed by its first rank only; the
+others send its size (at 16,384 ranks every rank listing the default group would send the hub
+16,384 x 16,384 rank numbers as the job starts)."""
+
+
+def wire_group(group: dict[str, Any], rank: int | None) -> dict[str, Any]:
+    """A group as this rank says it in `collectives.groups`: its members, or for a big group
+    of which this rank is not the first, none and its `size`."""
+    ranks = group.get("ranks") or []
+    if len(ranks) <= GROUP_LISTED_BY_ALL or rank is None or rank == min(ranks):
+        return group
+    return {"desc": group.get("desc", ""), "ranks": [], "size": len(ranks)}
+
+
 class Recorder:
     """Reads the Flight Recorder from a daemon thread and sends what it found."""
 
@@ -105,8 +121,11 @@ class Recorder:
         start: bool = True,
         p2p: P2PTimer | None = None,
         host_issuing: set[object] | None = None,
+        rank: int | None = None,
     ) -> None:
         self.submit = submit
+        self.rank = rank
+        """This rank's global rank: a big group's members are sent by its first rank only."""
         self.training_thread = training_thread
         self.last_log = last_log
         self.current_step = current_step
@@ -370,7 +389,8 @@ class Recorder:
             self.fields["stack"] = self.training_stack()
             self.fields["p2p_inflight"] = self.p2p_reader.inflight()
         self.p2p_reader.learn_groups(self._group_info)
-        new_groups = {n: g for n, g in self._group_info.items() if n not in self._groups_sent}
+        new_groups = {n: wire_group(g, self.rank) for n, g in self._group_info.items()
+                      if n not in self._groups_sent}
         if stats.rows or issues or new_groups or steps or p2p.rows:
             if len(issues) > MAX_ISSUES:
                 issues = issues[-MAX_ISSUES:]
@@ -562,6 +582,7 @@ class Recorder:
                 written.append(str(path))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
+        write_beside(directory, rank, written, self.warnings)  # the analysis reads it instead
         result = {"directory": directory, "files": written, "error": error}
         self.submit("info", {"key": "fr_dump", "value": result})
         return result

@@ -203,7 +203,7 @@ class Run:
             os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
         self.recorder = Recorder(
             self.sender.submit, threading.get_ident(), lambda: self._last_log_t,
-            lambda: self.phase.step, nccl=self._nccl,
+            lambda: self.phase.step, nccl=self._nccl, rank=self.env.rank,
             ras_port=ras_port() if self._nccl and self.env.local_rank == 0 else None,
             host_calls=self.host_timer.calls if self.host_timer else None,
             host_issuing=self.host_timer.issuing if self.host_timer else None,
@@ -228,7 +228,8 @@ class Run:
         self.gpu = GpuReader(*self._gpu_ids(), warnings=self.warnings)
         self.stack_reader = ReaderNaming(self.address.ingest)  # may read it (Yama scope 1)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
-                                   heartbeat_s, self.warnings, chore=self.stack_reader.check)
+                                   heartbeat_s, self.warnings, self.stack_reader.check,
+                                   lambda: self.sender.heartbeat_stepping_s)
         self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
         self._previous_excepthook, sys.excepthook = sys.excepthook, self._excepthook
         install_end_hooks(self)  # atexit, and SIGTERM's exit (agent/sigexit.py)

@@ -90,6 +90,7 @@ class Sender:
         self._next_sync = 0.0
         self._sync_refused = False
         self.hang_after_s: float | None = None  # the hub's hang threshold, once it answered
+        self.heartbeat_stepping_s: float | None = None  # the hub's, once it answered (1.13)
         self.dropped = 0  # changed under _drop_lock: several threads drop
         self.sent = 0
         self._drop_lock = threading.Lock()
@@ -309,6 +310,9 @@ class Sender:
         hang_after = reply.get("hang_after_s")  # the hub's threshold: the agent's too
         if isinstance(hang_after, (int, float)) and hang_after > 0:
             self.hang_after_s = float(hang_after)
+        beat = reply.get("heartbeat_stepping_s")  # how often to beat while steps flow
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat <= 60:
+            self.heartbeat_stepping_s = float(beat)
         t0, hub_t = reply.get("t0"), reply.get("t")
         if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
             self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))

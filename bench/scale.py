@@ -60,12 +60,18 @@ from scalemon.home.address import HubAddress
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.link.client import HubClient
+from scalemon.policy import HANG_AFTER_S
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 REDRAW_P99_MS = 100.0
 DASHBOARD_CPU_PCT = 50.0
 ATTACH_S = 5.0
+HUB_MAIN_PCT = 50.0
+"""The hub's main thread, in % of one core (issue #40: at 16,384 ranks, 1 step/s)."""
+HUB_RSS_MB = 1024.0
+HANG_NAMED_S = HANG_AFTER_S + 10.0
+"""A hang named within the threshold + 10 s of the last step."""
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -84,6 +90,11 @@ class Case:
         self.runtime.mkdir(mode=0o700)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SCALEMON_")}
         self.env.update(SCALEMON_HOME=str(self.home), SCALEMON_RUNTIME_DIR=str(self.runtime))
+        self.alerts_path = self.home / "alerts.jsonl"
+        self.culprit = ranks // 2 + 3 if ranks > 8 else ranks - 1
+        if args.hang:  # the hub's own alerts say when it named the hang, and whom
+            self.env["SCALEMON_ALERT_CMD"] = (
+                f"sh -c 'cat >> {self.alerts_path}; echo >> {self.alerts_path}'")
         self.hub: subprocess.Popen | None = None
         self.workers: list[tuple[mp.Process, Any]] = []
         self.tmux_server = f"smscale-{os.getpid()}-{ranks}"
@@ -130,7 +141,8 @@ class Case:
             plan = Plan(job=self.job, home=str(self.home), runtime_dir=str(self.runtime),
                         world_size=self.ranks, nodes=share,
                         ranks_per_node=self.args.ranks_per_node, rate=self.rate,
-                        seconds=self.args.seconds, sync_s=self.args.sync_s)
+                        seconds=self.args.seconds, sync_s=self.args.sync_s,
+                        hang_s=self.args.hang, hang_culprit=self.culprit)
             parent, child = spawn.Pipe()
             proc = spawn.Process(target=run_worker, args=(plan, child, self.args.worker_nice),
                                  daemon=True)
@@ -259,7 +271,7 @@ class Case:
             conn.send(("go", start_t))
         procs_before = process_cpu()
         results: dict[int, dict[str, Any]] = {}
-        give_up = time.monotonic() + self.args.seconds * 3 + 90
+        give_up = time.monotonic() + self.args.seconds * 3 + self.args.hang + 90
         while len(results) < len(self.workers) and time.monotonic() < give_up:
             self.sample(client)
             for i, (proc, conn) in enumerate(self.workers):
@@ -271,6 +283,7 @@ class Case:
             time.sleep(0.5)
         if len(results) < len(self.workers):
             raise RuntimeError("workers did not finish in time")
+        self.hang = self.hang_found(max(r["t_last_step_wall"] for r in results.values()))
         self.busiest_others = busiest_others(procs_before, process_cpu(), time.time() - start_t,
                                              self.own_pids())
         load_end = max(r["t_last_monotonic"] for r in results.values())
@@ -287,7 +300,28 @@ class Case:
                  + (f"; replaying them all instead: {attach['replay_s']:.2f} s"
                     if attach["replay_s"] is not None else ""))
         return self.figures(results, state, dash, attach, start_t, load_end_wall,
-                            drained_at - load_end, rss_idle, jf)
+                            drained_at - max(r["t_end_monotonic"] for r in results.values()),
+                            rss_idle, jf)
+
+    def hang_found(self, last_step_wall: float) -> dict[str, Any]:
+        """When the hub's alert named the hang after the last step, and whom (`--hang`)."""
+        if not self.args.hang:
+            return {}
+        alerts = []
+        with contextlib.suppress(OSError):
+            for line in self.alerts_path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    alerts.append(json.loads(line))
+        hang = next((a for a in alerts if a.get("kind") == "hang"), None)
+        found = {"hang_s": self.args.hang, "hang_culprit_planted": self.culprit,
+                 "alerts": len(alerts)}
+        if hang is None:
+            self.log(f"the hub named no hang in {self.args.hang:g} s")
+            return {**found, "hang_named_after_s": None, "hang_culprits": None}
+        after = float(hang["t"]) - last_step_wall
+        self.log(f"hang named {after:.1f} s after the last step: {hang['text'][:160]}")
+        return {**found, "hang_named_after_s": after, "hang_culprits": hang.get("ranks"),
+                "hang_text": hang["text"][:300]}
 
     def own_pids(self) -> set[int]:
         """This run's processes: the bench, the hub, the workers, the dashboard, its tmux."""
@@ -348,20 +382,26 @@ class Case:
         seconds_taken = max(r["seconds_taken"] for r in results.values())
         ticks = min(r["ticks_sent"] for r in results.values())
         ticks_planned = int(round(self.args.seconds * self.rate))
-        per_hb = max(1, int(round(self.rate)))
-        planned = self.ranks * (ticks_planned + ticks_planned // per_hb + 4)
+        heartbeats = sum(r["heartbeats_sent"] for r in results.values())
+        # every step, the heartbeats the ranks sent (every second, or every
+        # `heartbeat_stepping_s` while stepping in a big job), hello and exit
+        planned = self.ranks * (ticks_planned + 2) + heartbeats + 1  # rank 0 says the group once
         load = self.window(start_t, load_end_wall)
         redraws = sorted(dash["redraw_ms"]) if dash and dash.get("redraw_ms") else []
         dash_received = (sum(dash["by_type"].get(t, 0) for t in
-                             ("hello", "step", "heartbeat", "exit")) if dash else None)
+                             ("hello", "step", "heartbeat", "exit", "collectives"))
+                          if dash else None)
         row = {
             "ranks": self.ranks, "nodes": self.nodes, "ranks_per_node": self.args.ranks_per_node,
             "workers": len(self.workers), "steps_per_s_per_rank": self.rate,
             "seconds": self.args.seconds, "sync_every_s": self.args.sync_s,
-            "target_msgs_per_s": self.ranks * (self.rate + 1.0),
+            "target_msgs_per_s": self.ranks * self.rate + (
+                sum(r["heartbeats_in_load"] for r in results.values()) - self.ranks)
+            / self.args.seconds,
             # steps and heartbeats (not the 4 start and end messages) over the time taken
             "achieved_msgs_per_s": (sent - 4 * self.ranks) / seconds_taken
             if seconds_taken else None,
+            "heartbeats_sent": heartbeats,
             "ticks_planned": ticks_planned, "ticks_sent": ticks,
             "seconds_taken": seconds_taken,
             "tick_lag_p50_s": max(r["lag_p50_s"] or 0 for r in results.values()),
@@ -383,6 +423,8 @@ class Case:
             "hub_relays": hub["relays"],
             "hub_relays_dropped": sum(int(b.get("dropped") or 0) for b in hub_relays.values()),
             "syncs_answered": sum(r["syncs_answered"] for r in results.values()),
+            "syncs_answered_by_relays": sum(r["syncs_answered_by_relays"]
+                                            for r in results.values()),
             "sync_rtt_p50_ms": _ms(statistics.median(
                 [r["sync_rtt_p50_s"] for r in results.values() if r["sync_rtt_p50_s"]] or [0])),
             "sync_rtt_p99_ms": _ms(max(r["sync_rtt_p99_s"] or 0 for r in results.values())),
@@ -431,6 +473,7 @@ class Case:
             cpu = row[f"{who}_cpu_pct"]
             row[f"{who}_cpu_us_per_msg"] = (cpu * 1e4 / rate) if cpu is not None and rate \
                 else None
+        row.update(self.hang)
         row["delivered_all"] = row["unaccounted"] == 0 and row["seq_gaps"] == (
             rank_dropped + relay_dropped)
         row["kept_schedule"] = (ticks == row["ticks_planned"]
@@ -444,7 +487,15 @@ class Case:
             "nothing_lost": row["unaccounted"] == 0 and rank_dropped + relay_dropped == 0,
             "redraw_p99": None if redraw is None else redraw <= REDRAW_P99_MS,
             "dashboard_cpu": None if dash_cpu is None else dash_cpu <= DASHBOARD_CPU_PCT,
-            "attach": row["attach_s"] <= ATTACH_S}
+            "attach": row["attach_s"] <= ATTACH_S,
+            "hub_main_thread": (None if row["hub_main_thread_cpu_pct"] is None
+                                else row["hub_main_thread_cpu_pct"] <= HUB_MAIN_PCT),
+            "hub_rss": (None if row["hub_rss_peak_mb"] is None
+                        else row["hub_rss_peak_mb"] <= HUB_RSS_MB),
+            "hang_named": (None if not self.args.hang else
+                           row["hang_named_after_s"] is not None
+                           and row["hang_named_after_s"] <= HANG_NAMED_S
+                           and self.culprit in (row["hang_culprits"] or []))}
         return row
 
     def close(self) -> None:
@@ -663,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(others' processes under --quiet-pct)")
     p.add_argument("--quiet-pct", type=float, default=25.0, metavar="PCT",
                    help="idle enough: CPU in use by others, in %% of one core")
+    p.add_argument("--hang", type=float, default=0.0, metavar="S",
+                   help="after the load, the job hangs S seconds (one rank stuck in its data "
+                        "loader, the others in an all-reduce) before its ranks exit; the hub's "
+                        "alert command ($SCALEMON_ALERT_CMD) times when it names the hang")
     p.add_argument("--keep", action="store_true", help="keep each run's home (logs, history)")
     p.add_argument("--replay", action="store_true",
                    help="also time a late attach that replays the whole history (no seed)")
@@ -696,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
               "target_msgs_per_s": r["target_msgs_per_s"]} for r in rows if r["sustained"]),
             key=lambda x: x["target_msgs_per_s"], default=None),
         "goals": {"redraw_p99_ms": REDRAW_P99_MS, "dashboard_cpu_pct": DASHBOARD_CPU_PCT,
-                  "attach_s": ATTACH_S, "unaccounted": 0},
+                  "attach_s": ATTACH_S, "unaccounted": 0, "hub_main_thread_cpu_pct": HUB_MAIN_PCT,
+                  "hub_rss_peak_mb": HUB_RSS_MB, "hang_named_after_s": HANG_NAMED_S},
     }
     for r in rows:
         goals = ", ".join(f"{k} {'n/a' if v is None else 'yes' if v else 'NO'}"

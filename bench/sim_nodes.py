@@ -55,6 +55,11 @@ class Plan:
     """A `sync` round trip per rank this often (the agent's default); 0: none."""
     drain_s: float = 3.0
     """After the last message: keep the relays forwarding and reporting this long."""
+    hang_s: float = 0.0
+    """After the last step: the job hangs this long before its ranks exit (0: no hang). Rank
+    `hang_culprit` is stuck in its data loader; the others wait in the next all-reduce; every
+    rank beats every second, as the agent's stuck ranks do."""
+    hang_culprit: int = 0
 
 
 @dataclass
@@ -67,6 +72,12 @@ class _Rank:
     dropped: int = 0
     sync_sent: float | None = None
     rtts: list[float] = field(default_factory=list)
+    beat_every_s: float = 1.0
+    """The heartbeat interval while stepping, as the answers to its syncs say (the agent's
+    `Heartbeat.due`)."""
+    last_beat_tick: int = 0
+    heartbeats: int = 0
+    relay_answered: int = 0
 
 
 class NodeSim(SimJob):
@@ -91,8 +102,11 @@ class Node:
         from scalemon.relay.forward import Relay
 
         self.name = name
+        index = first_rank // plan.ranks_per_node  # each node its own loopback address, as
+        source = f"127.{1 + index // 62500}.{index // 250 % 250}.{index % 250 + 1}"  # hosts
         self.relay = Relay(plan.job, relay_dir(plan.job, name), home=Path(plan.home),
-                           linger_s=3600.0, node=name)  # one process stands for many nodes
+                           linger_s=3600.0, node=name,  # one process stands for many nodes
+                           source=source)
         self.relay.open(ctx)
         local = HubAddress.for_directory(self.relay.directory)
         self.sim = NodeSim(job=plan.job, ranks=plan.ranks_per_node)
@@ -125,13 +139,39 @@ class Node:
             body.update(host=self.name, pid=100_000 + r.rank, world_size=world_size)
             self.send(r, "hello", body, t)
             self.send(r, "heartbeat", self._heartbeat(r, None), t)
+            if r.rank == 0:  # the job's process group, said once (its members for the hang)
+                from scalemon.tui.sim import GROUP
 
-    def step(self, step: int, t: float, bodies: list[dict[str, Any]], heartbeat: bool) -> None:
-        """Each rank's `step` (`bodies` by local rank), and its heartbeat when due."""
+                self.send(r, "collectives", {"groups": {GROUP: {
+                    "desc": "default_pg", "ranks": list(range(world_size))}},
+                    "stats": [], "issues": []}, t)
+
+    def step(self, step: int, t: float, bodies: list[dict[str, Any]], rate: float) -> None:
+        """Each rank's `step` (`bodies` by local rank), and its heartbeat when due: every
+        second, or every `beat_every_s` while it steps, as the agent."""
         for r, body in zip(self.ranks, bodies, strict=True):
             self.send(r, "step", body, t)
-            if heartbeat:
+            every = max(1, int(round(rate * max(1.0, r.beat_every_s))))
+            if step - r.last_beat_tick >= every:
+                r.last_beat_tick = step
                 self.send(r, "heartbeat", self._heartbeat(r, step), t)
+
+    def hang_beat(self, step: int, t: float, stuck_s: float, culprit: int) -> None:
+        """Each rank's heartbeat while the job hangs after `step` (`SimJob.hang`'s bodies)."""
+        from scalemon.tui.sim import _STACK_BACKWARD, _STACK_DATA, GROUP
+
+        for r in self.ranks:
+            late = r.rank == culprit
+            body = self._heartbeat(r, step)
+            seq = body["collectives_issued"]
+            body.update(phase="python" if late else "collective",
+                        phase_since_s=max(0.0, stuck_s),
+                        groups={GROUP: [seq if late else seq + 1, seq]},
+                        collectives_issued=seq + (not late), collectives_completed=seq,
+                        inflight=None if late else [[GROUP, seq + 1, "all_reduce",
+                                                     t - stuck_s]],
+                        stack=_STACK_DATA if late else _STACK_BACKWARD)
+            self.send(r, "heartbeat", body, t)
 
     def finish(self, step: int, t: float) -> None:
         """The agent's `finish()`: a last heartbeat, then `exit`."""
@@ -141,6 +181,7 @@ class Node:
                                   "dropped": r.dropped}, t)
 
     def _heartbeat(self, r: _Rank, step: int | None) -> dict[str, Any]:
+        r.heartbeats += 1
         body = self.sim.heartbeat(r.local, step)
         body["dropped"] = r.dropped
         return body
@@ -166,7 +207,11 @@ class Node:
         if r.sync_sent is not None:
             r.rtts.append(now - r.sync_sent)
         r.sync_sent = None
-        protocol.decode_reply(frame)
+        reply = protocol.decode_reply(frame)
+        beat = reply.get("heartbeat_stepping_s")
+        if isinstance(beat, (int, float)) and beat > 0:
+            r.beat_every_s = float(beat)
+        r.relay_answered += reply.get("via") == "relay"
         return True
 
     def close(self) -> None:
@@ -230,7 +275,6 @@ class Worker:
         """The whole simulation from wall time `start_t`; returns its counts."""
         plan = self.plan
         ticks = max(1, int(round(plan.seconds * plan.rate)))
-        per_hb = max(1, int(round(plan.rate)))  # a heartbeat every second
         while time.time() < start_t:
             self.service_relays(min(ROUND_S, max(0.0, start_t - time.time())))
         self.relay_cpu_s = self.rank_cpu_s = 0.0  # the run's only
@@ -259,7 +303,7 @@ class Worker:
                 wall = time.time()
                 bodies = self.sim.step_bodies(tick, wall)
                 for node in self.nodes:
-                    node.step(tick, wall, bodies, heartbeat=tick % per_hb == 0)
+                    node.step(tick, wall, bodies, plan.rate)
                 now = time.monotonic()
             if sync_every:
                 for _ in range(n):  # the round trips due by now, in turn
@@ -284,10 +328,15 @@ class Worker:
                 self.rank_cpu_s += time.thread_time() - c0
         t_last = time.monotonic()
         cpu1 = os.times()
+        t_last_wall = time.time()
+        load_heartbeats = sum(r.heartbeats for _, r in self.ranks)
+        if plan.hang_s > 0:
+            self.hang(tick, t_last_wall)
         c0 = time.thread_time()
         for node in self.nodes:
             node.finish(tick, time.time())
         self.rank_cpu_s += time.thread_time() - c0
+        t_end = time.monotonic()  # the last message sent (after the hang, if any)
         end = time.monotonic() + plan.drain_s
         while time.monotonic() < end:  # the relays forward the rest and report their counts
             self.service_relays(ROUND_S)
@@ -295,7 +344,8 @@ class Worker:
         stats = [node.relay.stats() for node in self.nodes]
         rtts = sorted(x for _, r in self.ranks for x in r.rtts)
         return {
-            "t0_monotonic": t0, "t_last_monotonic": t_last,
+            "t0_monotonic": t0, "t_last_monotonic": t_last, "t_last_step_wall": t_last_wall,
+            "t_end_monotonic": t_end,
             "ticks_planned": ticks, "ticks_sent": tick,
             "seconds_planned": plan.seconds, "seconds_taken": t_last - t0,
             "lag_p50_s": _pct(lags, 0.5), "lag_p99_s": _pct(lags, 0.99),
@@ -303,10 +353,27 @@ class Worker:
             "ranks": {r.rank: [r.seq, r.dropped] for _, r in self.ranks},
             "relays": {node.name: stats[i] for i, node in enumerate(self.nodes)},
             "syncs_answered": answered,
+            "syncs_answered_by_relays": sum(r.relay_answered for _, r in self.ranks),
+            "heartbeats_sent": sum(r.heartbeats for _, r in self.ranks),
+            "heartbeats_in_load": load_heartbeats,
             "sync_rtt_p50_s": _pct(rtts, 0.5), "sync_rtt_p99_s": _pct(rtts, 0.99),
             "rank_cpu_s": self.rank_cpu_s, "relay_cpu_s": self.relay_cpu_s,
             "process_cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
         }
+
+    def hang(self, step: int, t_last: float) -> None:
+        """The job hangs after `step` for `plan.hang_s`: no rank steps; every rank beats
+        every second; the relays go on forwarding."""
+        plan = self.plan
+        end = time.monotonic() + plan.hang_s
+        next_beat = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_beat:
+                next_beat += 1.0
+                wall = time.time()
+                for node in self.nodes:
+                    node.hang_beat(step, wall, wall - t_last, plan.hang_culprit)
+            self.service_relays(ROUND_S)
 
     def close(self) -> None:
         for node in self.nodes:
@@ -329,7 +396,7 @@ def run_worker(plan: Plan, conn: Connection, nice: int = 0) -> None:
     worker = None
     try:
         worker = Worker(plan)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120 + 0.5 * len(plan.nodes)
         while not worker.connected() and time.monotonic() < deadline:
             worker.service_relays(ROUND_S)
         conn.send(("ready", worker.connected()))

@@ -13,6 +13,7 @@ with the reason: on a hang, that is a finding.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,6 +28,8 @@ WAIT_S = 15.0
 """How long the ranks have to write their dumps."""
 ANALYSIS_MAX_CHARS = 20_000
 ANALYSIS_TIMEOUT_S = 300.0
+ANALYSIS_NICE = 10
+"""The analysis runs niced: on the hub's node the hub's loop comes first."""
 REPORT_MAX_BYTES = 256 << 10
 """The analysis in the history record at most; beyond, the per-rank rows stay in the file."""
 SILENT_MEANING = {
@@ -157,9 +160,12 @@ def job_context(state: Any, asked: list[int], written: list[int],
 
 def analyse_apart(directory: Path) -> tuple[dict[str, Any] | None, str]:
     """`scalemon dump --dir DIRECTORY --json` in a process of its own: thousands of ranks'
-    rings take GBs and seconds of CPU that the hub's loop must not wait for. Returns the
-    report (None when it failed) and the analysis as text (or why there is none)."""
+    rings take seconds of CPU on every core (the analysis reads them in worker processes) that
+    the hub's loop must not wait for. Returns the report (None when it failed) and the
+    analysis as text (or why there is none); its stderr is no terminal: no progress lines."""
     cmd = [sys.executable, "-m", "scalemon.cli", "dump", "--dir", str(directory), "--json"]
+    if nice := shutil.which("nice"):  # its workers take what the hub's loop leaves
+        cmd = [nice, "-n", str(ANALYSIS_NICE), *cmd]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=ANALYSIS_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -84,7 +84,7 @@ class Intake:
                 except ProtocolError as exc:
                     self.reject(exc, len(frame))
                     continue
-                seq = core.history.append(frame)
+                seq = core.history.append(frame, _cover(msg))
                 accepted.append(frame)
                 core.liveness.heard(msg.rank, now)
                 self.apply(seq, msg)
@@ -229,11 +229,18 @@ class Intake:
             log.error("not writing a %s record of %d bytes (over the %d limit)", mtype,
                       len(frame), protocol.MAX_MESSAGE_BYTES)
             return None
-        seq = core.history.append(frame)
-        self.apply(seq, protocol.decode(frame))
+        msg = protocol.decode(frame)
+        seq = core.history.append(frame, _cover(msg))
+        self.apply(seq, msg)
         core.history.flush()
         feed.send_multipart([core.topic, protocol.pack_seq(seq), frame])
         return seq
+
+
+def _cover(msg: protocol.Message) -> tuple[str, int, int | None, float]:
+    """What record `msg` covers, for the history's index (`chunks.record_cover`'s rule)."""
+    step = msg.body.get("step") if msg.type == "step" else None
+    return msg.type, msg.rank, step if type(step) is int else None, msg.t
 
 
 def _cut_strings(value: Any, limit: int) -> Any:

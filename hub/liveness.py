@@ -20,6 +20,10 @@ from .relay_book import RelayBook
 RELAY_SILENT_S = 6.0
 """A silent rank is `unreachable` once its node's relay has not reported for this long (a
 relay reports every 2 s and sends an unanswered report again after 5 s)."""
+SCAN_RANKS_PER_S = 4096
+"""A scan of every rank's liveness costs some 2 us a rank: a job of more ranks than this is
+scanned less often than every housekeeping turn, once per `ranks / SCAN_RANKS_PER_S` seconds
+(4 s at 16,384 ranks; a rank is named silent after `lost_after_s`, 10 s or more)."""
 LOOK_AGAIN_S = 15.0
 """A rank on another node that is frozen, unreachable or silent is looked at again this
 often while its node's relay reports: it may have ended, or its relay be back."""
@@ -39,6 +43,8 @@ class Liveness:
         self._looking: dict[int, float] = {}  # silent ranks whose look is under way -> silent s
         self._looked: dict[int, float] = {}  # remote ranks -> when a look was last asked
         self.errors_said: set[str] = set()
+        self._next_scan = 0.0
+        self._lifecycle: tuple[float, str] | None = None  # (until, the job's state)
 
     def heard(self, rank: int, now: float) -> None:
         """Rank `rank` sent a message at `now` (monotonic)."""
@@ -67,7 +73,11 @@ class Liveness:
     def check(self, state: JobState, relays: RelayBook, looks: Looks,
               now: float) -> list[dict[str, Any]]:
         """The `rank_state` bodies to record now: running ranks silent for `lost_after_s`
-        (their looks asked for), frozen ranks whose process ended since."""
+        (their looks asked for), frozen ranks whose process ended since. A big job's ranks
+        are scanned at most every `len(ranks) / SCAN_RANKS_PER_S` seconds."""
+        if now < self._next_scan:
+            return []
+        self._next_scan = now + len(state.ranks) / SCAN_RANKS_PER_S
         found = []
         for rank, view in list(state.ranks.items()):
             silent = now - self.last_recv.get(rank, now)
@@ -199,7 +209,16 @@ class Liveness:
     def lifecycle_state(self, state: JobState, now: float) -> str:
         """The job state, plus `abandoned`: no rank runs (each ended, or is frozen) and none
         spoke for `linger_s`: ranks that never reported (elsewhere), a launcher's restart
-        that never came, ranks frozen for good (their stacks are in the history)."""
+        that never came, ranks frozen for good (their stacks are in the history). A big
+        job's state is looked at once per `len(ranks) / SCAN_RANKS_PER_S` seconds."""
+        cached = self._lifecycle
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        job_state = self._lifecycle_now(state, now)
+        self._lifecycle = (now + len(state.ranks) / SCAN_RANKS_PER_S, job_state)
+        return job_state
+
+    def _lifecycle_now(self, state: JobState, now: float) -> str:
         job_state = state.state
         views = state.ranks.values()
         if (job_state in ("running", "degraded", "stopping", "restarting") and views

@@ -5,15 +5,16 @@ node_exporter, in the Prometheus text format made by `prometheus_client`.
 `--metrics-file PATH` (or `$SCALEMON_METRICS_FILE`) writes the same text every few seconds,
 atomically (a temporary file in the same directory, renamed over the old one).
 
-Thread safety: the hub's state is changed by its main loop only. That loop builds the metric
-families from it (`families`) in its housekeeping, every `SNAPSHOT_S` seconds (less often when
-a build is slow: `BUILD_SHARE`), and swaps in the new list; the HTTP server's threads only
-read the latest list, never the state, so a scrape never sees a dict changing size. (Writing
-the text out still holds the GIL: at 4096 ranks about 0.4 s per scrape, ingest waits in its
-queues meanwhile.)
+Cardinality: by default the per-node and job aggregates of every per-rank gauge
+(`hub/metrics_families.py`); the series of every rank as well with
+`$SCALEMON_METRICS_PER_RANK=1`, or for one scrape with `/metrics?ranks=all`.
 
-A value not measured (None: no GPU, no optimizer, no step yet) has no sample; a loss that is
-NaN or infinite is exported as such (a real finding, not a missing value).
+Off the loop: the hub's loop only starts a render (`update`: a fork, `hub/metrics_render.py`)
+at most every `SNAPSHOT_S` seconds (less often where renders take long); the child builds the
+texts from its copy of the state and writes the file; the HTTP server's threads hand out the
+latest texts as bytes, never touching the state, so a scrape costs the loop nothing. A variant
+no render has made yet (`?ranks=all`, the OpenMetrics format) is asked of the next render, and
+its scrape waits for it (its own thread only).
 """
 
 from __future__ import annotations
@@ -21,103 +22,49 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import socket
 import socketserver
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
-from prometheus_client.exposition import generate_latest, make_wsgi_app
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
-from scalemon import settings, throughput
-from scalemon.reports.groups import collectives_table
-from scalemon.reports.hangs import job_hang
-from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
-from scalemon.state import alerts as alerting
+from scalemon import settings
 
 from . import METRICS_ENV, METRICS_FILE_ENV
+from .metrics_families import RANK_GAUGES, families
+from .metrics_render import ForkedRender, Rendered, Variant, render, temporary_file
 
 if TYPE_CHECKING:
     from scalemon.state.jobstate import JobState
 
+__all__ = ["RANK_GAUGES", "Exporter", "families", "parse_address", "start_exporter"]
+
 log = logging.getLogger("scalemon.hub")
 
 SNAPSHOT_S = 1.0
-"""The families served are rebuilt from the state at most this often..."""
-BUILD_SHARE = 0.05
-"""...and less often where a build takes longer, so that the hub's loop spends at most this
-share of its time on them (a 4096-rank job's build takes about 0.3 s: one every 6 s)."""
+"""A render starts at most this often..."""
+FORK_SHARE = 0.05
+"""...and less often where the fork stands the hub's loop still for long, so that it takes at
+most this share of the loop's time..."""
+RENDER_SHARE = 0.5
+"""...or where the render itself is long: the renders use at most this share of a core."""
 FILE_EVERY_S = 5.0
 """The metrics file is rewritten this often."""
+WANTED_S = 600.0
+"""A variant a scrape asked for is rendered until no scrape asked for it this long."""
+WAIT_S = 30.0
+"""The longest a scrape waits for a variant not rendered yet (then: 503)."""
 LOOPBACK = "127.0.0.1"
 _WILDCARDS = ("", "*", "0.0.0.0", "::")
-
-
-@dataclass(frozen=True)
-class RankGauge:
-    """One per-rank gauge: `scalemon_<name>` from the rank's value `source` times `scale`."""
-
-    name: str
-    source: str
-    help: str
-    scale: float = 1.0
-    nan: bool = False
-    """Export NaN and infinities (the loss); else such a value is left out like a None."""
-
-
-RANK_GAUGES: tuple[RankGauge, ...] = (
-    RankGauge("loss", "loss", "Loss of the rank's latest step (NaN when it was NaN).", nan=True),
-    RankGauge("step_time_seconds", "step_time_s", "Wall time of the rank's latest step."),
-    RankGauge("tokens_per_second", "tokens_per_s", "Tokens per second of the rank (the "
-              "script's tokens_per_s, else its steps' tokens over their wall time); 0 while "
-              "it runs with no step for a while (stalled, hung), no sample once it ended."),
-    RankGauge("mfu_ratio", "mfu", "Model FLOPs utilisation of the rank, 0..1."),
-    RankGauge("loss_scale", "loss_scale", "AMP GradScaler scale after the rank's latest step."),
-    RankGauge("optimizer_time_seconds", "optimizer_time_s", "Time in optimizer.step() in the "
-              "rank's latest step."),
-    RankGauge("allreduce_seconds", "allreduce_time_s", "Sum of the durations of the "
-              "all-reduces of the rank's latest timed step."),
-    RankGauge("mem_allocated_bytes", "mem_allocated_bytes", "Bytes held by tensors (torch "
-              "caching allocator) after the rank's latest step."),
-    RankGauge("mem_reserved_bytes", "mem_reserved_bytes", "Bytes reserved by the torch caching "
-              "allocator."),
-    RankGauge("mem_peak_bytes", "mem_peak_bytes", "Peak bytes held by tensors."),
-    RankGauge("gpu_memory_used_bytes", "gpu_mem_used_bytes", "NVML device memory in use."),
-    RankGauge("gpu_memory_total_bytes", "gpu_mem_total_bytes", "NVML device memory size."),
-    RankGauge("gpu_utilization_ratio", "gpu_util_pct", "NVML GPU utilisation, 0..1.",
-              scale=0.01),
-    RankGauge("gpu_power_watts", "gpu_power_w", "NVML board power draw."),
-    RankGauge("gpu_temperature_celsius", "gpu_temp_c", "NVML GPU temperature."),
-    RankGauge("cpu_utilization_ratio", "cpu_pct", "CPU use of the rank process (1 = one core).",
-              scale=0.01),
-    RankGauge("rss_bytes", "rss_bytes", "Resident memory of the rank process."),
-    RankGauge("arrival_lateness_seconds", "arrival_lateness_s", "Median lateness of the rank "
-              "at collectives, behind the first rank of each group (stragglers)."),
-    RankGauge("heartbeat_age_seconds", "heartbeat_age_s", "Seconds since the rank's last "
-              "message."),
-    RankGauge("pipeline_bubble_ratio", "pipeline_bubble", "Share of the rank's latest step "
-              "spent waiting for its pipeline neighbours (P2P waits over step time), 0..1; no "
-              "sample outside a pipeline."),
-    RankGauge("p2p_wait_seconds", "p2p_wait_s", "Seconds the rank's training thread waited "
-              "in sends and receives in its latest step."),
-)
-"""The per-rank gauges besides `scalemon_step` and `scalemon_rank_up`, labels job, rank, host."""
-
 _T = TypeVar("_T")
-RANK_LABELS = ("job", "rank", "host")
-COLLECTIVE_LABELS = ("job", "group", "op")
-P2P_LABELS = ("job", "group", "op", "src", "dst")
 
 
 class MetricsAddressError(ValueError):
@@ -142,231 +89,185 @@ def parse_address(text: str) -> tuple[str, int]:
     return (host or LOOPBACK), int(port)
 
 
-def families(state: JobState, job: str, now: float | None = None) -> list[Metric]:
-    """The metric families of `state` as they are now (call from the thread that owns it)."""
-    now = time.time() if now is None else now
-    views = [state.ranks[r] for r in sorted(state.ranks)]
-    out: list[Metric] = []
-    step = GaugeMetricFamily("scalemon_step", "Latest step number of the rank.",
-                             labels=RANK_LABELS)
-    up = GaugeMetricFamily("scalemon_rank_up", "1 while the rank runs, 0 once it stopped "
-                           "sending (frozen, gone, unreachable, silent), exited, finished, was "
-                           "stopped or restarts.", labels=RANK_LABELS)
-    rank_state = GaugeMetricFamily(
-        "scalemon_rank_state", "1 for the rank's current state: running; frozen (its process "
-        "exists but sends nothing: the job hangs on it), gone (its process ended without "
-        "reporting an exit), unreachable (its node's relay is silent too), silent (nothing on "
-        "its node can look at its process); exited, finished, stopped, restarting.",
-        labels=[*RANK_LABELS, "state"])
-    labels = [[job, str(view.rank), view.host or ""] for view in views]
-    for view, names in zip(views, labels, strict=True):
-        if view.step is not None:
-            step.add_metric(names, view.step)
-        up.add_metric(names, 1 if view.state == "running" else 0)
-        rank_state.add_metric([*names, view.state], 1)
-    out += [step, up, rank_state]
-    for gauge in RANK_GAUGES:
-        family = GaugeMetricFamily(f"scalemon_{gauge.name}", gauge.help, labels=RANK_LABELS)
-        for view, names in zip(views, labels, strict=True):
-            if gauge.source == "tokens_per_s":  # live: 0 when stalled, none once ended
-                value = _number(throughput.rank_figure_at(view, now).live, gauge.nan)
-            else:
-                value = _number(view.value(gauge.source, now), gauge.nan)
-            if value is not None:
-                family.add_metric(names, value * gauge.scale)
-        out.append(family)
-    out += _collective_families(state, job)
-    out += _parallel_families(state, job)
-    out += _job_families(state, job, now)
-    return out
-
-
-def _number(value: Any, nan: bool = False) -> float | None:
-    """A number to export, or None: not a number (None, text, bool), or not finite unless
-    `nan`."""
-    if type(value) not in (int, float):
-        return None
-    if not nan and not math.isfinite(value):
-        return None
-    return value
-
-
-def _collective_families(state: JobState, job: str) -> list[Metric]:
-    busbw = GaugeMetricFamily(
-        "scalemon_collective_busbw_gbps", "Bus bandwidth of the (group, op)'s timed "
-        "collectives, GB/s (nccl-tests' busbw of the mean duration).", labels=COLLECTIVE_LABELS)
-    seconds = Metric("scalemon_collective_seconds", "Duration of the (group, op)'s timed "
-                     "collectives: p50 and p99 over every rank, sum and count of the "
-                     "collectives issued (sum = mean duration x count).", "summary")
-    nbytes = CounterMetricFamily("scalemon_collective_bytes", "Bytes of the (group, op)'s "
-                                 "collectives, as one member rank issued them.",
-                                 labels=COLLECTIVE_LABELS)
-    for row in collectives_table(state.groups, state.ranks.values()):
-        labels = [job, row["group"], row["op"]]
-        names = dict(zip(COLLECTIVE_LABELS, labels, strict=True))
-        if (value := _number(row["busbw_gbps"])) is not None:
-            busbw.add_metric(labels, value)
-        for q, key in (("0.5", "time_p50_s"), ("0.99", "time_p99_s")):
-            if (value := _number(row[key])) is not None:
-                seconds.add_sample("scalemon_collective_seconds", {**names, "quantile": q}, value)
-        if (total := _number(row["time_total_s"])) is not None:
-            seconds.add_sample("scalemon_collective_seconds_count", names, row["count"])
-            seconds.add_sample("scalemon_collective_seconds_sum", names, total)
-        nbytes.add_metric(labels, row["bytes"])
-    return [busbw, seconds, nbytes]
-
-
-def _parallel_families(state: JobState, job: str) -> list[Metric]:
-    """Sends and receives per (group, op, src, dst), the pipeline's bubble (theory and the
-    ranks' median) and the MoE routing's balance (`reports.pipeline`)."""
-    ops = CounterMetricFamily("scalemon_p2p_ops", "Sends or receives from src to dst (global "
-                              "ranks), as the sending or receiving rank counted them.",
-                              labels=P2P_LABELS)
-    nbytes = CounterMetricFamily("scalemon_p2p_bytes", "Bytes sent or received from src to "
-                                 "dst.", labels=P2P_LABELS)
-    seconds = CounterMetricFamily("scalemon_p2p_seconds", "Summed measured time of the sends "
-                                  "or receives from src to dst.", labels=P2P_LABELS)
-    for row in p2p_rows(state):
-        labels = [job, row["group"], row["op"], str(row["src"]), str(row["dst"])]
-        ops.add_metric(labels, row["count"])
-        nbytes.add_metric(labels, row["bytes"])
-        if (value := _number(row["time_s"])) is not None:
-            seconds.add_metric(labels, value)
-    theory = GaugeMetricFamily("scalemon_pipeline_bubble_theoretical_ratio", "The schedule's "
-                               "bubble for equal stages: (p-1)/(m+p-1) for GPipe and 1F1B, "
-                               "(p-1)/(v*m+p-1) interleaved.", labels=["job", "schedule"])
-    measured = GaugeMetricFamily("scalemon_pipeline_bubble_measured_ratio", "Median over the "
-                                 "ranks of their latest step's pipeline bubble.",
-                                 labels=["job"])
-    pipeline = pipeline_json(state) or {}
-    if (value := _number(pipeline.get("theoretical_bubble"))) is not None:
-        theory.add_metric([job, str(pipeline.get("schedule") or "")], value)
-    if (value := _number(pipeline.get("measured_bubble"))) is not None:
-        measured.add_metric([job], value)
-    moe = moe_json(state) or {}
-    out = [ops, nbytes, seconds, theory, measured]
-    for name, key, text in (
-            ("moe_a2a_recv_imbalance_ratio", "a2a_recv_imbalance", "Max over mean of the "
-             "ranks' all_to_all bytes received in their latest step (1: even)."),
-            ("moe_router_imbalance_ratio", "imbalance", "Median over the ranks of their "
-             "latest moe_imbalance (max over mean tokens routed per expert rank)."),
-            ("moe_dropped_tokens", "dropped_tokens", "Tokens over the experts' capacity in "
-             "the ranks' latest step, summed.")):
-        family = GaugeMetricFamily(f"scalemon_{name}", text, labels=["job"])
-        if (value := _number(moe.get(key))) is not None:
-            family.add_metric([job], value)
-        out.append(family)
-    return out
-
-
-def _job_families(state: JobState, job: str, now: float) -> list[Metric]:
-    hang = job_hang(state, now)
-    hung = GaugeMetricFamily("scalemon_hang", "1 while the job is hung (no rank completed a "
-                             "step for the hang threshold while it runs).", labels=["job"])
-    hung.add_metric([job], 1 if hang else 0)
-    since = GaugeMetricFamily("scalemon_hang_seconds", "Seconds since the last completed step "
-                              "of the hung job (no sample while it is not hung).",
-                              labels=["job"])
-    if hang:
-        since.add_metric([job], hang["since_s"])
-    alerts = GaugeMetricFamily("scalemon_alerts", "Ranks with a training-health alert in force, "
-                               "by kind (loss_not_finite, loss_scale_floor, skipped_steps).",
-                               labels=["job", "kind"])
-    counts = dict.fromkeys(alerting.KINDS, 0)
-    for alert in state.alerts():
-        counts[alert["kind"]] = len(alert["ranks"])
-    for kind, n in counts.items():
-        alerts.add_metric([job, kind], n)
-    world = GaugeMetricFamily("scalemon_world_size", "Ranks the job has (largest world size "
-                              "reported).", labels=["job"])
-    if state.world_size is not None:
-        world.add_metric([job], state.world_size)
-    job_state = GaugeMetricFamily("scalemon_job_state", "1 for the job's current state "
-                                  "(waiting, running, degraded, restarting, stopping, finished, "
-                                  "stopped, crashed, lost, hung).", labels=["job", "state"])
-    job_state.add_metric([job, "hung" if hang else state.state], 1)
-    return [hung, since, alerts, world, job_state]
-
-
-class _Latest(Collector):
-    """The registry's one collector: it yields the families last built by the hub's loop."""
-
-    def __init__(self) -> None:
-        self.latest: list[Metric] = []
-
-    def collect(self) -> Iterable[Metric]:
-        return list(self.latest)  # one reference read: the list itself is never changed
+def _per_rank_setting() -> bool:
+    """$SCALEMON_METRICS_PER_RANK: "1" on, unset or "0" off; another value is logged (off)."""
+    value = settings.raw("SCALEMON_METRICS_PER_RANK")
+    if value not in (None, "0", "1"):
+        log.error("$SCALEMON_METRICS_PER_RANK=%r: expected 0 or 1; exporting the per-node and "
+                  "job aggregates only (a scrape of /metrics?ranks=all has every rank)", value)
+    return value == "1"
 
 
 class Exporter:
     """The export of one hub: an HTTP server (`url`) and/or a file, fed by `update`."""
 
     def __init__(self, job: str, address: tuple[str, int] | None = None,
-                 path: Path | None = None) -> None:
+                 path: Path | None = None, per_rank: bool | None = None) -> None:
         """Start the HTTP server at `address` (port 0: any free one); raises OSError when it
-        cannot bind. The file at `path` is written from the first `update` on."""
+        cannot bind. The file at `path` is written from the first `update` on. `per_rank`
+        (default: `$SCALEMON_METRICS_PER_RANK`): every scrape gets the per-rank series."""
         self.job = job
         self.path = path
-        self._collector = _Latest()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self._collector)
+        self.per_rank = _per_rank_setting() if per_rank is None else per_rank
+        self.default = Variant(per_rank=self.per_rank)
         self.url: str | None = None
         self._server: WSGIServer | None = None
-        self._built = self._written = -math.inf
-        self._build_every = SNAPSHOT_S
+        self._lock = threading.Condition()
+        self._texts: dict[Variant, bytes] = {}  # the latest render's, replaced whole
+        self._gzipped: dict[Variant, bytes] = {}
+        self._wanted: dict[Variant, float] = {}  # variant -> when a scrape last asked
+        self._render: ForkedRender | None = None
+        self._next_render = -math.inf
+        self._written = -math.inf
         self._file_every = FILE_EVERY_S
         self._file_error: str | None = None
+        self.renders = 0
+        self.fork_s: list[float] = []
+        """How long each render stood the hub's loop still (the last 100)."""
         if address is not None:
             host, port = address
-            self._server = _serve(self.registry, "0.0.0.0" if host == "*" else host, port)
+            self._server = _serve(self._app, "0.0.0.0" if host == "*" else host, port)
             bound = self._server.server_address[1]
             self.url = f"http://{_url_host(host)}:{bound}/metrics"
 
     def update(self, state: JobState, now: float, force: bool = False) -> None:
-        """From the hub's loop: rebuild the families (every SNAPSHOT_S, or longer: BUILD_SHARE)
-        and write the file (every FILE_EVERY_S, or longer); `force` does both now. Never
-        raises: the hub goes on."""
-        if force or now - self._built >= self._build_every:
-            self._built = now
-            started = time.perf_counter()
+        """From the hub's loop (`now`: monotonic): start a render when one is due (every
+        SNAPSHOT_S or longer) or a scrape waits for a variant, unless one runs. `force`
+        renders here and now, the file included (start-up, shutdown). Never raises."""
+        if force:
+            running = self._render
+            if running is not None:  # an older state must not overwrite this one's file
+                self._end(running)
             try:
-                self._collector.latest = families(state, self.job)
+                self._take(render(state, self.job, self._variants(now), time.time(),
+                                  self.path))
             except Exception:  # a bug here must not take the hub down
-                log.exception("could not build the OpenMetrics families")
-            took = time.perf_counter() - started
-            self._build_every = max(SNAPSHOT_S, took / BUILD_SHARE)
-        if self.path is not None and (force or now - self._written >= self._file_every):
+                log.exception("could not build the OpenMetrics text")
             self._written = now
-            started = time.perf_counter()
-            self._write_file()
-            took = time.perf_counter() - started
-            self._file_every = max(FILE_EVERY_S, took / BUILD_SHARE)
-
-    def text(self) -> bytes:
-        """The exposition of the latest families (what `/metrics` serves)."""
-        return generate_latest(self.registry)
-
-    def _write_file(self) -> None:
-        assert self.path is not None
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_bytes(self.text())
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            error = f"{type(exc).__name__}: {exc}"
-            if error != self._file_error:  # said once, not every few seconds
-                log.error("could not write the metrics file %s: %s (retrying every %.0f s)",
-                          self.path, exc, FILE_EVERY_S)
-            self._file_error = error
             return
-        if self._file_error is not None:
+        if self._render is not None or (now < self._next_render and not self._missing()):
+            return
+        file = None
+        if self.path is not None and now - self._written >= self._file_every:
+            file, self._written = self.path, now
+        try:
+            self._render = ForkedRender(state, self.job, self._variants(now), time.time(),
+                                        file, self._rendered)
+        except OSError as exc:  # no fork (out of memory, process limit): try again later
+            log.error("could not start the OpenMetrics render: %s", exc)
+            self._next_render = now + max(SNAPSHOT_S, FILE_EVERY_S)
+            return
+        self.renders += 1
+        self.fork_s = [*self.fork_s[-99:], self._render.fork_s]
+        self._next_render = now + max(SNAPSHOT_S, self._render.fork_s / FORK_SHARE)
+
+    def _end(self, running: ForkedRender) -> None:
+        """End a render, and remove the temporary file it may have been writing."""
+        running.kill()
+        running.done.wait(10)
+        if self.path is not None and running.pid is not None:
+            with contextlib.suppress(OSError):
+                temporary_file(self.path, running.pid).unlink()
+
+    def _variants(self, now: float) -> list[Variant]:
+        """The default variant first (the file's), then those scrapes asked for lately."""
+        with self._lock:
+            for variant, asked in list(self._wanted.items()):
+                if now - asked > WANTED_S:
+                    del self._wanted[variant]
+            return list(dict.fromkeys([self.default, *self._wanted]))
+
+    def _missing(self) -> bool:
+        with self._lock:
+            return any(v not in self._texts for v in self._wanted)
+
+    def _rendered(self, job: ForkedRender) -> None:
+        """From the reading thread: the render ended; its texts replace the last ones."""
+        if job.result is not None:
+            self._take(job.result)
+            seconds = job.result.seconds
+            self._next_render = max(self._next_render, time.monotonic() - seconds
+                                    + seconds / RENDER_SHARE)
+        elif not job.killed:
+            log.error("could not build the OpenMetrics text: %s", job.error)
+        self._render = None
+
+    def _take(self, result: Rendered) -> None:
+        with self._lock:
+            self._texts, self._gzipped = result.texts, {}
+            self._lock.notify_all()
+        if self.path is None or self.default not in result.texts:
+            return
+        error = result.file_error
+        if error is not None and error != self._file_error:  # said once, not every 5 s
+            log.error("could not write the metrics file %s: %s (retrying every %.0f s)",
+                      self.path, error, FILE_EVERY_S)
+        elif error is None and self._file_error is not None:
             log.info("metrics file %s written again", self.path)
-            self._file_error = None
+        self._file_error = error
+
+    def text(self, variant: Variant | None = None, wait_s: float = WAIT_S) -> bytes | None:
+        """The latest text of `variant` (default: what `/metrics` serves); one not rendered
+        yet is asked of the next render, and waited for up to `wait_s` (None: not in time)."""
+        variant = self.default if variant is None else variant
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            if variant != self.default:
+                self._wanted[variant] = time.monotonic()
+            while variant not in self._texts:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(left)
+            return self._texts[variant]
+
+    def _gzip(self, variant: Variant, text: bytes) -> bytes:
+        """`text` gzipped (zlib lets the GIL go meanwhile), kept until the next render."""
+        with self._lock:
+            done = self._gzipped.get(variant)
+            if done is not None and self._texts.get(variant) is text:
+                return done
+        packed = zlib.compress(text, 1, wbits=31)
+        with self._lock:
+            if self._texts.get(variant) is text:
+                self._gzipped[variant] = packed
+        return packed
+
+    def _app(self, environ: dict[str, Any],
+             start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """The WSGI application: `/metrics[?ranks=all]`, in the format the Accept header
+        asks for, gzipped when the client takes it."""
+        if environ.get("PATH_INFO") == "/favicon.ico":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b""]
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        ranks = query.get("ranks", [])
+        if any(value != "all" for value in ranks):
+            start_response("400 Bad Request", [("Content-Type", "text/plain")])
+            return [b"ranks: expected ranks=all (every rank's series) or no ranks parameter "
+                    b"(the per-node and job aggregates)\n"]
+        accept = environ.get("HTTP_ACCEPT", "")
+        openmetrics = any(part.split(";")[0].strip() == "application/openmetrics-text"
+                          for part in accept.split(","))
+        variant = Variant(per_rank=self.per_rank or bool(ranks), openmetrics=openmetrics)
+        text = self.text(variant)
+        if text is None:
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain"),
+                                                       ("Retry-After", "5")])
+            return [b"the metrics are being built; try again\n"]
+        headers = [("Content-Type", OPENMETRICS_TYPE if openmetrics else CONTENT_TYPE_LATEST)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            text = self._gzip(variant, text)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", [*headers, ("Content-Length", str(len(text)))])
+        return [text]
 
     def close(self) -> None:
-        """Stop the HTTP server (the file stays, with the last state written)."""
+        """Stop the HTTP server and any render (the file stays, with the last state
+        written)."""
+        running = self._render
+        if running is not None:
+            self._end(running)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -390,11 +291,10 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def _serve(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
-    """`/metrics` of `registry` served by a daemon thread; raises OSError when it cannot
-    bind."""
+def _serve(app: Callable[..., Iterable[bytes]], host: str, port: int) -> WSGIServer:
+    """The WSGI `app` served by a daemon thread; raises OSError when it cannot bind."""
     server_class = _V6Server if ":" in host else _Server
-    server = make_server(host, port, make_wsgi_app(registry), server_class, _Quiet)
+    server = make_server(host, port, app, server_class, _Quiet)
     threading.Thread(target=server.serve_forever, name="openmetrics", daemon=True).start()
     return server
 

@@ -19,6 +19,7 @@ import zmq
 
 from scalemon import protocol
 from scalemon.link import seed
+from scalemon.policy import heartbeat_stepping_s
 from scalemon.protocol import ProtocolError
 from scalemon.reports.snapshot import snapshot_json
 
@@ -38,6 +39,8 @@ SEED_REUSE_S = 1.0
 FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_TOGGLE_VALUE = 1024
+MAX_RELAYED_RANKS = 4096
+"""Ranks one relay may answer syncs for (a node's ranks)."""
 """A toggle's value or a stop's reason may be this long."""
 
 
@@ -53,6 +56,8 @@ class Requests:
         self.stats = stats
         self.toggles = Toggles(core.run_dir, core.state, core.audit)
         self._commands: dict[int, list[dict[str, Any]]] = {}  # queued per rank, sent on sync
+        self.syncs_answered = 0
+        """Ranks' syncs the hub answered itself (not those their relays answered)."""
         self._dump: FrDump | None = None
         self._pending_dump_record = False
         self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
@@ -117,13 +122,18 @@ class Requests:
             return {"job": core.job, "pid": os.getpid(), "head": len(core.history)}
         if op == "sync":
             rank = args["rank"]
+            self.syncs_answered += 1
             return {"t0": args["t"], "t": time.time(), "hang_after_s": core.state.hang_after_s,
-                    "commands": self._commands.pop(rank, []) + self.toggles.take_commands(rank)}
+                    "heartbeat_stepping_s": heartbeat_stepping_s(core.state.world_size),
+                    "commands": self._commands_for(rank)}
         if op == "relay":
             node = check_name("relay.node", args["node"])
             core.relays.report(node, args["pid"], args["stats"])
             core.looks.answered(node, args.get("probes") or [])
-            return {"t0": args["t"], "t": time.time(), "probe": core.relays.take_asks(node)}
+            return {"t0": args["t"], "t": time.time(), "probe": core.relays.take_asks(node),
+                    "answers_syncs": True, "hang_after_s": core.state.hang_after_s,
+                    "heartbeat_stepping_s": heartbeat_stepping_s(core.state.world_size),
+                    "commands": self._relayed_commands(args.get("ranks") or [])}
         if op == "stacks":
             return self.stacks.answer(args, time.monotonic())
         if op == "command":
@@ -152,6 +162,24 @@ class Requests:
                 break
             records.append(record)
         return {"records": records, "head": len(core.history)}
+
+    def _commands_for(self, rank: int) -> list[dict[str, Any]]:
+        """The commands queued for `rank`, handed over once (on its sync, or to its relay)."""
+        return self._commands.pop(rank, []) + self.toggles.take_commands(rank)
+
+    def _relayed_commands(self, ranks: list[Any]) -> list[list[Any]]:
+        """The commands of the ranks whose syncs a relay answers, as [[rank, [command]]]: the
+        relay holds them until each rank's next sync (protocol 1.13)."""
+        if len(ranks) > MAX_RELAYED_RANKS:
+            raise ProtocolError(f"relay.ranks lists {len(ranks)} ranks, over the "
+                                f"{MAX_RELAYED_RANKS} one relay may answer for")
+        out = []
+        for rank in ranks:
+            if type(rank) is not int or not 0 <= rank < protocol.MAX_WORLD_SIZE:
+                raise ProtocolError(f"relay.ranks holds {rank!r}, expected ranks")
+            if commands := self._commands_for(rank):
+                out.append([rank, commands])
+        return out
 
     def _seed(self) -> dict[str, Any]:
         """The fold of the whole history so far, for a dashboard that attaches (`seed`):

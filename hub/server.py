@@ -46,6 +46,7 @@ from .access import PeerBook
 from .alerts_out import AlertsOut
 from .audit import Audit
 from .auth import start_gate
+from .checkpoints import Checkpoints
 from .core import HubCore
 from .ingest import Intake
 from .limits import raise_open_files_limit, reason_class
@@ -107,6 +108,8 @@ class Hub:
         self._lock_file = take_lock(self.run_dir / "hub.lock", self._already_running,
                                     self._pid_unwritten)
         history = History(self.run_dir / HISTORY_FILE, memory_limit)
+        self.checkpoints = Checkpoints(history.path, job)  # `summary` of a long job: seconds
+        history.on_sealed = self.checkpoints.sealed
         host = node_name()
         self.core = HubCore(
             job=job, run_dir=self.run_dir, host=host, history=history,
@@ -331,6 +334,7 @@ class Hub:
         error = self.history.write_error
         self.core.looks.close()
         lost = self.history.close()
+        self.checkpoints.close()
         if self.guard is not None:
             self.guard.close()
         for sock in sockets:
@@ -492,6 +496,7 @@ class Hub:
             "replay_skipped": dict(self.replay_skipped),
             "tcp": self.tcp_endpoints,
             "relays": len(self.relays.relays),
+            "syncs_answered": self.requests.syncs_answered,
             "auth_refused": gate.counts()["refused"] if gate else 0,
             "auth_refused_keys": gate.counts()["refused_keys"] if gate else 0,
             "keys_admitted": len(gate.keys) if gate else 0,

@@ -43,9 +43,12 @@ class Relay:
     def __init__(self, job: str, directory: Path, home: Path | None = None,
                  hub: str | None = None, linger_s: float = 60.0,
                  report_s: float = REPORT_S, silent_s: float = SILENT_S,
-                 node: str | None = None) -> None:
+                 node: str | None = None, source: str | None = None) -> None:
         self.job = job
         self.node = node or node_name()  # a simulator stands for many nodes in one process
+        self.source = source
+        """The local address the relay's tcp connections leave from (default: the system's
+        choice); a simulator of many nodes on one machine gives each its own loopback one."""
         self.directory = directory
         self.home = home
         self.linger_s = linger_s
@@ -101,10 +104,16 @@ class Relay:
             push.close(linger=0)
             dealer.close(linger=0)
             raise
-        push.connect(address.ingest)
-        dealer.connect(address.rpc)
+        push.connect(self._from_source(address.ingest))
+        dealer.connect(self._from_source(address.rpc))
         log.info("relay of job %s on %s forwarding to %s", self.job, self.node, address.base)
         return push, dealer
+
+    def _from_source(self, endpoint: str) -> str:
+        """`endpoint`, connected from `source` when one is set (libzmq's `src;dest` form)."""
+        if self.source is None or not endpoint.startswith("tcp://"):
+            return endpoint
+        return f"tcp://{self.source}:0;{endpoint[len('tcp://'):]}"
 
     # --- main loop ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -251,11 +260,19 @@ class Relay:
                 self.dropped += n
 
     def _pass_requests(self, rpc: zmq.Socket, dealer: zmq.Socket) -> None:
+        """The ranks' requests: syncs answered here once the relay can (`syncs.py`), the
+        rest passed on to the hub."""
+        syncs, offset = self.report.syncs, self.clock_offset_s
         for _ in range(1000):
             try:
                 frames = rpc.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            reply = syncs.answer(frames[-1], offset)
+            if reply is not None:
+                with contextlib.suppress(zmq.ZMQError):  # the rank went away
+                    rpc.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
+                continue
             with contextlib.suppress(zmq.Again):  # the rank asks again later
                 dealer.send_multipart(frames, zmq.NOBLOCK)
 
@@ -281,6 +298,7 @@ class Relay:
         """Counts since the relay started, and the node's clock offset."""
         return {"received": self.received, "forwarded": self.forwarded,
                 "dropped": self.dropped, "pending": len(self._pending),
+                "syncs_answered": self.report.syncs.answered,
                 "started": self.started, "clock_offset_s": self.clock_offset_s}
 
     def _ranks_gone(self, now: float, started: float) -> bool:

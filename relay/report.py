@@ -16,6 +16,7 @@ import zmq
 from scalemon import protocol
 
 from .looks import RelayLooks
+from .syncs import SyncAnswers
 
 REPORT_S = 2.0
 PROBES_BYTES = 256 << 10
@@ -40,6 +41,8 @@ class Report:
         self.looks = RelayLooks()
         """Looks at the node's ranks' processes the hub asked for (1.12)."""
         self._probes: list[dict[str, Any]] = []  # finished looks not yet reported
+        self.syncs = SyncAnswers()
+        """The node's ranks' syncs, answered here once the hub hands over their commands."""
 
     def reset(self) -> None:
         """A new hub (or the same at a new address): start over, round trips quick again."""
@@ -47,6 +50,7 @@ class Report:
         self._round_trips.clear()
         self._sent = None
         self._next = 0.0
+        self.syncs.reset()
 
     @property
     def clock_offset_s(self) -> float | None:
@@ -64,6 +68,7 @@ class Report:
             probes = self._next_probes()
             request = protocol.encode_request("relay", node=self.node, pid=os.getpid(),
                                               t=time.time(), stats=stats(),
+                                              ranks=sorted(self.syncs.ranks),
                                               **({"probes": probes} if probes else {}))
             try:
                 dealer.send_multipart([OWN_ID, request], zmq.NOBLOCK)
@@ -98,6 +103,7 @@ class Report:
             self._warn("refused", f"the hub refused the relay's report: {reply.get('error')}")
             return
         self.looks.ask(reply.get("probe"))
+        self.syncs.take_reply(reply)
         t0, hub_t = reply.get("t0"), reply.get("t")
         if isinstance(t0, float) and isinstance(hub_t, (int, float)) and 0 <= t1 - t0 < 1.0:
             self._round_trips.append((t1 - t0, hub_t - (t0 + t1) / 2))

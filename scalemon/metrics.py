@@ -498,8 +498,10 @@ def derived_values(values: Mapping[str, Any], tokens_per_s: float | None = None
     if tokens_per_s is not None:
         out["tokens_per_s"] = tokens_per_s
     if type(step_time) in (int, float):
-        busy = sum(float(v) for v in (values.get("allreduce_time_s"),
-                                      values.get("optimizer_time_s")) if type(v) in (int, float))
+        busy = 0.0
+        for v in (values.get("allreduce_time_s"), values.get("optimizer_time_s")):
+            if type(v) in (int, float):
+                busy += v
         out["compute_s"] = max(0.0, step_time - busy)
     return out
 

@@ -10,6 +10,23 @@ HANG_AFTER_S = 10.0
 """A job where no rank completed a step for this long is hung (`reports.hangs.job_hang`); the agents
 send their stack and collectives in flight once their training thread is stuck this long."""
 
+HEARTBEAT_S = 1.0
+"""A rank's heartbeat interval while it does not complete steps (starting, stuck, hung)."""
+HEARTBEAT_STEPPING_S = 5.0
+"""...and while it completes steps in a job of `HEARTBEAT_THIN_FROM` ranks or more: its steps
+already tell the hub it lives, so at 16,384 ranks the hub takes 3,300 heartbeats a second, not
+16,384. A rank that stops stepping beats every second again at once."""
+HEARTBEAT_THIN_FROM = 512
+"""Ranks from which a stepping rank's heartbeats are thinned (the dashboard's per-node view,
+`scalemon.text.display.AGGREGATE_AT`, starts here too)."""
+
+
+def heartbeat_stepping_s(world_size: int | None) -> float:
+    """The heartbeat interval of a rank that completes steps, in a job of `world_size` ranks
+    (what the hub and the relays tell the agents in the answer to their syncs)."""
+    return HEARTBEAT_STEPPING_S if (world_size or 0) >= HEARTBEAT_THIN_FROM else HEARTBEAT_S
+
+
 STUCK_MIN_S = 10.0
 """The least time (seconds) in one phase, or without any step, that reads as stuck."""
 STUCK_STEPS = 10.0

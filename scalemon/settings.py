@@ -69,6 +69,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("SCALEMON_METRICS_FILE", "path", "off",
             "a file the hub writes the same metrics to every 5 s, for node_exporter's textfile "
             "collector", ("hub",)),
+    Setting("SCALEMON_METRICS_PER_RANK", "0 or 1", "0",
+            "1: the hub's OpenMetrics carry a series per rank as well as the per-node and job "
+            "aggregates (a scrape can ask for them with /metrics?ranks=all)", ("hub",)),
     Setting("SCALEMON_ALERT_CMD", "command line", "off",
             "a command the hub runs with each alert (NaN loss, hang, straggler, memory, a rank "
             "frozen, gone, unreachable or silent) as JSON on stdin; rate-limited, audited",

@@ -90,14 +90,14 @@ class TokenWindow:
     def add(self, tokens: Any, step_time_s: Any) -> None:
         """One step as its message gives them; a step `step_of` refuses is left out (its
         step time, where it has one, is still its `last_step_s`)."""
-        if step_of(0, step_time_s) is not None:
-            self.last_step_s = float(step_time_s)
-        step = step_of(tokens, step_time_s)
-        if step is None:
+        if type(step_time_s) not in (int, float) or not 0 < step_time_s < math.inf:
+            return  # as `step_of`: no time, no step in the window
+        seconds = self.last_step_s = float(step_time_s)
+        if type(tokens) is not int or tokens < 0:
             return
-        self.steps.append(step)
-        self.tokens += step[0]
-        self.seconds += step[1]
+        self.steps.append((tokens, seconds))
+        self.tokens += tokens
+        self.seconds += seconds
         while len(self.steps) > 1 and (self.seconds > WINDOW_S
                                        or len(self.steps) > WINDOW_STEPS):
             old_tokens, old_seconds = self.steps.popleft()

@@ -377,3 +377,39 @@ def test_a_failing_heartbeat_is_said_once_and_the_beating_goes_on(caplog):
         wait_for(lambda: BrokenGpu.reads >= 5)
         beat.stop()  # the last reading fails too, and says nothing more
     assert caplog.text.count("a heartbeat failed (OSError: driver gone)") == 1
+
+
+def test_a_stepping_rank_beats_at_the_hubs_stepping_interval_and_every_beat_once_it_stops():
+    """A big job's hub asks for fewer heartbeats while steps flow (`heartbeat_stepping_s`);
+    a rank that stops stepping beats every interval again at once, and a stuck rank's
+    wake-up always sends."""
+    import time
+
+    from scalemon.agent.heartbeat import Heartbeat, Phase
+    from scalemon.agent.nvml import GpuReader
+
+    phase, sent = Phase(), []
+    stepping: list[float | None] = [None]
+    beat = Heartbeat(phase, GpuReader(), lambda mtype, body: sent.append(body) or True,
+                     lambda: {"dropped": 0}, interval_s=0.05, stepping_s=lambda: stepping[0])
+    try:
+        def sends_over(seconds: float, step_every: float | None) -> int:
+            before, end = len(sent), time.monotonic() + seconds
+            while time.monotonic() < end:
+                if step_every is not None:
+                    phase.step = (phase.step or 0) + 1
+                time.sleep(step_every or 0.01)
+            return len(sent) - before
+
+        stepping[0] = 0.5
+        assert sends_over(1.0, 0.01) <= 4  # every ~0.5 s, not every 0.05 s (20)
+        assert sends_over(0.6, None) >= 5  # no step: every interval again (12)
+        stepping[0] = None  # a small job's hub (or an older one): every interval
+        assert sends_over(0.6, 0.01) >= 5
+        stepping[0] = 5.0
+        sends_over(0.3, 0.01)
+        before = len(sent)
+        beat.wake()  # stuck: its stack goes out at once, whatever the interval
+        wait_for(lambda: len(sent) > before, timeout=2)
+    finally:
+        beat.stop()

@@ -83,6 +83,8 @@ def test_dump_of_a_hung_2_rank_gloo_job_names_the_rank_that_never_issued(home, t
                                   f"default_pg [0,1]; rank 0 waits in all_reduce #{zero} of "
                                   "default_pg [0,1] for rank 1")
         assert Path(report["directory"], "rank_0").exists()
+        for rank in (0, 1):  # each agent summed its own dump up beside it
+            assert Path(report["directory"], f"rank_{rank}.summary").exists()
 
         text = dump(home)
         assert text.returncode == 0 and (f"culprit: rank 1 never issued all_reduce #{zero}"

@@ -450,3 +450,48 @@ def test_another_protocol_version_gets_one_clear_message_on_every_side(start_hub
     refusals = [line for line in log.splitlines() if "refusing every frame" in line]
     assert len(refusals) == 1  # 30 frames and a ping, one line
     assert f"protocol version {ours}" in refusals[0] and "speaks 2.0" in refusals[0]
+
+
+@pytest.mark.parametrize("world, every", [(2, 1.0), (512, 5.0)])
+def test_the_sync_reply_asks_a_big_jobs_stepping_ranks_for_fewer_heartbeats(
+        start_hub, world: int, every: float) -> None:
+    hub = start_hub(f"beat{world}", "--world-size", str(world))
+    client = HubClient(hub.address)
+    try:
+        reply = client.request("sync", rank=0, t=time.time())
+        assert reply["heartbeat_stepping_s"] == every
+        # a relay's report gets the same, and may answer its ranks' syncs
+        relay = client.request("relay", node="n1", pid=os.getpid(), t=time.time(),
+                               stats={}, ranks=[1])
+        assert relay["answers_syncs"] is True and relay["heartbeat_stepping_s"] == every
+        assert relay["commands"] == []
+        with pytest.raises(protocol.ProtocolError, match="relay.ranks holds"):
+            client.request("relay", node="n1", pid=os.getpid(), t=time.time(), stats={},
+                           ranks=["x"])
+    finally:
+        client.close()
+
+
+def test_a_hub_keeps_the_summary_checkpoint_of_its_sealed_history_fresh(start_hub, home) -> None:
+    """Once the history's tail is sealed into a compressed chunk, the hub has a process of
+    its own fold it into the checkpoint beside the history, which `summary` then reads."""
+    from scalemon.home.history import history_path
+    from scalemon.link.checkpoint import last_checkpoint
+
+    hub = start_hub("sealed", "--world-size", "1")
+    ctx = zmq.Context()
+    rank = FakeRank(ctx, hub.address, "sealed", 0)
+    try:
+        rank.hello(world_size=1)
+        pad = "x" * 3000  # some 3 KB a record: the 8 MiB tail seals after ~2,900 of them
+        for step in range(1, 3501):
+            rank.send("step", {"step": step, "loss": 1.0, "step_time_s": 0.01,
+                               "extra": {"pad": pad}})
+        path = history_path("sealed", home)
+        checkpoint = wait_for(lambda: (c := last_checkpoint(path, "sealed")[0]).next_seq and c,
+                              timeout=60)
+        assert checkpoint.next_seq > 2000  # the sealed records, folded
+        assert checkpoint.fold.state.ranks[0].step >= 2000
+    finally:
+        rank.sock.close(linger=0)
+        ctx.term()

@@ -285,3 +285,23 @@ def test_a_torchrun_restart_is_one_job_whose_attempts_keep_the_first_failure():
             again.apply(msg("exit", rank, 1, {"reason": "exception", "exit_code": 1,
                                               "error": "boom"}, t=1.5 + count))
     assert again.state == "crashed" and len(again.attempts_json()) == 2
+
+
+def test_a_big_groups_members_come_from_its_first_rank_and_the_others_empty_lists_say_nothing():
+    """At 16,384 ranks every rank listing the default group would send 16,384^2 numbers:
+    above GROUP_LISTED_BY_ALL only the group's first rank lists them (agent/recorder.py)."""
+    from scalemon.agent.recorder import GROUP_LISTED_BY_ALL, wire_group
+
+    n = GROUP_LISTED_BY_ALL + 1
+    group = {"desc": "default_pg", "ranks": list(range(n))}
+    assert wire_group(group, 0) is group
+    assert wire_group(group, 7) == {"desc": "default_pg", "ranks": [], "size": n}
+    small = {"desc": "tp", "ranks": [4, 5]}
+    assert wire_group(small, 5) is small  # a small group: every rank lists it, as before
+    st = JobState()
+    for rank in (7, 0):  # the first rank's list may come after others' empty ones
+        st.apply(hello(rank, world=n))
+        st.apply(msg("collectives", rank, 1, {"groups": {"0": wire_group(group, rank)},
+                                              "stats": [], "issues": []}))
+    assert st.groups["0"]["ranks"] == list(range(n))
+    assert st.arrival.members["0"] == tuple(range(n))

@@ -74,3 +74,23 @@ def test_a_job_whose_ranks_are_all_frozen_or_ended_is_abandoned_after_the_linger
     assert live.lifecycle_state(st, 61.0) == "abandoned"
     st = job((0, "hub", "running"), (1, "hub", "frozen"))
     assert live.lifecycle_state(st, 1000.0) == "running"  # a rank runs: never abandoned
+
+
+def test_a_big_jobs_ranks_are_scanned_once_per_ranks_over_the_scan_rate() -> None:
+    """8,192 ranks: a scan every 2 s, not every housekeeping turn (the first scan at once)."""
+    from scalemon.hub.liveness import SCAN_RANKS_PER_S
+
+    n = 2 * SCAN_RANKS_PER_S
+    relays = RelayBook(lost_after_s=10.0)
+    relays.report("n1", 77, {}, now=100.0)
+    looks, live = Looks("hub", relays), Liveness(5.0, 60.0, "hub")
+    st = job(*((rank, "n1", "running") for rank in range(n)))
+    for rank in range(n):
+        live.heard(rank, 100.0)
+    assert live.check(st, relays, looks, 101.0) == []  # everyone heard: nothing to say
+    live.heard(0, 90.0)  # rank 0 last spoke long ago, seen at the next scan only
+    live._looking.clear()
+    assert live.check(st, relays, looks, 102.9) == []
+    assert relays.take_asks("n1") == []
+    live.check(st, relays, looks, 103.1)
+    assert [a["rank"] for a in relays.take_asks("n1")] == [0]  # its relay is asked to look

@@ -1,8 +1,11 @@
 """OpenMetrics export (hub/openmetrics.py): real hubs fed by fake ranks, scraped over HTTP and
-read from the textfile, parsed with prometheus_client's own parser."""
+read from the textfile, parsed with prometheus_client's own parser. A scrape carries the
+per-node and job aggregates; `?ranks=all` (or $SCALEMON_METRICS_PER_RANK=1) every rank's
+series too."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -91,9 +94,10 @@ def feed(zctx, hub, job: str) -> None:
 
 def test_scraped_metrics_carry_every_rank_with_their_values(start_hub, zctx, home):
     hub = start_hub("omA", "--metrics", "127.0.0.1:0", "--world-size", "2")
-    url = job_file(home, "omA").metrics_url
-    assert url and re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url), url
-    assert not url.endswith(":0/metrics")
+    base = job_file(home, "omA").metrics_url
+    assert base and re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", base), base
+    assert not base.endswith(":0/metrics")
+    url = f"{base}?ranks=all"
     feed(zctx, hub, "omA")
 
     def complete() -> dict | None:
@@ -136,6 +140,17 @@ def test_scraped_metrics_carry_every_rank_with_their_values(start_hub, zctx, hom
     assert found[("scalemon_alerts", (("job", "omA"), ("kind", "skipped_steps")))] == 0
     assert found[("scalemon_world_size", (("job", "omA"),))] == 2
 
+    # the plain scrape: no rank's series, the node's and the job's aggregates
+    plain = samples(scrape(base))
+    assert not any("rank" in dict(labels) for _, labels in plain)
+    node = (("job", "omA"), ("node", host))
+    assert plain[("scalemon_node_step", (*node, ("stat", "max")))] == 5
+    assert plain[("scalemon_node_step_time_seconds", (*node, ("stat", "mean")))] == 0.375
+    assert plain[("scalemon_job_step_time_seconds", (("job", "omA"), ("stat", "min")))] == 0.25
+    assert math.isnan(plain[("scalemon_node_loss", (*node, ("stat", "min")))])  # rank 1's NaN
+    assert plain[("scalemon_node_ranks", (*node, ("state", "running")))] == 2
+    assert plain[("scalemon_collective_bytes_total", op)] == 10 << 20
+
     # Prometheus may ask for OpenMetrics proper: the strict OpenMetrics parser reads it
     request = urllib.request.Request(url, headers={
         "Accept": "application/openmetrics-text; version=1.0.0"})
@@ -144,18 +159,26 @@ def test_scraped_metrics_carry_every_rank_with_their_values(start_hub, zctx, hom
         strict = {f.name: f for f in openmetrics_families(reply.read().decode())}
     assert {"scalemon_loss", "scalemon_collective_seconds", "scalemon_collective_bytes"} <= \
         set(strict)
+    request = urllib.request.Request(base, headers={
+        "Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.headers["Content-Encoding"] == "gzip"
+        strict = {f.name: f for f in openmetrics_families(gzip.decompress(reply.read()).decode())}
+    assert {"scalemon_node_loss", "scalemon_job_loss", "scalemon_collective_seconds"} <= \
+        set(strict)
+    assert "scalemon_loss" not in strict
 
     listed = subprocess.run([sys.executable, "-m", "scalemon", "jobs", "--json"],
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
-    assert [j["metrics_url"] for j in json.loads(listed.stdout)] == [url]
+    assert [j["metrics_url"] for j in json.loads(listed.stdout)] == [base]
 
 
 def test_scrapes_while_ranks_join_and_step_all_parse(start_hub, zctx, home):
     """The HTTP threads never read the state the loop changes (ranks appearing mid-scrape):
     every scrape parses, and the last one has every rank."""
     hub = start_hub("omR", "--metrics", "127.0.0.1:0", "--world-size", "64")
-    url = job_file(home, "omR").metrics_url
+    url = job_file(home, "omR").metrics_url + "?ranks=all"
     ranks = [FakeRank(zctx, hub.address, "omR", r) for r in range(64)]
     scrapes = 0
     for rank in ranks:
@@ -192,6 +215,7 @@ def test_a_rank_whose_process_is_killed_reads_down_and_gone(start_hub, zctx, hom
     hub = start_hub("omL", "--metrics", ":0", "--lost-after", "0.5", "--world-size", "2")
     url = job_file(home, "omL").metrics_url
     assert url.startswith("http://127.0.0.1:")  # ":PORT" alone: loopback
+    url += "?ranks=all"
     # rank 1's process: a real one on the hub's host, killed without an exit message
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     request.addfinalizer(victim.kill)
@@ -218,6 +242,10 @@ def test_a_rank_whose_process_is_killed_reads_down_and_gone(start_hub, zctx, hom
     assert rank_value(found, "scalemon_rank_up", "omL", 1) == 0
     assert rank_value(found, "scalemon_rank_up", "omL", 0) == 1
     assert rank_states(found, "omL") == {0: "running", 1: "gone"}
+    node = (("job", "omL"), ("node", os.uname().nodename))
+    plain = samples(scrape(url.removesuffix("?ranks=all")))
+    assert plain[("scalemon_node_ranks", (*node, ("state", "gone")))] == 1
+    assert plain[("scalemon_ranks", (("job", "omL"), ("state", "running")))] == 1
 
 
 def test_the_rank_state_family_says_the_hubs_word_for_each_rank():
@@ -245,11 +273,13 @@ def test_scalemon_help_names_the_metrics_variables():
     out = subprocess.run([sys.executable, "-m", "scalemon", "--help"], capture_output=True,
                          text=True, timeout=60, env={**os.environ, "COLUMNS": "100"})
     env_part = out.stdout[out.stdout.index("environment variables:"):]
-    for var in ("SCALEMON_METRICS", "SCALEMON_METRICS_FILE"):
+    for var in ("SCALEMON_METRICS", "SCALEMON_METRICS_FILE", "SCALEMON_METRICS_PER_RANK"):
         assert re.search(rf"^  {var}\s+\S", env_part, re.M), var
 
 
-def test_metrics_file_is_written_atomically_for_the_textfile_collector(start_hub, zctx, home):
+def test_metrics_file_is_written_atomically_for_the_textfile_collector(start_hub, zctx, home,
+                                                                       monkeypatch):
+    monkeypatch.setenv("SCALEMON_METRICS_PER_RANK", "1")  # the file: every rank's series too
     out = home / "prom"
     out.mkdir()
     path = out / "scalemon.prom"
@@ -266,9 +296,10 @@ def test_metrics_file_is_written_atomically_for_the_textfile_collector(start_hub
     found = wait_for(written, timeout=30)
     assert rank_value(found, "scalemon_loss", "omF", 0) == 2.5
     assert math.isnan(rank_value(found, "scalemon_loss", "omF", 1))
-    assert sorted(p.name for p in out.iterdir()) == ["scalemon.prom"]  # no temporary left
     hub.kill(15)  # SIGTERM: the file keeps the final state
     assert rank_value(samples(path.read_text()), "scalemon_step", "omF", 0) == 5
+    # no temporary left (while the hub runs, a render may be writing one)
+    assert sorted(p.name for p in out.iterdir()) == ["scalemon.prom"]
 
 
 def _hub_cmd(home: Path, job: str, *args: str) -> list[str]:
@@ -319,10 +350,12 @@ def test_bad_metrics_addresses_say_what_is_expected(text):
         parse_address(text)
 
 
-def exported_names() -> set[str]:
-    """Every sample name the exporter can produce (counters' _total, summaries' _sum/_count)."""
+def exported_names(per_rank: bool = True) -> set[str]:
+    """Every sample name the exporter can produce (counters' _total, summaries' _sum/_count),
+    with or without the per-rank series."""
     suffixes = {"counter": ("_total",), "summary": ("", "_sum", "_count"), "gauge": ("",)}
-    return {f.name + s for f in families(JobState(job="x"), "x") for s in suffixes[f.type]}
+    return {f.name + s for f in families(JobState(job="x"), "x", per_rank=per_rank)
+            for s in suffixes[f.type]}
 
 
 def test_every_gauge_reads_a_known_metric_and_the_issue_names_are_there():
@@ -336,8 +369,8 @@ def test_the_grafana_dashboard_queries_only_exported_metrics():
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 8
     queried = {n for e in exprs for n in re.findall(r"\bscalemon_[a-z_]+", e)}
-    assert queried - exported_names() == set()
-    assert {"scalemon_loss", "scalemon_collective_busbw_gbps", "scalemon_rank_up",
+    assert queried - exported_names(per_rank=False) == set()  # drawn by a default scrape
+    assert {"scalemon_node_loss", "scalemon_collective_busbw_gbps", "scalemon_ranks",
             "scalemon_hang"} <= queried
 
 
@@ -353,6 +386,7 @@ def test_a_monitored_demo_is_scraped_with_every_rank(home):
     try:
         path = jobs_dir(home) / "omD.json"
         url = wait_for(lambda: path.exists() and JobFile.read(path).metrics_url, timeout=120)
+        url += "?ranks=all"
 
         def both_stepping() -> tuple[str, dict] | None:
             assert job.poll() is None, log.read_text()

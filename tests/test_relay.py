@@ -186,3 +186,49 @@ def test_a_relay_killed_before_it_ever_answered_is_still_replaced(home: Path,
     finally:
         sender.close()
         relay.kill()
+
+
+def test_a_relay_answers_its_ranks_syncs_and_hands_them_the_hubs_commands(
+        start_hub, home: Path, node1: Path) -> None:
+    """Once the relay knows the hub's clock, the hub answers the node's report, not each
+    rank's sync; a command queued at the hub still reaches every rank behind the relay."""
+    job = "relaysyncs"
+    start_hub(job, "--listen", "tcp://127.0.0.1:0", "--world-size", "2")
+    client = _tcp_client(home, job)
+    relay = _start_relay(job, home)
+    senders = [_relay_sender(job, rank) for rank in (0, 1)]
+    got: dict[int, list[dict]] = {0: [], 1: []}
+    try:
+        for rank, sender in enumerate(senders):
+            sender.on_command = got[rank].append
+            sender.submit("hello", {"host": "node1", "pid": os.getpid(), "world_size": 2,
+                                    "local_rank": rank})
+        wait_for(lambda: all(s.clock_offset_s is not None for s in senders), timeout=20)
+        # the relay takes the syncs over once it knows the clock: the hub's count stops
+        wait_for(lambda: _stalled(lambda: client.state()["hub"]["syncs_answered"], 1.5),
+                 timeout=30)
+        offsets_before = [s.clock_offset_s for s in senders]
+        answered = [s._answered for s in senders]
+        wait_for(lambda: all(s._answered != a for s, a in zip(senders, answered, strict=True)))
+        assert all(abs(o) < 0.05 for o in offsets_before)  # one machine, one clock
+        assert all(s.heartbeat_stepping_s == 1.0 for s in senders)  # a small job: every second
+
+        directory = client.request("command", name="dump_fr")["directory"]
+        wait_for(lambda: all(got[r] for r in (0, 1)), timeout=15)
+        for rank in (0, 1):
+            assert got[rank] == [{"name": "dump_fr", "directory": directory}]
+    finally:
+        for sender in senders:
+            sender.close()
+        relay.kill()
+        relay.wait(timeout=10)
+        client.close()
+
+
+def _stalled(read, seconds: float) -> bool:
+    """True when `read()` gives the same value `seconds` apart."""
+    import time
+
+    before = read()
+    time.sleep(seconds)
+    return read() == before

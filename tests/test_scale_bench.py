@@ -19,12 +19,12 @@ from conftest import REPO
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(200)
 def test_quick_scale_bench_delivers_or_counts_every_message(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=150,
-                          cwd=tmp_path)
+                           "--hang", "14", "--out", str(out)], capture_output=True, text=True,
+                          timeout=170, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["machine"]["cpus"] and data["machine"]["cpu"]
@@ -41,7 +41,13 @@ def test_quick_scale_bench_delivers_or_counts_every_message(tmp_path: Path) -> N
     assert run["relay_received"] == run["sent"] - run["dropped_by_ranks"]
     assert run["hub_rejected"] == 0
     assert run["ranks_seen"] == run["ranks_finished"] == 64
-    assert run["syncs_answered"] > 0  # the ranks' round trips pass through their relay
+    assert run["syncs_answered"] > 0
+    # the relays answer their ranks' syncs once they know the hub's clock (protocol 1.13)
+    assert 0 < run["syncs_answered_by_relays"] <= run["syncs_answered"]
+    # the hang after the load: the hub's alert named it, and the planted culprit, in time
+    assert run["hang_culprits"] == [run["hang_culprit_planted"]], run.get("hang_text")
+    assert 10.0 <= run["hang_named_after_s"] <= 20.0
+    assert run["goals_met"]["hang_named"] is True
 
     # the figures the report compares across sizes
     for key in ("achieved_msgs_per_s", "hub_cpu_pct", "hub_rss_peak_mb", "workers_cpu_pct",

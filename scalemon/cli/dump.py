@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from scalemon import protocol
 from scalemon.home.lookup import JobLookupError, resolve_hub
@@ -106,14 +106,49 @@ def _read_analysis(directory: Path) -> dict[str, Any] | None:
 def _offline(directory: Path, as_json: bool) -> int:
     if not directory.is_dir():
         return _fail(f"{directory} is not a directory", EXIT_NO_HUB)
+    progress = ReadProgress(sys.stderr) if sys.stderr.isatty() else None
+    notes: list[str] = []  # how the ranks were read (their summaries): after the progress
     try:
-        report = frtrace.analyse_directory(directory)
+        report = frtrace.analyse_directory(directory, progress=progress, say=notes.append)
     except OSError as exc:
         return _fail(f"cannot read {directory}: {exc.strerror or exc}", EXIT_NO_HUB)
+    finally:
+        if progress is not None:
+            progress.clear()
+    for note in notes:
+        print(f"scalemon dump: {note}", file=sys.stderr)
     if not report["read"] and not report["missing"]:
         return _fail(f"no Flight Recorder dump in {directory} (files named <prefix><rank>, "
                      "e.g. rank_0)", EXIT_NO_DUMP)
     return _show(report, as_json)
+
+
+class ReadProgress:
+    """How far the reading of a directory's dumps is, on one line of a terminal rewritten in
+    place ("read 1024/4096 ranks (25%), 7 s") at most every `EVERY_S`; `clear()` removes it.
+    Given to the analysis only where stderr is a terminal: a pipe (the hub) gets nothing."""
+
+    EVERY_S = 0.25
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.start, self.shown, self.width = out, time.monotonic(), 0.0, 0
+
+    def __call__(self, read: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < self.EVERY_S and read < total:
+            return
+        self.shown = now
+        line = (f"scalemon dump: read {read}/{total} ranks ({100 * read // max(total, 1)}%), "
+                f"{now - self.start:.0f} s" + (", analysing" if read == total else ""))
+        self.out.write("\r" + line.ljust(self.width))
+        self.out.flush()
+        self.width = len(line)
+
+    def clear(self) -> None:
+        if self.width:
+            self.out.write("\r" + " " * self.width + "\r")
+            self.out.flush()
+            self.width = 0
 
 
 def _show(report: dict[str, Any], as_json: bool) -> int:

@@ -17,16 +17,23 @@ from scalemon.reports.snapshot_text import format_snapshot, group_by_problem
 def _offline_state(job: str) -> dict[str, Any] | None:
     """The state replayed from a job's history file, when its hub is gone."""
     from scalemon.home.history import earlier_loss_text, history_path, read_messages
+    from scalemon.home.history_read import ReadStats, sealed_count
     from scalemon.reports.snapshot import snapshot_json
     from scalemon.state.fold import JobFold
 
     path = history_path(job)
     if not path.exists():
         return None
-    fold = JobFold(job=job)  # as the hub folds (compute times for `stragglers` too)
-    messages, rejected = read_messages(path, job)
-    for seq, msg in messages:
-        fold.apply(seq, msg)
+    if sealed_count(path):  # a long history: from its checkpoint on (`link.checkpoint`)
+        from scalemon.link.checkpoint import catch_up
+
+        stats = ReadStats()
+        fold, rejected = catch_up(path, job, stats=stats).fold, stats.rejected
+    else:
+        fold = JobFold(job=job)  # as the hub folds (compute times for `stragglers` too)
+        messages, rejected = read_messages(path, job)
+        for seq, msg in messages:
+            fold.apply(seq, msg)
     out = snapshot_json(fold.state)
     loss = earlier_loss_text(path)  # what its last hub could not write (a full disk)
     if loss:

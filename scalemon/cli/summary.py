@@ -21,6 +21,7 @@ from scalemon.reports.export import strict_json
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.summary import RunRecords, compare, loss_series, run_records, summarize
 from scalemon.reports.summary_text import compare_text, summary_text
+from scalemon.state.runfigures import RunFigures
 
 EXIT_NO_JOB = 2
 JSON_NOTE = ("--json prints strict JSON (schema in docs/summary.md); a number that is not "
@@ -37,7 +38,7 @@ class Run:
 
     job: str
     state: dict[str, Any]
-    records: RunRecords
+    records: RunRecords | RunFigures
     source: dict[str, Any]
     """{"kind": "hub" | "history", "where": address or file, "skipped": records not read}."""
 
@@ -172,6 +173,7 @@ def _from_hub(job: str, address: Any, timeout_s: float) -> Run:
 def _from_history(job: str, problem: str) -> Run:
     """The job replayed from its history file, as `scalemon snapshot` does with no hub."""
     from scalemon.home.history import history_path, read_messages
+    from scalemon.home.history_read import read_checkpoint, sealed_count
     from scalemon.state.fold import JobFold
 
     try:
@@ -182,6 +184,8 @@ def _from_history(job: str, problem: str) -> Run:
         raise RunUnavailable(f"{problem}, and no history file at {path}: is the job id right? "
                              "(`scalemon jobs` lists live jobs)")
     try:
+        if sealed_count(path) or read_checkpoint(path) is not None:  # a long history
+            return _digested(job, path)
         messages, rejected = read_messages(path, job)
     except OSError as exc:
         raise RunUnavailable(f"{problem}, and its history {path} cannot be read: "
@@ -192,3 +196,17 @@ def _from_history(job: str, problem: str) -> Run:
     return Run(job=job, state=snapshot_json(fold.state),
                records=run_records(m for _, m in messages),
                source={"kind": "history", "where": str(path), "skipped": rejected})
+
+
+def _digested(job: str, path: Any) -> Run:
+    """A history with sealed chunks, from its checkpoint (`scalemon.link.checkpoint`: the fold
+    and digest of its sealed records, saved beside it) and the records after it."""
+    from scalemon.home.history_read import ReadStats
+    from scalemon.link.checkpoint import catch_up
+
+    stats = ReadStats()
+    checkpoint = catch_up(path, job, stats=stats)
+    figures = checkpoint.digest.figures()
+    return Run(job=job, state=snapshot_json(checkpoint.fold.state), records=figures,
+               source={"kind": "history", "where": str(path), "skipped": stats.rejected,
+                       "digest": {"exact": figures.exact, "records_folded": stats.records}})

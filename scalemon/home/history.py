@@ -1,10 +1,13 @@
 """A job's history: every accepted message in arrival order, numbered from 0.
 
-Records live in an append-only file (`history.smlog` in the job's run directory: a 4-byte
-big-endian length then the message frame, repeated) and the newest `memory_limit` of them also
-in memory. The hub writes it (`History`); a hub restarted on the same run directory reopens the
-file, drops a torn last record and carries on numbering. `scalemon snapshot` and the dashboard
-read it when the hub is gone (`read_messages`, `history_path`).
+Records live in an append-only file, the tail (`history.smlog` in the job's run directory: a
+4-byte big-endian length then the message frame, repeated), sealed every `chunks.SEAL_BYTES`
+into a compressed chunk with an index entry (`scalemon.home.chunks`), and the newest
+`memory_limit` of them also in memory. A history of an earlier scalemon (the tail alone) reads
+as one with no chunks yet. The hub writes it (`History`); a hub restarted on the same run
+directory reopens the file, drops a torn last record and carries on numbering. `scalemon
+snapshot` and the dashboard read it when the hub is gone (`scalemon.home.history_read`:
+`read_messages`, `read_selected`, re-exported here, and `history_path`).
 """
 
 from __future__ import annotations
@@ -16,14 +19,26 @@ import logging
 import os
 import secrets
 import time
+import zlib
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from scalemon import protocol
+from scalemon.home import chunks
+from scalemon.home.chunks import Known
+from scalemon.home.history_read import (  # noqa: F401 - the readers, where they always were
+    ReadStats,
+    Selection,
+    iter_messages,
+    read_messages,
+    read_records,
+    read_selected,
+    scan,
+)
 from scalemon.home.paths import run_dir
-from scalemon.protocol import Message, ProtocolError
+from scalemon.home.sealed import Sealed, prepare_chunks
 
 log = logging.getLogger("scalemon.hub")
 
@@ -48,16 +63,30 @@ def history_path(job: str, home: Path | None = None) -> Path:
 class History:
     """Numbered, persistent, bounded-in-memory record store."""
 
-    def __init__(self, path: Path, memory_limit: int = 1_000_000) -> None:
+    def __init__(self, path: Path, memory_limit: int = 1_000_000,
+                 seal_bytes: int = chunks.SEAL_BYTES) -> None:
         self.path = path
         self.memory_limit = memory_limit
-        self._offsets = array("Q")  # file offset of record i
+        self.seal_bytes = seal_bytes
+        self.seal_error: str | None = None  # why the tail is no longer sealed, if so
+        self.seal_s = 0.0  # seconds the hub's thread spent sealing (writing chunks, the tail)
+        self._sealer: ThreadPoolExecutor | None = None  # compresses sealed records
+        self._seal_job: Future | None = None
+        self._closing = False
+        self.on_sealed: Callable[[int], None] | None = None
+        """Called on the hub's thread with the number of sealed records after each seal (a
+        hub may start `python -m scalemon.link.checkpoint` then); its errors are logged."""
+        self._offsets = array("Q")  # tail file offset of record tail_base + i
+        self._covers: list[Known | None] = []  # what each tail record covers, when told
+        created = not path.exists() and not path.with_name(path.name + chunks.CHUNKS_SUFFIX
+                                                           ).exists()
+        self._sealed = Sealed(path, path.with_name(path.name + DAMAGED_SUFFIX))
+        self._tail_base = self._sealed.count
         self._memory: deque[bytes] = deque()
-        self._memory_base = 0  # sequence number of self._memory[0]
-        created = not path.exists()
+        self._memory_base = self._tail_base  # sequence number of self._memory[0]
         self._end = self._recover()
         self.id = _history_id(path, created or self._renumbered)
-        self.base = len(self._offsets)
+        self.base = len(self)
         self._writer = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - lives with self
         self._reader = open(path, "rb")  # noqa: SIM115
         self._on_disk = self._end  # file offset up to which records are written to the OS
@@ -77,7 +106,7 @@ class History:
         """Say in the loss marker, in place, what is not written (see `LossMarker`)."""
         self._marked_unwritten = len(self._unwritten)
         self._marker.update({
-            "pid": os.getpid(), "closed": closed, "records": len(self._offsets),
+            "pid": os.getpid(), "closed": closed, "records": len(self),
             "unwritten": len(self._unwritten), "lost": self.lost, "error": self.write_error,
             "since": self.write_error_since, "earlier_lost": self._earlier_lost,
             "t": time.time()})
@@ -107,6 +136,9 @@ class History:
             return 0
         with open(self.path, "rb") as f:
             data = f.read()
+        if sealed := self._sealed.sealed_start_of(data):  # killed between sealing and cutting
+            data = data[sealed:]
+            _rewrite(self.path, data)
         good, damaged = scan(data)
         if damaged:
             aside = self.path.with_name(self.path.name + DAMAGED_SUFFIX)
@@ -131,9 +163,14 @@ class History:
             log.warning("history %s: %d intact records kept (%d of them after damage), %d "
                         "damaged bytes in %d stretch(es) moved to %s", self.path, len(good),
                         salvaged, lost, len(damaged), aside)
+        if self._sealed.set_aside:
+            self.recovery = {**(self.recovery or {"records": len(good)}),
+                             "chunks_set_aside_bytes": self._sealed.set_aside}
+            self._renumbered = True  # records lost among the sealed: a new history id
         offset = 0
         for record_offset, n in good:
             self._offsets.append(offset)
+            self._covers.append(None)
             self._remember(data[record_offset + _LEN:record_offset + _LEN + n])
             offset += _LEN + n
         return offset
@@ -145,14 +182,16 @@ class History:
             self._memory_base += 1
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return self._tail_base + len(self._offsets)
 
-    def append(self, record: bytes) -> int:
-        """Store one record; returns its sequence number. Never raises for a write error:
-        while the file cannot be written (a full disk) records are kept in memory, and
-        `flush` retries (see `write_error`)."""
-        seq = len(self._offsets)
+    def append(self, record: bytes, cover: Known | None = None) -> int:
+        """Store one record; returns its sequence number. `cover`: what it covers, as
+        `chunks.record_cover` would read it (the hub knows it: sealing then never unpacks
+        the record again). Never raises for a write error: while the file cannot be written
+        (a full disk) records are kept in memory, and `flush` retries (see `write_error`)."""
+        seq = len(self)
         self._offsets.append(self._end)
+        self._covers.append(cover)
         self._end += _LEN + len(record)
         self._remember(record)
         self._unwritten.append(record)
@@ -183,6 +222,70 @@ class History:
         self._on_disk = self._end
         self._unwritten.clear()
         self._forget_told_loss()
+        self._seal_step()
+
+    def _seal_step(self) -> None:
+        """Start sealing the tail on the sealing thread once it holds `seal_bytes`; once that
+        thread has the chunks ready, write them and cut the tail (`_sealed_now`)."""
+        job = self._seal_job
+        if self._closing:
+            return
+        if job is not None:
+            if job.done():
+                self._seal_job = None
+                self._sealed_now(job)
+            return
+        if self._end >= self.seal_bytes and self.seal_error is None:
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(1, thread_name_prefix="history-seal")
+            self._seal_job = self._sealer.submit(
+                prepare_chunks, self.path, self._end, self._offsets.tobytes(), self._covers[:],
+                self._tail_base, self.seal_bytes, self._sealed.size)
+
+    def settle(self) -> None:
+        """Flush, and wait until the tail holds less than `seal_bytes` (every seal the
+        sealing thread has under way written): for tests and tools, never the hub's loop."""
+        self.flush()
+        while self.write_error is None and self.seal_error is None and (
+                self._seal_job is not None or self._end >= self.seal_bytes):
+            if self._seal_job is not None:
+                wait([self._seal_job])
+            self.flush()
+
+    def _sealed_now(self, job: Future) -> None:
+        """Write the chunks the sealing thread made of the tail's first records, then cut
+        those from the tail (the rest, appended since, rewritten to a new tail file that
+        replaces it). A hub killed in between leaves the tail starting with the chunks'
+        records: the next opening cuts them (`Sealed.sealed_start_of`)."""
+        started = time.perf_counter()
+        try:
+            prepared, count, cut = job.result()
+            self._sealed.add(prepared)
+            self._reader.seek(cut)
+            rest = self._reader.read(self._end - cut)
+            _rewrite(self.path, rest)
+            self._writer.close()
+            self._writer = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
+            self._reader.close()
+            self._reader = open(self.path, "rb")  # noqa: SIM115
+        except (OSError, ValueError, zlib.error) as exc:  # the tail stays whole
+            self.seal_error = (_write_error_text(exc) if isinstance(exc, OSError)
+                               else f"{type(exc).__name__}: {exc}")
+            log.error("history %s: cannot seal its tail (%s): it grows on, uncompressed",
+                      self.path, self.seal_error)
+            return
+        finally:
+            self.seal_s += time.perf_counter() - started
+        self._tail_base += count
+        self._offsets = array("Q", (offset - cut for offset in self._offsets[count:]))
+        del self._covers[:count]
+        self._end -= cut
+        self._on_disk -= cut
+        if self.on_sealed is not None:
+            try:
+                self.on_sealed(self._tail_base)
+            except Exception:  # a hook must not stop the history
+                log.exception("history %s: on_sealed failed", self.path)
 
     def _forget_told_loss(self) -> None:
         if self._earlier_told_at is not None and self._earlier_told_at < self.durable:
@@ -193,7 +296,7 @@ class History:
     @property
     def durable(self) -> int:
         """How many records are written to the OS."""
-        return len(self._offsets) - len(self._unwritten)
+        return len(self) - len(self._unwritten)
 
     def _failed(self, exc: OSError) -> None:
         if self.write_error is None:
@@ -235,7 +338,7 @@ class History:
 
     def get(self, since: int, limit: int) -> list[bytes]:
         """Records `since` .. `since+limit-1` (fewer at the end of history)."""
-        stop = min(len(self._offsets), since + max(0, limit))
+        stop = min(len(self), since + max(0, limit))
         if since >= stop:
             return []
         if since >= self._memory_base:
@@ -253,25 +356,38 @@ class History:
         on_file = [seq for seq in seqs if seq < base]
         if on_file:
             self.flush()
-            durable = self.durable
+            durable, tail = self.durable, self._tail_base
             for seq in on_file:
-                if seq < durable:
-                    self._reader.seek(self._offsets[seq])
+                if seq < tail:
+                    out.extend(self._sealed.frames(seq, seq + 1))
+                elif seq < durable:
+                    self._reader.seek(self._offsets[seq - tail])
                     out.append(self._reader.read(
                         int.from_bytes(self._reader.read(_LEN), "big")))
-        top = len(self._offsets)
+        top = len(self)
         out.extend(memory[seq - base] for seq in seqs if base <= seq < top)
         return out
 
     def _read_file(self, since: int, stop: int) -> Iterator[bytes]:
-        self._reader.seek(self._offsets[since])
+        tail = self._tail_base
+        if since < tail:
+            yield from self._sealed.frames(since, min(stop, tail))
+            since = tail
+        if since >= stop:
+            return
+        self._reader.seek(self._offsets[since - tail])
         for _ in range(since, stop):
             n = int.from_bytes(self._reader.read(_LEN), "big")
             yield self._reader.read(n)
 
     def close(self) -> int:
         """Flush (one last try) and close the files; returns how many records could not be
-        written (they are lost), which the loss marker then says to the next opening."""
+        written (they are lost), which the loss marker then says to the next opening. A seal
+        under way is dropped (the tail stays whole: the next opening seals it)."""
+        self._closing = True
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True, cancel_futures=True)
+            self._seal_job = None
         if self.write_error is None:
             self.flush()
         if self.write_error is not None:
@@ -285,6 +401,7 @@ class History:
         self._mark(closed=True)
         self._marker.close()
         self._reader.close()
+        self._sealed.close()
         return self.lost
 
 
@@ -375,64 +492,13 @@ def _write_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
-def _valid_at(data: bytes | memoryview, offset: int) -> tuple[int, Message] | None:
-    """The length and message of the record at `offset` when a whole, decodable message is
-    there (at most `MAX_MESSAGE_BYTES`: nothing larger is ever stored)."""
-    size = len(data)
-    if offset + _LEN > size:
-        return None
-    n = int.from_bytes(data[offset:offset + _LEN], "big")
-    if not 0 < n <= protocol.MAX_MESSAGE_BYTES or offset + _LEN + n > size:
-        return None
-    if data[offset + _LEN] not in _MAP_MARKERS:
-        return None
-    try:
-        return n, protocol.decode(bytes(data[offset + _LEN:offset + _LEN + n]))
-    except ProtocolError:
-        return None
-
-
-_MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # msgpack maps: every message
-
-
-def scan(data: bytes, messages: list[Message] | None = None,
-         ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The intact records of a history file's bytes as (offset, length), and the damaged
-    stretches as (start, stop); with `messages`, the intact records decoded are appended
-    there. After damage, the next intact record is found by trying every offset: one that
-    holds a decodable message followed by another one (or the end of the file) starts the
-    next intact stretch."""
-    good: list[tuple[int, int]] = []
-    damaged: list[tuple[int, int]] = []
-    offset, size = 0, len(data)
-    view = memoryview(data)
-    while offset < size:
-        found = _valid_at(view, offset)
-        if found is not None:
-            good.append((offset, found[0]))
-            if messages is not None:
-                messages.append(found[1])
-            offset += _LEN + found[0]
-            continue
-        start = offset
-        offset = _resync(view, offset + 1)
-        damaged.append((start, offset))
-    return good, damaged
-
-
-def _resync(view: memoryview, start: int) -> int:
-    """The first offset from `start` where intact records start again (the end if none)."""
-    size = len(view)
-    for offset in range(start, size):
-        if view[offset] != 0 or offset + _LEN >= size or view[offset + _LEN] not in _MAP_MARKERS:
-            continue  # lengths are at most 1 MiB: the first byte of a length prefix is 0
-        found = _valid_at(view, offset)
-        if found is None:
-            continue
-        after = offset + _LEN + found[0]
-        if after == size or _valid_at(view, after) is not None:
-            return offset
-    return size
+def _rewrite(path: Path, data: bytes) -> None:
+    """Replace the file at `path` with `data` (a temporary file, owner-only, then rename)."""
+    tmp = path.with_name(path.name + ".repair")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.replace(tmp, path)
 
 
 def _history_id(path: Path, created: bool) -> str:
@@ -457,35 +523,3 @@ def _history_id(path: Path, created: bool) -> str:
     return new
 
 
-def read_records(path: Path) -> Iterator[bytes]:
-    """Read a history file without modifying it (a torn last record is ignored)."""
-    with open(path, "rb") as f:
-        while True:
-            head = f.read(_LEN)
-            if len(head) < _LEN:
-                return
-            record = f.read(int.from_bytes(head, "big"))
-            if len(record) < int.from_bytes(head, "big"):
-                return
-            yield record
-
-
-def read_messages(path: Path, job: str | None = None) -> tuple[list[tuple[int, Message]], int]:
-    """Decode a history file without a hub: ([(record number, message)], rejected count).
-
-    Validates like a hub replaying it: damaged stretches are skipped (the intact records after
-    them are still read, numbered as a reopening hub would number them), and with `job`,
-    records of another job are left out. Each damaged stretch and each record left out counts
-    as one rejected."""
-    with open(path, "rb") as f:
-        data = f.read()
-    decoded: list[Message] = []
-    _, damaged = scan(data, decoded)
-    messages: list[tuple[int, Message]] = []
-    rejected = len(damaged)
-    for seq, msg in enumerate(decoded):
-        if job is not None and msg.job != job:
-            rejected += 1
-            continue
-        messages.append((seq, msg))
-    return messages, rejected

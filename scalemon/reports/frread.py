@@ -25,18 +25,23 @@ as `Entry.op` "send"/"recv" with the peer's group rank. Where a group carries P2
 that group's issued and completed collectives are read from its entries. Pickles are read by
 an unpickler that builds only containers and scalars: a file that names a callable is refused.
 
-The analysis is in `scalemon/reports/frtrace.py`.
+A directory is read by `scalemon/reports/frscan.py`; the analysis is in
+`scalemon/reports/frtrace.py`.
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import marshal
+import operator
 import pickle
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from scalemon.collectives import buffer_bytes, op_name, pg_config_ranks
 
@@ -89,12 +94,7 @@ def load_bytes(data: bytes) -> dict[str, Any]:
         except (ValueError, RecursionError) as exc:
             raise DumpError(f"not valid JSON: {exc}") from None
     elif data[:1] == b"\x80":
-        try:
-            obj = _PlainUnpickler(io.BytesIO(data)).load()
-        except DumpError:
-            raise
-        except Exception as exc:  # a damaged pickle raises many kinds; each is a bad file
-            raise DumpError(f"a damaged pickle ({type(exc).__name__}: {exc})") from None
+        obj = _unpickled(data)
     else:
         raise DumpError("neither a pickle nor JSON: not a Flight Recorder dump")
     if not isinstance(obj, dict) or not ({"entries", "pg_status", "version"} & set(obj)):
@@ -103,6 +103,24 @@ def load_bytes(data: bytes) -> dict[str, Any]:
     if not isinstance(obj.get("entries", []), list):
         raise DumpError("its 'entries' is not a list")
     return obj
+
+
+def _unpickled(data: bytes) -> Any:
+    """The plain values of a pickle. The reader is given a buffered stream (it reads ahead
+    from it: 3x faster than a bare BytesIO) and the cyclic garbage collector is paused
+    meanwhile (a ring of 2000 entries is tens of thousands of new containers, each of which
+    would otherwise count towards a collection of everything the process holds)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _PlainUnpickler(io.BufferedReader(io.BytesIO(data), min(len(data), 1 << 20))).load()
+    except DumpError:
+        raise
+    except Exception as exc:  # a damaged pickle raises many kinds; each is a bad file
+        raise DumpError(f"a damaged pickle ({type(exc).__name__}: {exc})") from None
+    finally:
+        if paused:
+            gc.enable()
 
 
 # --- one rank's dump ---------------------------------------------------------------------
@@ -138,6 +156,21 @@ class Entry:
         return f"{self.op}{sizes}{out}" + (f" {','.join(dtypes)}" if dtypes else "")
 
 
+class Shape(NamedTuple):
+    """A collective's op and tensors as the mismatch rule compares them between ranks: the op,
+    its dtypes and its sizes (each as text, so that values compare by what they print), and
+    its signature for people; one object per distinct shape in a process."""
+
+    op: str
+    dtypes: str
+    sizes: str
+    signature: str
+
+
+Cell = tuple[Shape, ...]
+"""One rank's collectives at one sequence number of one group (almost always one)."""
+
+
 @dataclass
 class GroupSeen:
     """What one rank's dump says about one group."""
@@ -149,42 +182,50 @@ class GroupSeen:
 
 
 @dataclass
+class _GroupEntries:
+    """What a rank's entries of one group say, summed up as they are read."""
+
+    p2p_last: int = 0  # the highest collective seq a P2P entry holds (the last collective's)
+    collectives: bool = False
+    issued: int = 0  # the highest seq of its collectives
+    completed: int | None = None  # ... of those completed
+
+
+@dataclass
 class RankDump:
-    """Everything one rank wrote (one file per recorder ring), merged."""
+    """Everything one rank wrote (one file per recorder ring), merged.
+
+    Per entry only what the analysis needs is kept: its collectives by (group, seq) as
+    shapes (`cells`), the P2P ops not completed, and per group the counts; `entries` (an
+    `Entry` per entry) only with `keep_entries` (thousands of ranks' rings are not kept so).
+    `compact()` drops the cells once they are in a `SeqTable`."""
 
     rank: int
+    keep_entries: bool = True
     files: list[str] = field(default_factory=list)
     versions: set[str] = field(default_factory=set)
     groups: dict[str, GroupSeen] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
     skipped: int = 0  # entries that were not understood
-    ops: dict[tuple[str, int], str] = field(default_factory=dict)  # (group, seq) -> op
+    cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
     mixed: set[str] = field(default_factory=set)
     """Groups whose entries show P2P ops among the collectives: `pg_status` counts those."""
+    has_p2p: bool = False
+    p2p_pending: list[tuple[str, str, int, float | None, int | None]] = field(
+        default_factory=list)
+    """P2P ops not completed whose peer is known: (group, "send"|"recv", peer's group rank,
+    issue time, bytes)."""
+    _by_group: dict[str, _GroupEntries] = field(default_factory=dict)
 
     def add(self, dump: dict[str, Any], name: str) -> None:
         """Merge one file's dump into this rank's."""
         self.files.append(name)
         if dump.get("version") is not None:
             self.versions.add(str(dump["version"]))
-        pg_names: dict[str, str] = {}
-        for raw in dump.get("entries") or ():
-            parsed = _entry(raw)
-            if parsed is None:
-                self.skipped += 1
-                continue
-            entry, desc = parsed
-            pg_names[str(raw.get("pg_id"))] = entry.group
-            seen = self.groups.setdefault(entry.group, GroupSeen())
-            seen.desc = seen.desc or desc
-            self.entries.append(entry)
-            if not entry.is_p2p:
-                self.ops[entry.group, entry.seq] = entry.op
-            if entry.is_p2p or (entry.op_id is not None and entry.op_id != entry.seq):
-                self.mixed.add(entry.group)
+        pg_names = self._add_entries(dump.get("entries") or ())
         config = dump.get("pg_config")
         for key, value in (config.items() if isinstance(config, dict) else ()):
-            ranks = pg_config_ranks(value)
+            ranks = _config_ranks(value)
             if not key or not ranks:
                 continue  # gloo writes one empty placeholder
             seen = self.groups.setdefault(str(key), GroupSeen())
@@ -205,33 +246,102 @@ class RankDump:
             seen.issued = max(seen.issued, issued)
             seen.completed = max(seen.completed, completed)
         for group in self.mixed:  # its pg_status counts P2P ops too: the entries tell (a
-            own = [e for e in self.entries if e.group == group]  # P2P entry holds the
-            before = max((e.seq for e in own if e.is_p2p), default=0)  # last collective's seq)
+            own = self._by_group[group]  # P2P entry holds the last collective's seq)
             seen = self.groups[group]
-            seen.issued = before
-            seen.completed = 0 if any(not e.is_p2p for e in own) else before
-        for e in self.entries:  # formats without pg_status, and what it lags behind (gloo
-            seen = self.groups[e.group]  # counts a collective completed after retiring it)
-            if not e.is_p2p:
-                seen.issued = max(seen.issued, e.seq)
-                if e.completed:
-                    seen.completed = max(seen.completed, e.seq)
+            seen.issued = own.p2p_last
+            seen.completed = 0 if own.collectives else own.p2p_last
+        for group, own in self._by_group.items():  # formats without pg_status, and what it
+            seen = self.groups[group]  # lags behind (gloo counts a collective completed
+            if own.collectives:  # after retiring it)
+                seen.issued = max(seen.issued, own.issued)
+            if own.completed is not None:
+                seen.completed = max(seen.completed, own.completed)
+
+    def _add_entries(self, entries: Iterable[Any]) -> dict[str, str]:
+        """Take each entry in; returns the group names by `pg_id` (as text). (Thousands of
+        ranks' rings pass here entry by entry: what is looked up per entry is local.)"""
+        pg_names: dict[Any, str] = {}
+        slots: dict[str, tuple[GroupSeen, _GroupEntries]] = {}
+        cells, mixed = self.cells, self.mixed
+        for raw in entries:
+            parsed = _fields(raw)
+            if parsed is None:
+                self.skipped += 1
+                continue
+            group, desc, seq, is_p2p, completed, op_id, single, peer = parsed
+            pg_id = raw.get("pg_id")
+            pg_names[pg_id if type(pg_id) in (int, str) else str(pg_id)] = group
+            slot = slots.get(group)
+            if slot is None:
+                slot = slots[group] = (self.groups.setdefault(group, GroupSeen()),
+                                       self._by_group.setdefault(group, _GroupEntries()))
+            seen, own = slot
+            if not seen.desc:
+                seen.desc = desc
+            if self.keep_entries:
+                self.entries.append(_entry(raw)[0])  # type: ignore[index]
+            if is_p2p:
+                self.has_p2p = True
+                own.p2p_last = max(own.p2p_last, seq)
+                op = single[0].op
+                if not completed and peer is not None and op in ("send", "recv"):
+                    created = raw.get("time_created_ns")
+                    self.p2p_pending.append((
+                        group, op, peer,
+                        created / 1e9 if type(created) is int and created > 0 else None,
+                        buffer_bytes(raw)))
+                mixed.add(group)
+                continue
+            key = (group, seq)
+            cell = cells.get(key)
+            cells[key] = single if cell is None else cell + single
+            own.collectives = True
+            if seq > own.issued:
+                own.issued = seq
+            if completed and (own.completed is None or seq > own.completed):
+                own.completed = seq
+            if op_id is not None and op_id != seq:
+                mixed.add(group)
+        return {str(pg_id): group for pg_id, group in pg_names.items()}
 
     def op_at(self, group: str, seq: int) -> str | None:
-        """The op of collective `seq` of `group`, if the ring still holds it."""
-        return self.ops.get((group, seq))
+        """The op of collective `seq` of `group`, if the ring still holds it (and the cells
+        were not dropped by `compact`)."""
+        cell = self.cells.get((group, seq))
+        return cell[-1].op if cell else None
+
+    def compact(self) -> dict[tuple[str, int], Cell]:
+        """Drop the per-entry data (entries, cells) once taken elsewhere; returns the cells."""
+        cells, self.cells, self.entries = self.cells, {}, []
+        self._by_group = {}
+        return cells
 
     def p2p_inflight(self, members: dict[str, tuple[int, ...]]) -> list[list[Any]]:
         """The P2P ops it issued that did not complete, as the wait-for graph takes them:
         [group, "send"|"recv", peer global rank, issue time, bytes] (the peer from its rank in
         the group's `members`; ops whose group or peer is unknown are left out)."""
         out = []
-        for e in self.entries:
-            ranks = members.get(e.group)
-            if (e.is_p2p and not e.completed and e.peer is not None and ranks
-                    and e.op in ("send", "recv") and 0 <= e.peer < len(ranks)):
-                out.append([e.group, e.op, ranks[e.peer], e.t, e.nbytes])
+        for group, op, peer, t, nbytes in self.p2p_pending:
+            ranks = members.get(group)
+            if ranks and 0 <= peer < len(ranks):
+                out.append([group, op, ranks[peer], t, nbytes])
         return out
+
+
+_CONFIG_RANKS: dict[str, list[int] | None] = {}
+
+
+def _config_ranks(config: Any) -> list[int] | None:
+    """`pg_config_ranks`, one list per distinct text of ranks in a process: every rank's dump
+    names the default group's thousands of ranks, read once and shared (not copied per rank)."""
+    text = config.get("ranks") if isinstance(config, dict) else None
+    if not isinstance(text, str):
+        return pg_config_ranks(config)
+    if text not in _CONFIG_RANKS:
+        if len(_CONFIG_RANKS) >= SHAPES_KEPT:
+            _CONFIG_RANKS.clear()
+        _CONFIG_RANKS[text] = pg_config_ranks(config)
+    return _CONFIG_RANKS[text]
 
 
 def _int(value: Any) -> int | None:
@@ -245,6 +355,10 @@ def _int(value: Any) -> int | None:
         except ValueError:
             return None
     return None
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 def _entry(raw: Any) -> tuple[Entry, str] | None:
@@ -264,23 +378,97 @@ def _entry(raw: Any) -> tuple[Entry, str] | None:
         is_p2p = op_name(name).split(" ")[0] in ("send", "recv", "recv_anysource")
     completed = state == "completed" or bool(raw.get("time_discovered_completed_ns")) or (
         raw.get("retired") is True)
-
-    def listed(key: str) -> list[Any]:
-        value = raw.get(key)
-        return list(value) if isinstance(value, (list, tuple)) else []
-
     op, peer = op_name(name), None
     if is_p2p:
         op, peer = _p2p_op(op)
-    entry = Entry(str(pg[0]), seq, is_p2p, op, listed("input_sizes"),
-                  listed("input_dtypes"), listed("output_sizes"), listed("output_dtypes"),
-                  state, completed, _int(raw.get("op_id")))
+    entry = Entry(str(pg[0]), seq, is_p2p, op, _listed(raw.get("input_sizes")),
+                  _listed(raw.get("input_dtypes")), _listed(raw.get("output_sizes")),
+                  _listed(raw.get("output_dtypes")), state, completed, _int(raw.get("op_id")))
     if is_p2p:
         created = raw.get("time_created_ns")
         entry.peer = peer
         entry.t = created / 1e9 if type(created) is int and created > 0 else None
         entry.nbytes = buffer_bytes(raw)
     return entry, str(pg[1]) if len(pg) > 1 else ""
+
+
+Fields = tuple[str, str, int, bool, bool, "int | None", Cell, "int | None"]
+"""What the analysis takes from an entry: group, its description, seq, is_p2p, completed,
+op id, its shape as a cell of one (a P2P op's: its op only), a P2P op's peer (its rank in the
+group)."""
+_BASIC = operator.itemgetter("process_group", "collective_seq_id", "profiling_name", "is_p2p",
+                             "state", "op_id")
+_SHAPE_KEYS = ("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
+_SHAPE = operator.itemgetter(*_SHAPE_KEYS)
+_SHAPES: dict[bytes | str, Cell] = {}
+_P2P_SHAPES: dict[str, tuple[Cell, int | None]] = {}
+SHAPES_KEPT = 1 << 16
+"""Distinct shapes remembered per process (a ring has a handful; a hostile file may have
+more: the memory is then cleared and the shapes computed again)."""
+
+
+def _fields(raw: Any) -> Fields | None:
+    """`_entry`'s reading of an entry without building one: the common form (torch's since
+    2.2) is read at once, a shape computed once per distinct op and tensors; any other form
+    goes through `_entry`. None where the entry lacks what the analysis needs."""
+    try:
+        pg, seq, name, is_p2p, state, op_id = _BASIC(raw)
+    except (KeyError, TypeError):
+        return _fields_of_entry(raw)
+    if (type(seq) is not int or type(is_p2p) is not bool or type(name) is not str
+            or type(op_id) is not int or type(state) is not str
+            or type(pg) not in (tuple, list) or len(pg) != 2 or type(pg[0]) is not str):
+        return _fields_of_entry(raw)
+    completed = state == "completed" or bool(raw.get("time_discovered_completed_ns")) or (
+        raw.get("retired") is True)
+    if is_p2p:
+        single, peer = _p2p_shape(name)
+        return pg[0], str(pg[1]), seq, True, completed, op_id, single, peer
+    return pg[0], str(pg[1]), seq, False, completed, op_id, _shape(raw), None
+
+
+def _fields_of_entry(raw: Any) -> Fields | None:
+    parsed = _entry(raw)
+    if parsed is None:
+        return None
+    e, desc = parsed
+    single = (Shape(e.op, "", "", ""),) if e.is_p2p else _shape(raw)
+    return e.group, desc, e.seq, e.is_p2p, e.completed, e.op_id, single, e.peer
+
+
+def _shape(raw: dict[str, Any]) -> Cell:
+    """The shape of a collective's entry (`Entry.op`, dtypes, sizes, `Entry.signature`), as a
+    cell of one (one object per distinct shape)."""
+    try:
+        values = _SHAPE(raw)
+    except KeyError:
+        values = tuple(raw.get(k) for k in _SHAPE_KEYS)
+    try:  # marshal (its version 2 writes no references): 3x faster than repr; it writes
+        key: bytes | str = marshal.dumps(values, 2)  # bytes and bytearray alike (which no
+    except ValueError:  # recorder writes); what it cannot write (too deep: a hostile file)
+        key = repr(values)
+    single = _SHAPES.get(key)
+    if single is None:
+        if len(_SHAPES) >= SHAPES_KEPT:
+            _SHAPES.clear()
+        op = op_name(raw["profiling_name"])
+        e = Entry("", 0, False, op, _listed(raw.get("input_sizes")),
+                  _listed(raw.get("input_dtypes")), _listed(raw.get("output_sizes")),
+                  _listed(raw.get("output_dtypes")), "", False)
+        single = _SHAPES[key] = (Shape(op, repr((e.input_dtypes, e.output_dtypes)),
+                                       repr((e.input_sizes, e.output_sizes)), e.signature()),)
+    return single
+
+
+def _p2p_shape(name: str) -> tuple[Cell, int | None]:
+    """A P2P op's shape (its op only, a cell of one) and peer, from its profiling name."""
+    found = _P2P_SHAPES.get(name)
+    if found is None:
+        if len(_P2P_SHAPES) >= SHAPES_KEPT:
+            _P2P_SHAPES.clear()
+        op, peer = _p2p_op(op_name(name))
+        found = _P2P_SHAPES[name] = ((Shape(op, "", "", ""),), peer)
+    return found
 
 
 _P2P_NAME = re.compile(r"^(?P<op>send|recv)\s+(?P<a>\d+)\s*(?:->|<-)\s*(?P<b>\d+)$")
@@ -309,25 +497,6 @@ def rank_files(directory: Path) -> dict[int, list[Path]]:
             continue
         found.setdefault(int(match["rank"]), []).append(path)
     return found
-
-
-def read_directory(directory: Path) -> tuple[dict[int, RankDump], dict[int, str]]:
-    """Every rank's dump in `directory`, and the ranks whose files could not be read (why)."""
-    dumps: dict[int, RankDump] = {}
-    problems: dict[int, str] = {}
-    for rank, paths in rank_files(directory).items():
-        dump = RankDump(rank)
-        errors = []
-        for path in paths:
-            try:
-                dump.add(load_file(path), path.name)
-            except DumpError as exc:
-                errors.append(f"{path.name}: {exc}")
-        if dump.files:
-            dumps[rank] = dump
-        if errors:
-            problems[rank] = "; ".join(errors)
-    return dumps, problems
 
 
 def read_context(directory: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ culprit by the rules of the live hang view (`scalemon.reports.waitfor.find_culpr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,12 @@ from scalemon.reports.frread import (
     ANALYSIS_FILE,
     CONTEXT_FILE,
     DumpError,
-    Entry,
     RankDump,
     load_file,
     read_context,
-    read_directory,
 )
+from scalemon.reports.frscan import Progress, scan_directory
+from scalemon.reports.frtable import SeqTable
 from scalemon.reports.groups import mesh_dim, short_name
 from scalemon.reports.waitfor import find_culprits
 from scalemon.text.ranks import rank_list, ranks_text, span_text
@@ -41,9 +41,6 @@ __all__ = [  # with the reader's names that hub/, the CLI and the tests use
 
 MAX_MISMATCHES = 8
 """Mismatches listed per group (the first ones: later ones often follow from them)."""
-_SIZES_VARY = {"all_to_all", "alltoall", "alltoall_base", "all_to_all_single", "gather",
-               "scatter", "coalesced", "send", "recv"}
-"""Ops whose tensors may differ between ranks by design: only their op is compared."""
 
 
 # --- the analysis --------------------------------------------------------------------------
@@ -59,6 +56,7 @@ def analyse(
     fallback: dict[int, dict[str, list[int]]] | None = None,
     p2p_fallback: dict[int, list[Any]] | None = None,
     directory: str = "",
+    table: SeqTable | None = None,
 ) -> dict[str, Any]:
     """The analysis of the ranks' dumps, as plain JSON-able values.
 
@@ -67,7 +65,9 @@ def analyse(
     `gone`: ranks whose process is gone; `fallback`: rank -> group -> [issued, completed] from
     the rank's last heartbeat, used for a rank without a dump; `p2p_fallback`: rank -> its
     last heartbeat's P2P ops in flight (`p2p_inflight`), used where its dump has no P2P
-    entries (gloo's recorder keeps none)."""
+    entries (gloo's recorder keeps none); `table`: the dumps' collectives (`scan_directory`
+    reads it with them), else made of the dumps' cells."""
+    table = SeqTable.of(dumps) if table is None else table
     missing = dict(missing or {})
     gone_set = set(gone)
     groups = _members(dumps, members or {}, set(asked) | set(dumps) | set(missing))
@@ -87,15 +87,23 @@ def analyse(
            for r, items in (p2p_fallback or {}).items()
            if isinstance(items, list) and r not in gone_set}
     for rank, dump in dumps.items():
-        if any(e.is_p2p for e in dump.entries):  # NCCL's recorder saw its P2P ops
+        if dump.has_p2p:  # NCCL's recorder saw its P2P ops
             p2p[rank] = dump.p2p_inflight(groups)
-    overall = _finding(find_culprits(status, groups, gone_set, p2p=p2p), labels, dumps)
+    overall = _finding(find_culprits(status, groups, gone_set, p2p=p2p), labels, dumps, table)
     waits_of = {r: w for w in (overall or {}).get("waits", ()) for r in w["ranks"]}
+    status_of: dict[str, dict[int, dict[str, list[int]]]] = {}  # each group by itself
+    for rank, seen in status.items():
+        for name, value in seen.items():
+            status_of.setdefault(name, {})[rank] = {name: value}
+    p2p_of: dict[str, dict[int, list[Any]]] = {}
+    for rank, items in p2p.items():
+        for item in items:
+            if item and isinstance(item[0], str):
+                p2p_of.setdefault(item[0], {}).setdefault(rank, []).append(item)
     out_groups = []
     for name, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        alone = {r: {name: s[name]} for r, s in status.items() if name in s}
-        own_p2p = {r: [i for i in items if i and i[0] == name] for r, items in p2p.items()}
-        finding = find_culprits(alone, {name: ranks}, gone_set, p2p=own_p2p)  # by itself
+        finding = find_culprits(status_of.get(name, {}), {name: ranks}, gone_set,
+                                p2p=p2p_of.get(name, {}))  # the group by itself
         # a rank behind in this group that waits in another: a link of a chain, not its end
         behind = {str(r): f"waits in {w['op'] or 'collective'} #{w['seq']} of {w['label']}"
                   for r in (finding or {}).get("culprits", ())
@@ -103,11 +111,11 @@ def analyse(
         out_groups.append({
             "behind": behind,
             "name": name, "label": labels[name], "ranks": list(ranks),
-            "status": {str(r): _rank_status(dumps.get(r), status, source, r, name, gone_set,
-                                            missing)
+            "status": {str(r): _rank_status(dumps.get(r), table, status, source, r, name,
+                                            gone_set, missing)
                        for r in ranks},
-            "mismatches": _mismatches(dumps, name),
-            "finding": _finding(finding, labels, dumps),
+            "mismatches": table.mismatches(name, MAX_MISMATCHES),
+            "finding": _finding(finding, labels, dumps, table),
         })
     versions = sorted({v for d in dumps.values() for v in d.versions})
     return {
@@ -133,13 +141,18 @@ def _members(dumps: dict[int, RankDump], given: dict[str, Iterable[int]],
         if ranks:
             out[str(name)] = set(ranks)
     mentioned: dict[str, set[int]] = {}
+    read: dict[str, list[int]] = {}  # the list each group's ranks were last read from
+    defaults: set[str] = set()  # groups described as the default group: all known ranks
     for rank, dump in dumps.items():
         for name, seen in dump.groups.items():
-            if seen.config_ranks:
-                out[name] = set(seen.config_ranks)
+            if seen.config_ranks and read.get(name) is not seen.config_ranks:
+                out[name] = set(seen.config_ranks)  # (the ranks' dumps share one list)
+                read[name] = seen.config_ranks
             mentioned.setdefault(name, set()).add(rank)
             if seen.desc == "default_pg":
-                mentioned[name] |= known
+                defaults.add(name)
+    for name in defaults:
+        mentioned[name] |= known
     for name, ranks in mentioned.items():
         out.setdefault(name, ranks)
     return {name: tuple(sorted(ranks)) for name, ranks in out.items() if ranks}
@@ -166,9 +179,9 @@ def _labels(groups: dict[str, Any], desc: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _rank_status(dump: RankDump | None, status: dict[int, dict[str, list[int]]],
-                 source: dict[int, str], rank: int, group: str, gone: set[int],
-                 missing: dict[int, str]) -> dict[str, Any]:
+def _rank_status(dump: RankDump | None, table: SeqTable,
+                 status: dict[int, dict[str, list[int]]], source: dict[int, str], rank: int,
+                 group: str, gone: set[int], missing: dict[int, str]) -> dict[str, Any]:
     seen = status.get(rank, {}).get(group)
     if seen is None:
         why = missing.get(rank) or ("its process is gone" if rank in gone else
@@ -178,8 +191,8 @@ def _rank_status(dump: RankDump | None, status: dict[int, dict[str, list[int]]],
                 "completed_op": None, "source": None, "note": why}
     issued, completed = seen
     return {"last_issued": issued, "last_completed": completed,
-            "issued_op": dump.op_at(group, issued) if dump and issued else None,
-            "completed_op": dump.op_at(group, completed) if dump and completed else None,
+            "issued_op": table.op_at(group, issued, rank) if dump and issued else None,
+            "completed_op": table.op_at(group, completed, rank) if dump and completed else None,
             "source": source.get(rank), "note": _note(source.get(rank), missing.get(rank))}
 
 
@@ -187,34 +200,6 @@ def _note(source: str | None, why: str | None) -> str | None:
     if source == "heartbeat":
         return "from its last heartbeat" + (f"; no dump: {why}" if why else "")
     return why
-
-
-def _mismatches(dumps: dict[int, RankDump], group: str) -> dict[str, Any]:
-    """Collectives of `group` that differ between ranks at the same sequence number: the op,
-    else the dtypes, else the sizes (only the op for ops whose tensors may differ)."""
-    by_seq: dict[int, dict[int, list[Entry]]] = {}
-    for rank, dump in dumps.items():
-        for e in dump.entries:
-            if e.group == group and not e.is_p2p:
-                by_seq.setdefault(e.seq, {}).setdefault(rank, []).append(e)
-    found = []
-    for seq in sorted(by_seq):
-        ranks = by_seq[seq]
-        if len(ranks) < 2:
-            continue
-        what = None
-        for key, get in (("op", lambda es: [e.op for e in es]),
-                         ("dtypes", lambda es: [(e.input_dtypes, e.output_dtypes) for e in es]),
-                         ("sizes", lambda es: [(e.input_sizes, e.output_sizes) for e in es])):
-            if key != "op" and any(e.op in _SIZES_VARY for es in ranks.values() for e in es):
-                break
-            if len({repr(get(es)) for es in ranks.values()}) > 1:
-                what = key
-                break
-        if what:
-            found.append({"seq": seq, "field": what, "by_rank": {
-                str(r): "; ".join(e.signature() for e in es) for r, es in sorted(ranks.items())}})
-    return {"count": len(found), "first": found[:MAX_MISMATCHES]}
 
 
 RANKS_SHOWN = 16
@@ -228,7 +213,7 @@ WAITS_SHOWN = 16
 
 
 def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
-             dumps: dict[int, RankDump]) -> dict[str, Any] | None:
+             dumps: dict[int, RankDump], table: SeqTable) -> dict[str, Any] | None:
     """`find_culprits`' finding as JSON-ready data, with the group's label and op: each
     culprit's cause, what it never issued, the desyncs, the first wait-for chains, and the
     waits grouped by what they wait in and for whom (at thousands of ranks one line each)."""
@@ -236,12 +221,7 @@ def _finding(finding: dict[str, Any] | None, labels: dict[str, str],
         return None
 
     def op_of(group: str, seq: int, ranks: Iterable[int]) -> str | None:
-        for rank in [*ranks, *dumps]:
-            dump = dumps.get(rank)
-            op = dump.op_at(group, seq) if dump else None
-            if op:
-                return op
-        return None
+        return table.op_of(group, seq, [*ranks, *dumps])
 
     group, seq = finding["group"], finding["seq"]
     waits: dict[tuple[Any, ...], list[int]] = {}
@@ -337,11 +317,19 @@ def finding_text(finding: dict[str, Any] | None, gone: set[int]) -> str:
     return "; ".join(parts)
 
 
-def analyse_directory(directory: Path, context: dict[str, Any] | None = None) -> dict[str, Any]:
+def analyse_directory(directory: Path, context: dict[str, Any] | None = None,
+                      progress: Progress | None = None,
+                      say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The analysis of the dumps in `directory`, with what the hub knew (`context`, else the
-    directory's context.json when there is one)."""
+    directory's context.json when there is one); `progress` is told (ranks read, ranks),
+    `say` how many ranks were read from their summaries (`Scan.summaries_note`; the analysis
+    is the same either way)."""
     context = read_context(directory) if context is None else context
-    dumps, problems = read_directory(directory)
+    scan = scan_directory(directory, progress)
+    note = scan.summaries_note()
+    if say is not None and note:
+        say(note)
+    dumps, problems = scan.dumps, scan.problems
     missing = {int(r): str(why) for r, why in (context.get("missing") or {}).items()}
     for rank, why in problems.items():
         if rank not in dumps:
@@ -356,7 +344,8 @@ def analyse_directory(directory: Path, context: dict[str, Any] | None = None) ->
     report = analyse(
         dumps, members=context.get("members") or {}, descs=context.get("descs") or {},
         asked=context.get("asked") or (), missing=missing, gone=context.get("gone") or (),
-        fallback=fallback, p2p_fallback=p2p_fallback, directory=str(directory))
+        fallback=fallback, p2p_fallback=p2p_fallback, directory=str(directory),
+        table=scan.table)
     report["problems"] = {str(r): why for r, why in sorted(problems.items()) if r in dumps}
     return report
 

@@ -2,16 +2,16 @@
 
 `run_records` reads a job's history (every `step` message of every rank, every heartbeat's
 memory) into per-step series; `summarize` makes the summary of `scalemon summary --json` from
-them and the job's state (`reports.snapshot.snapshot_json`); `compare` puts two summaries
-side by side with ratios B/A; `scalemon.reports.summary_text` writes them for people. The
-JSON schema is in docs/summary.md. Every number that is not finite (a NaN loss) becomes None
-(JSON null).
+them (through `figures_of`), or from the `RunFigures` of a long history's digest
+(`scalemon.state.digest`), and the job's state (`reports.snapshot.snapshot_json`);
+`compare` puts two summaries side by side with ratios B/A; `scalemon.reports.summary_text`
+writes them for people. The JSON schema is in docs/summary.md. Every number that is not
+finite (a NaN loss) becomes None (JSON null).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +22,15 @@ from scalemon.protocol import Message
 from scalemon.reports import stragglers
 from scalemon.reports.parallel_text import is_p2p
 from scalemon.state.fold import step_values
+from scalemon.state.runfigures import (
+    Quantiles,
+    RunFigures,
+    exact_quantile,
+    finite,
+    per_step_total,
+    quantiles_of,
+    series_of,
+)
 
 SLOWEST_SHOWN = 3
 """How many of the slowest ranks (by median step time) the summary names."""
@@ -93,23 +102,9 @@ def run_records(messages: Iterable[Message]) -> RunRecords:
 
 
 # --- numbers ---------------------------------------------------------------------------------
-def finite(value: Any) -> float | None:
-    """`value` as a float when it is a finite number, else None."""
-    if type(value) in (int, float) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def quantile(values: Iterable[float], q: float) -> float | None:
-    """The `q` quantile (0..1) of the finite `values`, interpolated linearly between the two
-    nearest (numpy's default); None without one."""
-    data = sorted(v for v in values if finite(v) is not None)
-    if not data:
-        return None
-    at = q * (len(data) - 1)
-    low = math.floor(at)
-    high = min(low + 1, len(data) - 1)
-    return data[low] + (data[high] - data[low]) * (at - low)
+quantile = exact_quantile
+"""The `q` quantile (0..1) of the finite values, interpolated as numpy does (`runfigures`)."""
+__all__ = ["finite", "quantile"]
 
 
 def ratio(b: Any, a: Any) -> float | None:
@@ -120,26 +115,61 @@ def ratio(b: Any, a: Any) -> float | None:
     return b / a
 
 
-def _series(records: RunRecords, name: str) -> dict[int, dict[int, float]]:
-    """rank -> step -> metric `name` (as sent, NaN included), for the steps that have it."""
-    return {rank: {s: v[name] for s, v in by_step.items() if name in v}
-            for rank, by_step in records.steps.items()}
+def _stats(values: list[float] | Quantiles, quantiles: dict[str, float]) -> dict[str, Any]:
+    found = values if isinstance(values, Quantiles) else quantiles_of(values)
+    return found.stats(quantiles)
 
 
-def _stats(values: list[float], quantiles: dict[str, float]) -> dict[str, Any]:
-    out: dict[str, Any] = {name: quantile(values, q) for name, q in quantiles.items()}
-    out["samples"] = sum(1 for v in values if finite(v) is not None)
+def figures_of(records: RunRecords, coords: Mapping[int, Any]) -> RunFigures:
+    """The figures of every record kept (exact); `coords`: rank -> mesh coordinates (which
+    ranks' tokens/s count for the job, `throughput.counted`)."""
+    steps = records.steps
+    out = RunFigures(ranks=set(steps), own_rate=set(records.own_rate),
+                     heartbeat_max=records.heartbeat_max)
+    out.last_step = {r: max(s) for r, s in steps.items() if s}
+    every = {s for by_step in steps.values() for s in by_step}
+    out.step_count, out.first_step = len(every), (min(every) if every else None)
+    for by_step in records.step_t.values():
+        for s, t in by_step.items():
+            out.clock.add(t, s)
+    losses = {r: s for r, s in series_of(steps, "loss").items() if s}
+    if losses:
+        out.loss_rank = min(losses)
+        out.loss = losses[out.loss_rank]
+    tokens = series_of(steps, "tokens_per_s")
+    out.tokens_ranks = throughput.counted((r, coords.get(r)) for r in sorted(tokens)
+                                          if tokens[r])
+    counted = {r: tokens[r] for r in out.tokens_ranks}
+    out.tokens_job = quantiles_of(per_step_total(counted, "sum", lambda rates: (
+        throughput.job_tokens_per_s((v, coords.get(r)) for r, v in rates))))
+    out.tokens_per_rank = quantiles_of(v for s in tokens.values() for v in s.values())
+    out.mfu = quantiles_of(per_step_total(series_of(steps, "mfu"), "mean"))
+    times = series_of(steps, "step_time_s")
+    out.step_time = {r: quantiles_of(s.values()) for r, s in sorted(times.items())}
+    out.step_time_all = quantiles_of(v for s in times.values() for v in s.values())
+    out.compute_median = {r: quantile(s.values(), 0.5)
+                          for r, s in series_of(steps, "compute_s").items()}
+    out.bubbles = quantiles_of(b for by_step in records.bubbles.values()
+                               for b in by_step.values())
+    for rank, by_step in steps.items():
+        row: dict[str, float | None] = {}
+        for name in ("mem_allocated_bytes", "mem_peak_bytes"):
+            values = [v[name] for v in by_step.values() if finite(v.get(name)) is not None]
+            row[name] = max(values) if values else None
+        out.memory[rank] = row
     return out
 
 
 # --- the summary -----------------------------------------------------------------------------
-def summarize(state: Mapping[str, Any], records: RunRecords,
+def summarize(state: Mapping[str, Any], records: RunRecords | RunFigures,
               source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The summary of a run (docs/summary.md) from its state and its history's records."""
+    """The summary of a run (docs/summary.md) from its state and its history's records (or
+    their `RunFigures`)."""
     ranks = list(state.get("ranks") or [])
     by_rank = {r["rank"]: r for r in ranks}
-    step_times = _series(records, "step_time_s")
-    per_rank_time = _step_time_per_rank(step_times)
+    if isinstance(records, RunRecords):
+        records = figures_of(records, {r: v.get("mesh") for r, v in by_rank.items()})
+    per_rank_time = _step_time_per_rank(records)
     return {
         "schema": SCHEMA,
         "job": state.get("job"),
@@ -149,7 +179,7 @@ def summarize(state: Mapping[str, Any], records: RunRecords,
         "steps": _steps(records, by_rank),
         "wall_time": _wall_time(state, records),
         "loss": _loss(records),
-        "tokens_per_s": _throughput(records, by_rank),
+        "tokens_per_s": _throughput(records),
         "mfu": _mfu(records),
         "step_time": per_rank_time,
         "stragglers": _stragglers(state, records, per_rank_time),
@@ -162,48 +192,47 @@ def summarize(state: Mapping[str, Any], records: RunRecords,
         "mesh": state.get("mesh"),
         "pipeline": _pipeline(state, records),
         "moe": state.get("moe"),
-        "memory": _memory(records, sorted(set(by_rank) | set(records.steps))),
+        "memory": _memory(records, sorted(set(by_rank) | records.ranks)),
         "config": _config(state),
         "flags": _flags(state),
         "versions": _versions(ranks),
     }
 
 
-def _steps(records: RunRecords, by_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+def _steps(records: RunFigures, by_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """The first and last step numbers logged, how many steps, each rank's last."""
-    last = {r: max(s) for r, s in records.steps.items() if s}
+    last = dict(records.last_step)
     for rank, view in by_rank.items():  # a rank whose steps are not in the records
         if rank not in last and isinstance(view.get("step"), int):
             last[rank] = view["step"]
-    every = {s for by_step in records.steps.values() for s in by_step}
     return {
-        "first": min(every) if every else None,
+        "first": records.first_step,
         "last": max(last.values()) if last else None,
         "last_on_every_rank": min(last.values()) if last else None,
-        "count": len(every),
+        "count": records.step_count,
         "last_per_rank": {str(r): s for r, s in sorted(last.items())},
     }
 
 
-def _wall_time(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any]:
+def _wall_time(state: Mapping[str, Any], records: RunFigures) -> dict[str, Any]:
     """Seconds from the first message to the last, and from the first step to the last."""
     started, last = finite(state.get("started_t")), finite(state.get("last_t"))
-    times = [t for by_step in records.step_t.values() for t in by_step.values()]
+    first_t, last_t = records.clock.first, records.clock.last
     return {
         "started_t": started, "last_t": last,
         "seconds": last - started if started is not None and last is not None else None,
-        "steps_seconds": max(times) - min(times) if times else None,
+        "steps_seconds": last_t - first_t if first_t is not None and last_t is not None
+        else None,
     }
 
 
-def _loss(records: RunRecords) -> dict[str, Any]:
+def _loss(records: RunFigures) -> dict[str, Any]:
     """First, last and least loss of the lowest rank that logs one (the rank a trainer prints
     for), with their steps, and how many of its losses were NaN or infinite."""
-    series = {r: s for r, s in _series(records, "loss").items() if s}
-    if not series:
+    if records.loss_rank is None or not records.loss:
         return {"rank": None, "first": None, "last": None, "min": None, "nonfinite": 0}
-    rank = min(series)
-    values = series[rank]
+    rank = records.loss_rank
+    values = records.loss
     steps = sorted(values)
     good = [(v, s) for s, v in values.items() if finite(v) is not None]
     best = min(good) if good else None
@@ -216,94 +245,65 @@ def _loss(records: RunRecords) -> dict[str, Any]:
     }
 
 
-def loss_series(records: RunRecords) -> dict[int, float]:
+def loss_series(records: RunRecords | RunFigures) -> dict[int, float]:
     """step -> loss of the rank `summarize` takes the loss of (the lowest that logs one)."""
-    series = {r: s for r, s in _series(records, "loss").items() if s}
+    if isinstance(records, RunFigures):
+        return dict(records.loss)
+    series = {r: s for r, s in series_of(records.steps, "loss").items() if s}
     return series[min(series)] if series else {}
 
 
-def _per_step_total(series: dict[int, dict[int, float]], combine: str) -> list[float]:
-    """Per step, the ranks' values summed (`sum`) or averaged (`mean`): only the steps where
-    every rank that reports the metric at all has a finite value."""
-    ranks = [r for r, s in series.items() if s]
-    if not ranks:
-        return []
-    steps = set.intersection(*(set(series[r]) for r in ranks))
-    out = []
-    for step in sorted(steps):
-        values = [finite(series[r][step]) for r in ranks]
-        if any(v is None for v in values):
-            continue
-        total = math.fsum(v for v in values if v is not None)
-        out.append(total if combine == "sum" else total / len(values))
-    return out
-
-
-def _throughput(records: RunRecords, by_rank: Mapping[int, Mapping[str, Any]]
-                ) -> dict[str, Any]:
+def _throughput(records: RunFigures) -> dict[str, Any]:
     """tokens/s (`scalemon.throughput`) of one rank (its figure as of each step, as the
     dashboard showed it then) and of the job (per step, `job_tokens_per_s` of the ranks'
     figures: of a tp group x pipeline the member nearest coordinate 0 with figures,
     `throughput.counted`), median and p10 over the steps (p10: the slow tail); `source`:
     `steps`, or `script` where a counted rank's is its script's own."""
-    series = _series(records, "tokens_per_s")
-    coords = {r: (by_rank.get(r) or {}).get("mesh") for r in series}
-    counted = {r: series[r] for r in throughput.counted(
-        (r, coords[r]) for r in sorted(series) if series[r])}
-    steps = set.intersection(*(set(s) for s in counted.values())) if counted else set()
-    job: list[float] = []
-    for step in sorted(steps):
-        rates = [finite(counted[r][step]) for r in counted]
-        total = throughput.job_tokens_per_s((v, coords[r])
-                                            for v, r in zip(rates, counted, strict=True))
-        if total is not None and all(v is not None for v in rates):
-            job.append(total)
     q = {"median": 0.5, "p10": 0.1}
-    per_rank = [v for s in series.values() for v in s.values()]
     source = throughput.job_source(
-        throughput.SCRIPT if r in records.own_rate else throughput.STEPS for r in counted)
-    return {"job": _stats(job, q), "per_rank": _stats(per_rank, q), "source": source}
+        throughput.SCRIPT if r in records.own_rate else throughput.STEPS
+        for r in records.tokens_ranks)
+    return {"job": _stats(records.tokens_job, q), "per_rank": _stats(records.tokens_per_rank, q),
+            "source": source}
 
 
-def _mfu(records: RunRecords) -> dict[str, Any]:
+def _mfu(records: RunFigures) -> dict[str, Any]:
     """MFU (a fraction; the ranks' mean per step), median and p10 over the steps; None
     (null) where no rank logs one (a device of unknown peak FLOP/s)."""
-    stats = _stats(_per_step_total(_series(records, "mfu"), "mean"),
-                   {"median": 0.5, "p10": 0.1})
-    return stats
+    return _stats(records.mfu, {"median": 0.5, "p10": 0.1})
 
 
-def _step_time_per_rank(step_times: dict[int, dict[int, float]]) -> dict[str, Any]:
+def _step_time_per_rank(records: RunFigures) -> dict[str, Any]:
     """Each rank's step time (median, p90 over its steps), the median of the ranks' medians,
     the p90 of every rank's steps, and the slowest ranks: those whose median is over the
     ranks' median, slowest first."""
     q = {"median": 0.5, "p90": 0.9}
-    per_rank = {r: _stats(list(s.values()), q) for r, s in sorted(step_times.items())}
+    per_rank = {r: _stats(s, q) for r, s in sorted(records.step_time.items())}
     known = {r: v["median"] for r, v in per_rank.items() if v["median"] is not None}
     middle = quantile(known.values(), 0.5)
     slower = [r for r, v in known.items() if middle is not None and v > middle]
     slowest = sorted(slower, key=lambda r: (-known[r], r))[:SLOWEST_SHOWN]
     return {
         "median": middle,
-        "p90": quantile([v for s in step_times.values() for v in s.values()], 0.9),
+        "p90": records.step_time_all.quantile(0.9),
         "per_rank": {str(r): v for r, v in per_rank.items()},
         "slowest": [{"rank": r, "median": known[r]} for r in slowest],
     }
 
 
-def _stragglers(state: Mapping[str, Any], records: RunRecords,
+def _stragglers(state: Mapping[str, Any], records: RunFigures,
                 step_time: Mapping[str, Any]) -> dict[str, Any]:
     """The stragglers now (the state's, `scalemon.reports.stragglers`), and over the run by the same
     rule and bar: a rank's arrival lateness at collectives where the ranks have one (the state's
     last), else its median compute time over the median rank's."""
-    compute = {r: quantile(s.values(), 0.5) for r, s in _series(records, "compute_s").items()}
+    compute = records.compute_median
     known = [v for v in compute.values() if v is not None]
     middle = quantile(known, 0.5) if known else None
     over = {r: v - middle if v is not None and middle is not None else None
             for r, v in compute.items()}
     lateness = {r["rank"]: finite(r.get("arrival_lateness_s"))
                 for r in state.get("ranks") or []}
-    ranks = sorted(set(records.steps) | set(lateness))
+    ranks = sorted(records.ranks | set(lateness))
     values, basis = stragglers.measure(ranks, lateness, over)
     median = step_time.get("median")
     run = [{"rank": r, "measure": stragglers.MEASURE_FIELDS[basis], "value_s": v,
@@ -313,17 +313,14 @@ def _stragglers(state: Mapping[str, Any], records: RunRecords,
             "basis": basis or None}
 
 
-def _hangs(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any]:
+def _hangs(state: Mapping[str, Any], records: RunFigures) -> dict[str, Any]:
     """The hang now (a live job's), the hang it ended in (`hangs.last_hang`), and the stalls
     of the run: stretches where no rank completed a step for the job's hang threshold
     (`hang_after_s`), the hang it ended in the last of them."""
     hang, last = state.get("hang"), state.get("last_hang")
     after = finite(state.get("hang_after_s"))
-    times = sorted((t, s) for by_step in records.step_t.values() for s, t in by_step.items())
-    stalls = []
-    for (t0, s0), (t1, _) in zip(times, times[1:], strict=False):
-        if after is not None and t1 - t0 >= after:
-            stalls.append({"after_step": s0, "seconds": t1 - t0, "t": t0})
+    stalls = [{"after_step": s0, "seconds": seconds, "t": t0}
+              for t0, s0, seconds in records.clock.stalls(after)]
     if last:
         stalls.append({"after_step": last.get("step"), "seconds": last.get("since_s"),
                        "t": last["ended_t"] - (last.get("since_s") or 0.0)})
@@ -351,27 +348,24 @@ def _p2p(row: Mapping[str, Any]) -> dict[str, Any]:
                                     "bandwidth_bytes_per_s")}
 
 
-def _pipeline(state: Mapping[str, Any], records: RunRecords) -> dict[str, Any] | None:
+def _pipeline(state: Mapping[str, Any], records: RunFigures) -> dict[str, Any] | None:
     """The state's pipeline (schedule, stages, microbatches, theoretical and latest measured
     bubble) and `measured_bubble_run`: median and p90 of every rank's `pipeline_bubble` over
     the steps of the run; None without a pipeline."""
-    bubbles = [b for by_step in records.bubbles.values() for b in by_step.values()]
+    bubbles = records.bubbles
     pipeline = state.get("pipeline")
-    if not pipeline and not bubbles:
+    if not pipeline and not bubbles.n:
         return None
     return {**(pipeline or {}),
             "measured_bubble_run": _stats(bubbles, {"median": 0.5, "p90": 0.9})}
 
 
-def _memory(records: RunRecords, ranks: list[int]) -> dict[str, Any]:
+def _memory(records: RunFigures, ranks: list[int]) -> dict[str, Any]:
     """Each rank's largest memory readings over the run, and the largest of any rank."""
     per_rank = {}
     for rank in ranks:
-        by_step = records.steps.get(rank, {})
-        row: dict[str, Any] = {}
-        for name in ("mem_allocated_bytes", "mem_peak_bytes"):
-            values = [v[name] for v in by_step.values() if finite(v.get(name)) is not None]
-            row[name] = max(values) if values else None
+        row: dict[str, Any] = {name: (records.memory.get(rank) or {}).get(name)
+                               for name in ("mem_allocated_bytes", "mem_peak_bytes")}
         beats = records.heartbeat_max.get(rank, {})
         row.update({name: beats.get(name) for name in HEARTBEAT_MEMORY})
         torch_peak = [v for v in (row["mem_allocated_bytes"], row["mem_peak_bytes"])

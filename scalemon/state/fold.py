@@ -36,6 +36,7 @@ SERIES_ALL_BELOW = AGGREGATE_AT
 
 AGGREGATED = tuple(m.name for m in metrics.AGGREGATED)
 """Metrics whose min/mean/max over ranks the overview plots draw (`Show.overview`)."""
+AGGREGATED_STEP = tuple(m.name for m in metrics.AGGREGATED if m.source == "step")
 _FOLDED = tuple(m for m in metrics.METRICS if m in metrics.PLOTTED or m.aggregated)
 STEP_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "step")
 EXTRA_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "extra")
@@ -279,9 +280,13 @@ class JobFold:
     def _on_step(self, msg: Message, view: RankView) -> None:
         track = self.track(msg.rank)
         step = msg.body["step"]
-        values = step_values(msg.body, view.derived)  # derived once, by the state
         if self.keeps_series(msg.rank):
+            values = step_values(msg.body, view.derived)  # derived once, by the state
             track.add_step_series(msg.body, values)
+        else:  # a big job's unwatched rank: only what the per-step aggregates take
+            values = _numbers(msg.body, AGGREGATED_STEP)
+            if (compute := view.derived.get("compute_s")) is not None:
+                values["compute_s"] = compute
         if msg.body.get("skipped"):
             track.skipped.add(step)
             self.skipped.add(step)

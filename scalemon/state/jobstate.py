@@ -295,7 +295,9 @@ class JobState:
         b = msg.body
         try:
             for name, group in b["groups"].items():
-                if name not in self.groups:
+                # a big group's members are listed by its first rank only (1.13): the others'
+                # empty lists say nothing
+                if name not in self.groups and group["ranks"]:
                     ranks = [int(r) for r in group["ranks"]]
                     self.groups[name] = {"desc": str(group.get("desc") or ""), "ranks": ranks}
                     self.arrival.set_group(name, ranks)
