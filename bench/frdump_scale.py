@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from machine import append_result, cpu_name
+from machine import append_result, cpu_name, machine_busy_pct
 
 from scalemon.reports.frsummary import write_summary
 
@@ -241,18 +241,6 @@ def _machine_busy_s() -> float:
     """CPU seconds the whole machine has spent busy so far (every process's)."""
     c = psutil.cpu_times()
     return sum(c) - c.idle - getattr(c, "iowait", 0.0)
-
-
-def machine_busy_pct(seconds: float) -> float:
-    """How busy the whole machine is over `seconds`, in % of one core (others' work too)."""
-    a = psutil.cpu_times()
-    time.sleep(seconds)
-    b = psutil.cpu_times()
-
-    def busy(c: Any) -> float:
-        return sum(c) - c.idle - getattr(c, "iowait", 0.0)
-
-    return 100.0 * (busy(b) - busy(a)) / seconds
 
 
 def run(ranks: int, entries: int, args: argparse.Namespace) -> dict[str, Any]:

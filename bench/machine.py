@@ -57,3 +57,17 @@ def job_env(home: Path, linger_s: int = 30) -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", SCALEMON_HOME=str(home), SCALEMON_JOB_ID=home.name,
                SCALEMON_HUB_ARGS=f"--linger {linger_s}")
     return env
+
+
+def machine_busy_pct(seconds: float) -> float:
+    """How busy the whole machine is over `seconds`, in % of one core (others' work too)."""
+    import time
+
+    import psutil
+
+    def busy(c: object) -> float:
+        return sum(c) - c.idle - getattr(c, "iowait", 0.0)  # type: ignore[attr-defined]
+
+    a = psutil.cpu_times()
+    time.sleep(seconds)
+    return 100.0 * (busy(psutil.cpu_times()) - busy(a)) / seconds

@@ -53,7 +53,7 @@ from typing import Any
 
 import psutil
 from dashboard_load import find_dashboard, tmux
-from machine import cpu_name
+from machine import cpu_name, machine_busy_pct
 from sim_nodes import Plan, run_worker
 
 from scalemon.home.address import HubAddress
@@ -520,18 +520,6 @@ class Case:
             print(f"  kept {self.home}")
         else:
             shutil.rmtree(self.home, ignore_errors=True)
-
-
-def machine_busy_pct(seconds: float) -> float:
-    """How busy the whole machine is over `seconds`, in % of one core (others' work too)."""
-    a = psutil.cpu_times()
-    time.sleep(seconds)
-    b = psutil.cpu_times()
-
-    def busy(c: Any) -> float:
-        return sum(c) - c.idle - getattr(c, "iowait", 0.0)
-
-    return 100.0 * (busy(b) - busy(a)) / seconds
 
 
 def process_cpu() -> dict[int, tuple[str, float]]:

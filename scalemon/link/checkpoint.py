@@ -14,7 +14,6 @@ history (its id) is not used.
 
 from __future__ import annotations
 
-import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,22 +68,9 @@ class Checkpoint:
                              "digest": self.digest}, protocol=5)
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = ALLOWED.get((module, name))
-        if found is None:
-            raise CheckpointError(f"the checkpoint names {module}.{name}, which it may not")
-        return found
-
-
 def load(blob: bytes) -> Checkpoint:
     """The checkpoint `blob` holds; raises CheckpointError (never another error)."""
-    try:
-        payload = _Unpickler(io.BytesIO(blob)).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a damaged checkpoint: any unpickling error
-        raise CheckpointError(f"unreadable ({type(exc).__name__}: {exc})") from None
+    payload = seed.unpickle_only(blob, ALLOWED, CheckpointError, "checkpoint")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError("another checkpoint format")
     if payload.get("scalemon") != scalemon.__version__:

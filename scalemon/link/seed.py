@@ -51,22 +51,29 @@ def dump(fold: JobFold) -> bytes:
                         protocol=5)
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = ALLOWED.get((module, name))
-        if found is None:
-            raise SeedError(f"the seed names {module}.{name}, which a seed may not hold")
-        return found
+def unpickle_only(blob: bytes, allowed: dict[tuple[str, str], Any],
+                  error: type[ValueError], what: str) -> Any:
+    """Unpickle `blob`, building only the classes `allowed` names; raises `error` (never
+    another error) for a damaged blob or one that names anything else (`what` it is)."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = allowed.get((module, name))
+            if found is None:
+                raise error(f"the {what} names {module}.{name}, which a {what} may not hold")
+            return found
+
+    try:
+        return Unpickler(io.BytesIO(blob)).load()
+    except error:
+        raise
+    except Exception as exc:  # a damaged blob: any unpickling error
+        raise error(f"unreadable {what} ({type(exc).__name__}: {exc})") from None
 
 
 def load(blob: bytes) -> JobFold:
     """The fold a seed holds; raises SeedError (never another error) for one it cannot use."""
-    try:
-        payload = _Unpickler(io.BytesIO(blob)).load()
-    except SeedError:
-        raise
-    except Exception as exc:  # a damaged seed: any unpickling error
-        raise SeedError(f"unreadable seed ({type(exc).__name__}: {exc})") from None
+    payload = unpickle_only(blob, ALLOWED, SeedError, "seed")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise SeedError(f"seed format {got!r}, this scalemon reads format {FORMAT}")
