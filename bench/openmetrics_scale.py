@@ -275,7 +275,7 @@ def machine() -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2048)
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)

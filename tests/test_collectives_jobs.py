@@ -185,8 +185,9 @@ def check_dump(home: Path, nproc: int) -> None:
         client.close()
     dump = state["fr_dumps"][-1]
     assert dump["directory"] == str(directory) and dump["written"] == list(range(nproc))
-    assert sorted(p.name for p in directory.iterdir()) == [
-        "analysis.json", "context.json", *(f"rank_{r}" for r in range(nproc))]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([  # each dump, its summary
+        "analysis.json", "context.json", *(f"rank_{r}" for r in range(nproc)),
+        *(f"rank_{r}.summary" for r in range(nproc))])
     assert "rank 1 never issued all_reduce" in dump["analysis"] and dump["missing"] == []
     assert dump["report"]["culprit"]["culprits"] == [1]
 
