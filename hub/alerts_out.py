@@ -50,6 +50,8 @@ from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import JobState
 from scalemon.text.display import LATE, shown, unit
 
+from .liveness import scan_every_s
+
 log = logging.getLogger("scalemon.hub")
 
 ALERT_CMD_ENV = "SCALEMON_ALERT_CMD"
@@ -59,9 +61,6 @@ PER_KEY_S = 60.0
 PER_MINUTE = 10
 TIMEOUT_S = 10.0
 SCAN_EVERY_S = 1.0
-SCAN_RANKS_PER_S = 4096
-"""A job of more ranks than this is looked at less often: every `ranks / SCAN_RANKS_PER_S`
-seconds (4 s at 16,384 ranks, where one look costs some 90 ms)."""
 """The whole state is looked at at most this often (the hub's housekeeping runs more often)."""
 SUPPRESSIONS_AUDITED = 20
 """Suppressed alerts written to the audit one by one per minute; more are counted and written
@@ -184,15 +183,15 @@ class AlertsOut:
     # --- the loop's side ------------------------------------------------------------------
     def check(self, state: JobState, now: float) -> list[dict[str, Any]]:
         """Look at the state (at most every `SCAN_EVERY_S` of the monotonic `now`, less often
-        for a big job: `SCAN_RANKS_PER_S`); send the alerts that appeared since the last look.
-        Returns them (sent or suppressed)."""
+        for a big job: `liveness.scan_every_s`, 4 s at 16,384 ranks); send the alerts that
+        appeared since the last look. Returns them (sent or suppressed)."""
         for outcome in self._outcomes():
             self.audit.write(outcome)
             if outcome.get("outcome") != "exited" or outcome.get("exit_code"):
                 log.warning("alert command: %s", outcome)
         if now < self._next_scan:
             return []
-        self._next_scan = now + max(SCAN_EVERY_S, len(state.ranks) / SCAN_RANKS_PER_S)
+        self._next_scan = now + max(SCAN_EVERY_S, scan_every_s(len(state.ranks)))
         wall = time.time()
         current = self._conditions(state, wall)
         fired = [{k: v for k, v in alert.items() if k != "_episode"}

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .limits import niced
 
 log = logging.getLogger("scalemon.hub")
 
@@ -51,9 +52,8 @@ class Checkpoints:
             return
         self._next = now + self.every_s
         self._started_at = now
-        cmd = [sys.executable, "-m", "scalemon.link.checkpoint", str(self.history), self.job]
-        if nice := shutil.which("nice"):
-            cmd = [nice, "-n", str(NICE), *cmd]
+        cmd = niced([sys.executable, "-m", "scalemon.link.checkpoint", str(self.history),
+                     self.job], NICE)
         try:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

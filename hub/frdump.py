@@ -13,7 +13,6 @@ with the reason: on a hang, that is a finding.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from typing import Any
 
 from scalemon.reports import frtrace
 from scalemon.state.jobstate import VANISHED_STATES
+
+from .limits import niced
 
 WAIT_S = 15.0
 """How long the ranks have to write their dumps."""
@@ -163,9 +164,8 @@ def analyse_apart(directory: Path) -> tuple[dict[str, Any] | None, str]:
     rings take seconds of CPU on every core (the analysis reads them in worker processes) that
     the hub's loop must not wait for. Returns the report (None when it failed) and the
     analysis as text (or why there is none); its stderr is no terminal: no progress lines."""
-    cmd = [sys.executable, "-m", "scalemon.cli", "dump", "--dir", str(directory), "--json"]
-    if nice := shutil.which("nice"):  # its workers take what the hub's loop leaves
-        cmd = [nice, "-n", str(ANALYSIS_NICE), *cmd]
+    cmd = niced([sys.executable, "-m", "scalemon.cli", "dump", "--dir", str(directory),
+                 "--json"], ANALYSIS_NICE)  # its workers take what the hub's loop leaves
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=ANALYSIS_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -1,12 +1,14 @@
 """What the hub keeps of what peers send, bounded: refusals counted by the hub's own reason
 classes (a fixed set, never the sender's text), the latest few refusals' details (truncated),
-peers' names capped, and the process's open-file limit raised to its hard limit."""
+peers' names capped, the process's open-file limit raised to its hard limit, and the helper
+processes it starts niced."""
 
 from __future__ import annotations
 
 import logging
 import re
 import resource
+import shutil
 import time
 from collections import Counter, deque
 from typing import Any
@@ -104,3 +106,10 @@ def raise_open_files_limit() -> int:
     elif soft == resource.RLIM_INFINITY or hard == resource.RLIM_INFINITY:
         soft = 1 << 20 if soft == resource.RLIM_INFINITY else soft
     return soft
+
+
+def niced(cmd: list[str], niceness: int) -> list[str]:
+    """`cmd` run at a lower CPU priority (`nice -n`, where the system has it): a helper
+    process of the hub's takes what the hub's loop leaves."""
+    nice = shutil.which("nice")
+    return [nice, "-n", str(niceness), *cmd] if nice else cmd

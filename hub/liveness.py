@@ -21,9 +21,15 @@ RELAY_SILENT_S = 6.0
 """A silent rank is `unreachable` once its node's relay has not reported for this long (a
 relay reports every 2 s and sends an unanswered report again after 5 s)."""
 SCAN_RANKS_PER_S = 4096
-"""A scan of every rank's liveness costs some 2 us a rank: a job of more ranks than this is
-scanned less often than every housekeeping turn, once per `ranks / SCAN_RANKS_PER_S` seconds
-(4 s at 16,384 ranks; a rank is named silent after `lost_after_s`, 10 s or more)."""
+"""A look at every rank (liveness, the job's lifecycle, the alerts) costs microseconds a rank:
+a job of more ranks than this is looked at less often than every housekeeping turn, once per
+`scan_every_s(ranks)` (4 s at 16,384 ranks; a rank is named silent after `lost_after_s`, 10 s
+or more)."""
+
+
+def scan_every_s(ranks: int) -> float:
+    """How often a look at every one of `ranks` ranks is due, at most (0: every turn)."""
+    return ranks / SCAN_RANKS_PER_S
 LOOK_AGAIN_S = 15.0
 """A rank on another node that is frozen, unreachable or silent is looked at again this
 often while its node's relay reports: it may have ended, or its relay be back."""
@@ -74,10 +80,10 @@ class Liveness:
               now: float) -> list[dict[str, Any]]:
         """The `rank_state` bodies to record now: running ranks silent for `lost_after_s`
         (their looks asked for), frozen ranks whose process ended since. A big job's ranks
-        are scanned at most every `len(ranks) / SCAN_RANKS_PER_S` seconds."""
+        are scanned at most every `scan_every_s(len(ranks))` seconds."""
         if now < self._next_scan:
             return []
-        self._next_scan = now + len(state.ranks) / SCAN_RANKS_PER_S
+        self._next_scan = now + scan_every_s(len(state.ranks))
         found = []
         for rank, view in list(state.ranks.items()):
             silent = now - self.last_recv.get(rank, now)
@@ -210,12 +216,12 @@ class Liveness:
         """The job state, plus `abandoned`: no rank runs (each ended, or is frozen) and none
         spoke for `linger_s`: ranks that never reported (elsewhere), a launcher's restart
         that never came, ranks frozen for good (their stacks are in the history). A big
-        job's state is looked at once per `len(ranks) / SCAN_RANKS_PER_S` seconds."""
+        job's state is looked at once per `scan_every_s(len(ranks))` seconds."""
         cached = self._lifecycle
         if cached is not None and now < cached[0]:
             return cached[1]
         job_state = self._lifecycle_now(state, now)
-        self._lifecycle = (now + len(state.ranks) / SCAN_RANKS_PER_S, job_state)
+        self._lifecycle = (now + scan_every_s(len(state.ranks)), job_state)
         return job_state
 
     def _lifecycle_now(self, state: JobState, now: float) -> str:

@@ -48,12 +48,9 @@ class SyncAnswers:
     def take_reply(self, reply: dict[str, Any]) -> None:
         """Read the hub's answer to the relay's report: its consent, threshold and commands."""
         self.enabled = reply.get("answers_syncs") is True
-        hang = reply.get("hang_after_s")
-        if isinstance(hang, (int, float)) and not isinstance(hang, bool) and hang > 0:
-            self.hang_after_s = float(hang)
-        beat = reply.get("heartbeat_stepping_s")
-        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and beat > 0:
-            self.heartbeat_stepping_s = float(beat)
+        self.hang_after_s = _seconds(reply.get("hang_after_s")) or self.hang_after_s
+        self.heartbeat_stepping_s = (_seconds(reply.get("heartbeat_stepping_s"))
+                                     or self.heartbeat_stepping_s)
         for item in reply.get("commands") or ():
             if not (isinstance(item, (list, tuple)) and len(item) == 2
                     and type(item[0]) is int and isinstance(item[1], list)):
@@ -83,3 +80,10 @@ class SyncAnswers:
                                      hang_after_s=self.hang_after_s,
                                      heartbeat_stepping_s=self.heartbeat_stepping_s,
                                      commands=self._held.pop(rank, []), via="relay")
+
+
+def _seconds(value: Any) -> float | None:
+    """A number of seconds the hub gave: a positive int or float (not a bool), else None."""
+    if type(value) in (int, float) and value > 0:
+        return float(value)
+    return None

@@ -64,16 +64,6 @@ def tokens_per_s(tokens: float, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-def step_of(tokens: Any, step_time_s: Any) -> tuple[int, float] | None:
-    """(tokens, wall seconds) of one step that can be in a window: a non-negative int of
-    tokens and a finite positive step time; else None (a process's first step has no time)."""
-    if type(tokens) is not int or tokens < 0:
-        return None
-    if type(step_time_s) not in (int, float) or not 0 < step_time_s < math.inf:
-        return None
-    return tokens, float(step_time_s)
-
-
 class TokenWindow:
     """A rank's latest steps for its live `tokens_per_s` (`WINDOW_S`, `WINDOW_STEPS`)."""
 
@@ -88,10 +78,11 @@ class TokenWindow:
         long a quiet spell is before its live figure is 0 (`stale_after_s`)."""
 
     def add(self, tokens: Any, step_time_s: Any) -> None:
-        """One step as its message gives them; a step `step_of` refuses is left out (its
-        step time, where it has one, is still its `last_step_s`)."""
+        """One step as its message gives them. It is in the window with a non-negative int of
+        tokens and a finite positive step time (a process's first step has no time); a step
+        without tokens still has its step time as the rank's `last_step_s`."""
         if type(step_time_s) not in (int, float) or not 0 < step_time_s < math.inf:
-            return  # as `step_of`: no time, no step in the window
+            return
         seconds = self.last_step_s = float(step_time_s)
         if type(tokens) is not int or tokens < 0:
             return

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import zlib
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from scalemon.home.safefs import write_private
 
 CHUNKS_SUFFIX = ".chunks"
 """`history.smlog.chunks`: the sealed chunks, one after another."""
@@ -281,12 +282,8 @@ def _read_index_file(path: Path) -> list[ChunkEntry]:
 
 def write_index(path: Path, entries: list[ChunkEntry]) -> None:
     """Write the index file of the history at `path` anew (temporary file, then rename)."""
-    index = path.with_name(path.name + INDEX_SUFFIX)
-    tmp = index.with_name(index.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.writelines(index_line(e) for e in entries)
-    os.replace(tmp, index)
+    write_private(path.with_name(path.name + INDEX_SUFFIX),
+                  b"".join(index_line(e) for e in entries))
 
 
 def read_chunk(f: Any, entry: ChunkEntry, ranks: Collection[int] | None = None

@@ -38,6 +38,7 @@ from scalemon.home.history_read import (  # noqa: F401 - the readers, where they
     scan,
 )
 from scalemon.home.paths import run_dir
+from scalemon.home.safefs import write_private
 from scalemon.home.sealed import Sealed, prepare_chunks
 
 log = logging.getLogger("scalemon.hub")
@@ -138,7 +139,7 @@ class History:
             data = f.read()
         if sealed := self._sealed.sealed_start_of(data):  # killed between sealing and cutting
             data = data[sealed:]
-            _rewrite(self.path, data)
+            write_private(self.path, data)
         good, damaged = scan(data)
         if damaged:
             aside = self.path.with_name(self.path.name + DAMAGED_SUFFIX)
@@ -263,7 +264,7 @@ class History:
             self._sealed.add(prepared)
             self._reader.seek(cut)
             rest = self._reader.read(self._end - cut)
-            _rewrite(self.path, rest)
+            write_private(self.path, rest)
             self._writer.close()
             self._writer = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
             self._reader.close()
@@ -490,15 +491,6 @@ def _write_error_text(exc: OSError) -> str:
     if exc.errno == errno.EDQUOT:
         return "disk quota exceeded (EDQUOT)"
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
-
-
-def _rewrite(path: Path, data: bytes) -> None:
-    """Replace the file at `path` with `data` (a temporary file, owner-only, then rename)."""
-    tmp = path.with_name(path.name + ".repair")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-    os.replace(tmp, path)
 
 
 def _history_id(path: Path, created: bool) -> str:

@@ -9,8 +9,6 @@ length-prefixed frames (the tail, or a damaged chunk's bytes) and the damaged st
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 from scalemon import protocol
 from scalemon.home import chunks
 from scalemon.home.chunks import ChunkEntry, covers, record_cover
+from scalemon.home.safefs import write_private
 from scalemon.protocol import Message, ProtocolError
 
 _LEN = 4
@@ -259,15 +258,8 @@ def read_checkpoint(path: Path) -> bytes | None:
 def write_checkpoint(path: Path, blob: bytes) -> str | None:
     """Write the checkpoint beside the history at `path` (a temporary file, then rename);
     returns why it could not be written (a read-only run directory, a full disk), else None."""
-    final = path.with_name(path.name + CHECKPOINT_SUFFIX)
-    tmp = final.with_name(final.name + ".tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, final)
+        write_private(path.with_name(path.name + CHECKPOINT_SUFFIX), blob)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return f"{exc.strerror or exc}"
     return None
