@@ -10,6 +10,7 @@ read costs its loss scale (said once), never the monitor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .warn import Warnings
@@ -50,6 +51,11 @@ class ScaleReader:
         init = getattr(scaler, "_init_scale", None)
         if isinstance(init, (int, float)) and not isinstance(init, bool):
             self.init_scale = float(init)
+
+    def reader(self) -> Callable[[], Any] | None:
+        """`read`, or None where there is no scale to read (no scaler, a disabled one, one
+        that cannot be read): `log()` then skips the call."""
+        return self.read if self._attr is not None else None
 
     def read(self) -> Any:
         """The current scale: a tensor (possibly on the GPU, not read here), a number, or None

@@ -3,9 +3,10 @@ microseconds, and the sender thread turns them into the `step` body once they ar
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .cudagraphs import CAPTURE, capture_mode_thread_local
 from .heartbeat import Phase
 from .p2p import step_fields
-from .timing import EventPool, Span, summarize
+from .timing import EventPool, Span, current_stream_key, summarize
 from .values import PLAIN_TYPES, on_device, plain_value, stageable
 from .warn import Warnings
 
@@ -37,11 +38,17 @@ class RawStep(NamedTuple):
     optimizer_untimed: int
     """`optimizer.step()` calls of this step that were not timed (sampled out)."""
     allreduce_spans: list[Span]
-    staged: Staged | None
-    """On CUDA the step's device scalars on their way to the host (`StepFinisher.stage`);
-    else None. On CUDA the memory counters are read by the sender thread (`finish`)."""
+    staged: Staged | tuple | None
+    """On CUDA the step's device scalars on their way to the host (`StepFinisher.stage`: a
+    `Staged`, or for the common step the tuple the sender makes one of); else None. On CUDA
+    the memory counters are read by the sender thread (`finish`)."""
     p2p: tuple | None = None
     """The step's P2P and all_to_all counters (`p2p.StepP2P.take`; gloo only), or None."""
+
+
+new_raw_step: Callable[[tuple], RawStep] = functools.partial(tuple.__new__, RawStep)
+"""A `RawStep` from a tuple of its 12 values, by C calls alone (the named tuple's own
+constructor is a Python function: a frame on the training thread)."""
 
 
 class Staged:
@@ -59,11 +66,11 @@ class Staged:
     __slots__ = ("stream", "pinned", "later", "floats", "has_loss", "has_scale", "names",
                  "event", "lost")
 
-    def __init__(self, stream: Any, pinned: tuple, later: list, floats: list,
-                 has_loss: bool, has_scale: bool, names: list[str]) -> None:
-        self.stream = stream  # the training thread's current stream at log()
-        self.pinned = pinned  # (pinned float32 buffer, its 0-d slots)
-        self.later = later  # (slot, tensor, version) for the sender to copy
+    def __init__(self, stream: Any, pinned: tuple | None, later: list, floats: list,
+                 has_loss: bool, has_scale: bool, names: Sequence[str]) -> None:
+        self.stream = stream  # the training thread's current stream at log(), as its key
+        self.pinned = pinned  # (pinned float32 buffer, its 0-d slots); None: not taken yet
+        self.later = later  # (slot, tensor, version, data_ptr) for the sender to copy
         self.floats = floats  # (slot, host float): values that were no device tensors
         self.has_loss = has_loss
         self.has_scale = has_scale
@@ -82,6 +89,8 @@ MEMORY_COUNTERS = {
 }
 """The step's allocator metrics: where each is in `torch.cuda.memory_stats_as_nested_dict`."""
 NO_DEVICE_MEMORY = dict.fromkeys(MEMORY_COUNTERS)
+NO_NAMES: tuple[str, ...] = ()
+"""The names of a step's staged extra values when it has none (shared, never changed)."""
 
 
 class ScaleTracker:
@@ -127,12 +136,63 @@ class StepFinisher:
         self._last_optimizer: tuple[float, int] | None = None  # (seconds, step) last timed
         self._last_later: list = []  # the previous step's `Staged.later`
         self._sender_ready = False  # the sender thread's CUDA capture mode was set
+        self._finishing: tuple | None = None  # (RawStep, its Staged) while not ready
 
     def stage(self, loss: Any, scale: Any, extra: dict[str, Any] | None) -> Staged:
         """Note the step's device scalars (loss, loss scale, one-element CUDA tensors among
         the extra values) for copying to pinned host memory without a sync (`Staged`): on the
         training thread only the loss scale is copied, and only host work is done for the
-        rest."""
+        rest.
+
+        The common step (its loss a tensor on the model's device, no extra values, values
+        deferred, the previous step's tensor not reused) is only noted here, in a tuple the
+        sender turns into a `Staged` (`_staged_of`), with no call of ours; any other step goes
+        the general way (`_stage_any`), which returns a `Staged`."""
+        # Every call here runs with caches cold from the step, a tensor's call (cold C++) the
+        # costliest: four of them. A CPU tensor's device is -1, so `get_device` tells a tensor
+        # on the model's GPU; the sender checks that it has one element (`_queue_later`) and
+        # detaches it, if need be (`_queue_copy`: held until then, its graph has freed its
+        # tensors). No CUDA graph is being captured while `defer` holds (`on_graph_capture`).
+        events = self.events
+        if (extra or not self.defer or type(loss) is not torch.Tensor
+                or loss.get_device() != events.index
+                or not (scale is None or type(scale) is torch.Tensor)):
+            return self._stage_any(loss, scale, extra)
+        try:  # an inference-mode tensor keeps no version; a given-back graph output raises
+            later = [(0, loss, loss._version, loss.data_ptr())]
+            previous = self._last_later
+            if previous and (len(previous) > 1 or previous[0][1]._version != previous[0][2]
+                             or previous[0][3] == later[0][3]):
+                return self._stage_any(loss, scale, extra)  # which tells reuse (`_reused`)
+        except RuntimeError:
+            return self._stage_any(loss, scale, extra)
+        self._last_later = later
+        pinned = None
+        if scale is not None:  # GradScaler's scale, updated in place each step: copied now
+            pinned = self._take_pinned(2)
+            self._copy_now(pinned[1][1], scale)
+        return current_stream_key(events.index), later, pinned
+
+    def _staged_of(self, raw: tuple, noted: tuple) -> Staged:
+        """On the sender thread: the `Staged` of the step `raw`, whose `stage` left only the
+        tuple `noted` (made once: `finish` is called again while the step is not ready)."""
+        if self._finishing is not None and self._finishing[0] is raw:
+            return self._finishing[1]
+        key, later, pinned = noted
+        staged = Staged(key, pinned, later, [], True, pinned is not None, NO_NAMES)
+        self._finishing = (raw, staged)
+        return staged
+
+    def _take_pinned(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A free pinned buffer of `n` floats with its slots (either thread may take one)."""
+        try:
+            return self.pinned[n].pop()
+        except (KeyError, IndexError):
+            return _pinned_slots(n)
+
+    def _stage_any(self, loss: Any, scale: Any, extra: dict[str, Any] | None) -> Staged:
+        """`stage` for any step: values on the host or another device, extra values, a CUDA
+        graph capture in progress, values copied at `log()`, tensors the script reuses."""
         if CAPTURE.active:  # inside a CUDA graph capture: any copy would be captured
             self.warnings.once("log-in-capture", "scalemon: log() was called while a CUDA graph "
                                "was being captured; device values of such calls are left out")
@@ -142,8 +202,7 @@ class StepFinisher:
         names = [k for k, v in extra.items() if _device_scalar(v)] if extra else []
         loss, scale = self._stageable(loss, "loss"), self._stageable(scale, "the loss scale")
         values = [loss, scale, *(extra[k] for k in names)]
-        free = self.pinned.get(len(values))
-        buf, slots = free.pop() if free else _pinned_slots(len(values))
+        buf, slots = self._take_pinned(len(values))
         events = self.events
         later, floats = [], []
         for i, value in enumerate(values):
@@ -156,7 +215,7 @@ class StepFinisher:
                     value.get_device() == events.index):
                 tensor = value.detach() if value.requires_grad else value
                 try:
-                    later.append((i, tensor, tensor._version))
+                    later.append((i, tensor, tensor._version, tensor.data_ptr()))
                     continue
                 except RuntimeError:  # an inference-mode tensor keeps no version: copy now
                     pass
@@ -166,12 +225,12 @@ class StepFinisher:
             log.info("scalemon: a tensor given to log() is reused by the script (changed in "
                      "place, or the same storage again); device values are copied at log() "
                      "from now on")
-            for i, tensor, _ in later:
+            for i, tensor, *_ in later:
                 self._copy_now(slots[i], tensor)
             later = []
         self._last_later = later
-        return Staged(events.stream(), (buf, slots), later, floats, loss is not None,
-                      scale is not None, names)
+        return Staged(current_stream_key(events.index), (buf, slots), later, floats,
+                      loss is not None, scale is not None, names)
 
     def _reused(self, later: list) -> bool:
         """Whether the script reuses the tensors it logs, by the previous step's: one changed
@@ -181,12 +240,12 @@ class StepFinisher:
         are copied now (whether the previous step's could still be read, the sender says)."""
         previous = self._last_later
         try:
-            if any(tensor._version != version for _, tensor, version in previous):
+            if any(tensor._version != version for _, tensor, version, _ in previous):
                 return True
-            storages = {tensor.data_ptr() for _, tensor, _ in previous}
-            return any(tensor.data_ptr() in storages for _, tensor, _ in later)
         except RuntimeError:  # a CUDA-graph output already given back: its storage says so
             return True
+        storages = {ptr for *_, ptr in previous}  # (their storages live: `later` holds them)
+        return any(ptr in storages for *_, ptr in later)
 
     def on_graph_capture(self) -> None:
         """A CUDA graph capture began in this process (cudagraphs.py): its outputs are
@@ -217,14 +276,23 @@ class StepFinisher:
         event behind them. A tensor changed in place since `log()` (its version moved, before
         or after its copy was queued) is not read: its value is lost, said once, and `stage`
         copies at `log()` from then on."""
+        if staged.pinned is None:  # (the common step leaves taking it to this thread)
+            staged.pinned = self._take_pinned(2 + len(staged.names))
         slots = staged.pinned[1]
-        with torch.cuda.stream(staged.stream):
-            for i, tensor, version in staged.later:
+        stream = self.events.stream_of(staged.stream)
+        with torch.cuda.stream(stream):
+            for i, tensor, version, _ in staged.later:
+                if i == 0 and tensor.numel() != 1:  # (`stage` leaves this check to here)
+                    staged.lost.append(i)
+                    self.warnings.once("log-loss", "scalemon: %s given to log() cannot be read "
+                                       "(%s); it is left out", "loss",
+                                       f"a tensor of {tensor.numel()} elements")
+                    continue
                 why = copy_if_unchanged(slots[i], tensor, version)
                 if why is not None:
                     staged.lost.append(i)
                     self._stop_deferring(step, _value_name(i, staged.names), why)
-            staged.event = self.events.record_on(staged.stream)
+            staged.event = self.events.record_on(stream)
 
     def _stop_deferring(self, step: int, name: str, why: str) -> None:
         self.defer = False
@@ -269,6 +337,8 @@ class StepFinisher:
                                 "scaler": self.scaler.state if self.scaler is not None else None}
         body.update(NO_DEVICE_MEMORY)  # CUDA: the counters come with the staged values
         if staged is not None:
+            if type(staged) is tuple:  # the common step's, as `stage` noted it
+                staged = self._staged_of(raw, staged)
             if not self._sender_ready:  # the first CUDA work of the sender thread
                 self._sender_ready = True
                 capture_mode_thread_local()
@@ -294,6 +364,7 @@ class StepFinisher:
             self.pinned.setdefault(len(values), []).append(staged.pinned)
             self.events.put(event)
             staged.later = []  # the tensors may go
+            self._finishing = None
             if self.read_memory is not None:
                 self._add_memory(body)
         if extra:
@@ -377,7 +448,10 @@ def _direct_copyable(value: torch.Tensor, index: int) -> bool:
 
 
 def _queue_copy(slot: torch.Tensor, value: torch.Tensor) -> None:
-    """Queue the copy of one-element `value` into the 0-dim `slot`, not waiting for it."""
+    """Queue the copy of one-element `value` into the 0-dim `slot`, not waiting for it (a
+    value that requires grad is detached first: `slot` must not join its graph)."""
+    if value.requires_grad:
+        value = value.detach()
     slot.copy_(value if value.dim() == 0 else value.reshape(()), non_blocking=True)
 
 

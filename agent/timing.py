@@ -18,10 +18,13 @@ import contextlib
 import logging
 import time
 from collections import deque
+from time import perf_counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scalemon import settings
 
 from .c10d import sequence_number
 from .cudagraphs import CAPTURE
@@ -38,15 +41,24 @@ def _all_reduce(*args: Any, **kwargs: Any) -> Any:
     return original(dist.all_reduce)(*args, **kwargs)
 
 
-def is_compiling() -> bool:
-    """True while torch.compile traces the caller: a hook then returns at once, so dynamo
-    neither breaks the graph at it nor fails a `fullgraph=True` compile."""
-    return torch.compiler.is_compiling()
+is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+"""True while torch.compile traces the caller: a hook then returns at once, so dynamo neither
+breaks the graph at it nor fails a `fullgraph=True` compile. torch's function itself, called
+without a wrapper of ours, and the one that dynamo answers but that is one Python frame when
+run (`is_compiling` is two): each frame costs on the hot path, with caches cold from the step.
+(Under a non-strict `torch.export` the hooks then run, doing host work only.)"""
 
 
-_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream)
-"""The current stream of a device as a hashable key, without building a `Stream` object."""
+def _torch_stream_key(index: int) -> tuple:
+    """The current stream of device `index` as (stream id, device index, device type), as
+    torch's own C call gives it (the fallback for a torch without that call)."""
+    stream = torch.cuda.current_stream(index)
+    return stream.stream_id, stream.device_index, stream.device_type
+
+
+current_stream_key = getattr(torch._C, "_cuda_getCurrentStream", None) or _torch_stream_key
+"""`current_stream_key(index)`: the current stream of device `index` as a hashable key
+(stream id, device index, device type), without building a `Stream` object."""
 
 
 def _event_record() -> Any:
@@ -82,30 +94,47 @@ class EventPool:
         self._stream_key: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
         self._handle = 0  # the current stream's raw cudaStream_t
+        self._streams: dict[tuple, torch.cuda.Stream] = {}  # by `current_stream_key`
 
     def stream_handle(self) -> int:
         """The raw handle of the current stream of the model's device (cached by stream)."""
-        key = _current_stream(self.index)
+        key = current_stream_key(self.index)
         if key != self._stream_key:
-            self._stream = torch.cuda.current_stream(self.device)
-            self._handle = self._stream.cuda_stream
-            self._stream_key = key
+            self._use_stream(key)
         return self._handle
 
-    def record(self, handle: int | None = None) -> torch.cuda.Event:
+    def _use_stream(self, key: tuple) -> None:
+        """The current stream changed (or is read the first time): cache its `Stream`."""
+        self._stream = self.stream_of(key)
+        self._handle = self._stream.cuda_stream
+        self._stream_key = key
+
+    def stream_of(self, key: tuple) -> torch.cuda.Stream:
+        """The `Stream` of a key `current_stream_key` gave (made once per stream)."""
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(
+                stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
+
+    def record(self) -> torch.cuda.Event:
         """A free event, recorded now on the current stream of the model's device (which need
-        not be the current device); `handle`: that stream's, when the caller just read it."""
-        if handle is None:
-            handle = self.stream_handle()
-        ev = self._take()
-        if ev is None:
-            ev = torch.cuda.Event(enable_timing=True)
-        elif self.direct is not None:
+        not be the current device). On the training thread: no other call of ours, one C call
+        to read the stream and, with `direct`, one to record."""
+        key = current_stream_key(self.index)
+        if key != self._stream_key:
+            self._use_stream(key)
+        free = self._free
+        direct = self.direct
+        if free and direct is not None:
+            ev = free.pop()  # (the sender thread puts events back: pop is atomic)
             try:
-                self.direct.record(ev, handle)
+                direct.record(ev, self._handle)
                 return ev
             except Exception as exc:  # torch's calls from now on
                 self.no_direct(exc)
+        else:
+            ev = self._take() or torch.cuda.Event(enable_timing=True)
         _record(ev, self._stream)
         return ev
 
@@ -155,16 +184,16 @@ class SpanTimer:
         self.spans: list[Span] = []
         self.untimed = 0
         self.timing: bool | None = None
-        self._next_at = 0.0
+        self.next_at = 0.0
 
     def timed_now(self, t: float) -> bool:
         """Whether the call starting at `t` (perf_counter) is timed: the step's first call
         decides for all of the step's calls."""
         timing = self.timing
         if timing is None:
-            timing = self.timing = t >= self._next_at
+            timing = self.timing = t >= self.next_at
             if timing:
-                self._next_at = t + self.every_s
+                self.next_at = t + self.every_s
         return timing
 
 
@@ -196,6 +225,31 @@ def summarize(spans: list[Span], events: EventPool | None, wall_offset: float) -
         "bytes": sum(span[3].nbytes for span in spans if span[3] is not None),
         "issue_t": min(span[0] for span in spans) + wall_offset if spans else None,
     }
+
+
+OPTIMIZER_TIMING_ENV = "SCALEMON_OPTIMIZER_TIMING_S"
+OPTIMIZER_TIMING_CUDA_S = 0.5
+"""On CUDA the optimizer step is timed (two event records on the training thread) on one step
+every this many seconds at most; the steps between carry that figure (`optimizer_timed_step`).
+On CPU the host clock costs nothing to speak of: every step is timed."""
+
+
+def optimizer_timing_every_s(cuda: bool, warnings: Warnings) -> float:
+    """Seconds between timed optimizer steps: SCALEMON_OPTIMIZER_TIMING_S (0: every step), else
+    `OPTIMIZER_TIMING_CUDA_S` on CUDA and 0 on CPU."""
+    default = OPTIMIZER_TIMING_CUDA_S if cuda else 0.0
+    text = (settings.raw(OPTIMIZER_TIMING_ENV) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+        if not 0.0 <= value < float("inf"):
+            raise ValueError
+    except ValueError:
+        warnings.once("optimizer-timing-env", "scalemon: %s=%r is not a number of seconds >= 0; "
+                      "using %g", OPTIMIZER_TIMING_ENV, text, default)
+        return default
+    return value
 
 
 WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
@@ -259,17 +313,33 @@ class OptimizerTimer:
         ]
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # The hot path (every step, caches cold): no call of ours unless the step has a
+        # closure, an open span to drop, or is timed; `_start` inlined for a sampled-out step.
         if is_compiling():  # a compiled optimizer.step(): nothing to time from inside
             return None
-        t = time.perf_counter()
-        self._drop_open()
+        t = perf_counter()
+        if self._open is not None:
+            self._drop_open()
         self._started = False
-        wrapped = _with_closure_wrapped(optimizer, args, kwargs, self._after_closure)
+        phase = self.phase
+        wrapped = (_with_closure_wrapped(optimizer, args, kwargs, self._after_closure)
+                   if kwargs or len(args) > 1 or (args and args[0] is not optimizer)
+                   else None)  # torch passes (optimizer,) for a plain `step()`
         if wrapped is not None:  # forward and backward run first, inside the step
-            self.phase.name, self.phase.since = "forward-backward", t
+            phase.name, phase.since = "forward-backward", t
         else:
-            self._start(t)
-        self.phase.cost_s += time.perf_counter() - t
+            timer = self.timer
+            timing = timer.timing
+            if timing is None and timer.every_s:  # the step's first call decides (timed_now)
+                timing = timer.timing = t >= timer.next_at
+                if timing:
+                    timer.next_at = t + timer.every_s
+            if timing is False:  # sampled out: nothing on the device
+                phase.name, phase.since = "optimizer", t
+                timer.untimed += 1
+            else:
+                self._start(t)
+        phase.cost_s += perf_counter() - t
         return wrapped
 
     def _after_closure(self, closure: Any) -> Any:
@@ -317,19 +387,20 @@ class OptimizerTimer:
     def _post(self, *_: Any) -> None:
         if is_compiling():
             return
-        t = time.perf_counter()
+        t = perf_counter()
         span = self._open
         if span is not None:
             self._open = None
             try:
-                events = self.timer.events
+                timer = self.timer
+                events = timer.events
                 span[2] = t if events is None else events.record()
-                self.timer.spans.append(span)
+                timer.spans.append(span)
             except Exception as exc:
                 self._failed("after", exc)
         phase = self.phase
         phase.name, phase.since = "after-optimizer", t
-        phase.cost_s += time.perf_counter() - t
+        phase.cost_s += perf_counter() - t
 
     def _failed(self, when: str, exc: Exception) -> None:
         reason = f"optimizer hook ({when} step): {type(exc).__name__}: {exc}"

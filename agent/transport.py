@@ -138,10 +138,14 @@ class Sender:
         """Queue a message whose body `finish(arg, deadline)` builds on the sender thread; it
         returns None while not ready (waiting until the monotonic deadline, if any). Deferred
         messages keep their order."""
-        seq = self._admit()
-        if seq is None:
+        # `_admit` inline: on the training thread each step, where a call costs a frame
+        seq = next(self._seq)
+        deferred = self._deferred
+        if (self._failed or self._stopping
+                or len(self._queue) + len(deferred) >= self.max_queue):
+            self._drop()
             return False
-        self._deferred.append((mtype, seq, time.time(), finish, arg))
+        deferred.append((mtype, seq, time.time(), finish, arg))
         return True
 
     def _run(self) -> None:

@@ -57,7 +57,7 @@ def build(args: argparse.Namespace,
 
 
 TIMED = {  # what --breakdown wraps: (module, qualified name)
-    "log": ("scalemon.agent.run", "Run._log"),
+    "log": ("scalemon.agent.run", "Run.log"),
     "forward hook": ("scalemon.agent.run", "Run._on_forward"),
     "optimizer pre-hook": ("scalemon.agent.timing", "OptimizerTimer._pre"),
     "optimizer post-hook": ("scalemon.agent.timing", "OptimizerTimer._post"),
@@ -209,6 +209,9 @@ def summarize(args, device, per_step, run, agent_before, steps_before, spent) ->
     if run is not None:
         steps = run.steps_logged - steps_before
         out["agent_us_per_step"] = 1e6 * (run.agent_time_total_s - agent_before) / max(1, steps)
+        # a cheap agent must still be a working one: it stayed on and its messages went out
+        out["agent_health"] = {"disabled": run.disabled, "steps_logged": steps,
+                               "sent": run.sender.sent, "dropped": run.sender.dropped}
     if spent:
         steps = max(1, (run.steps_logged - steps_before) if run is not None else 1)
         out["breakdown_us_per_step"] = {k: 1e6 * sum(v) / steps for k, v in spent.items()}
@@ -249,6 +252,12 @@ def print_result(r: dict) -> None:
     print(f"  paired geometric mean {r['paired_ratio_geomean']:.4f}, 95% interval "
           f"[{c_lo:.4f}, {c_hi:.4f}]: " + ("resolves 1%" if r["resolves_1pct"] else
                                           "does NOT resolve 1% (more or shorter blocks)"))
+    health = r.get("agent_health")
+    if health:
+        broken = health["disabled"] or not health["sent"] or not health["steps_logged"]
+        print(f"  agent {'NOT WORKING: ' if broken else ''}disabled {health['disabled']}, "
+              f"steps logged {health['steps_logged']}, messages sent {health['sent']}, "
+              f"dropped {health['dropped']}")
     for key in ("breakdown_us_per_step", "breakdown_us_median_call"):
         if key in r:
             print(f"  {key}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(

@@ -5,8 +5,9 @@ foreach=True and fused=True on the same params and grads; workloads GPT-2 124M t
 1000 x 4096, 10000 x 64 and 1 x 1G elements; fp32, and bf16 (ours: bf16 params with fp32
 master/moments; torch: bf16 params and state); >= 20 warm-up and >= 100 timed steps per
 implementation, interleaved, timed with CUDA events; median and p10/p90; GB/s from bytes moved
-and as % of a measured device-to-device copy; time relative to fused=True. bf16 adds our two
-lighter modes: lo16 master + bf16 moments (18 B/param) and fp32 master + bf16 moments (20).
+and as % of a measured device-to-device copy; time relative to fused=True. bf16 adds our
+lighter modes: lo16 master + bf16 moments (18 B/param), fp32 master + bf16 moments (20), and
+torch's own bytes (14: no master, bf16 moments) rounded to nearest or stochastically.
 
 --host measures the host side of step() alone: microseconds per call and torch ops per call
 (torch.profiler), for 148 tensors (GPT-2 124M's count) and 10000 tensors, with the same grads
@@ -49,6 +50,11 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 OURS_BF16 = {
     "ours_lo16+bf16m": {"master_weights": "lo16", "moment_dtype": "bf16"},
     "ours_fp32m+bf16m": {"master_weights": "fp32", "moment_dtype": "bf16"},
+    # torch's bf16 fused=True bytes (14): no master, bf16 moments; rounded to nearest as
+    # torch does, or stochastically (unbiased, small updates kept)
+    "ours_pure-bf16": {"master_weights": False, "moment_dtype": "bf16"},
+    "ours_pure-bf16-sr": {"master_weights": False, "moment_dtype": "bf16",
+                          "stochastic_rounding": True},
 }
 HOST_IMPLS = ("ours", "ours flat", "ours+hook", "torch_fused=True", "torch_foreach=True",
               "empty step")
@@ -99,7 +105,7 @@ def bytes_per_param(impl: str, dtype: torch.dtype) -> int:
         return ours_bytes(dtype, "fp32", torch.float32)
     if impl in OURS_BF16:
         mode = OURS_BF16[impl]
-        return ours_bytes(dtype, mode["master_weights"], torch.bfloat16)
+        return ours_bytes(dtype, mode["master_weights"] or None, torch.bfloat16)
     return 2 * 7
 
 
@@ -110,6 +116,7 @@ def bytes_needed(numel: int, dtype: torch.dtype) -> int:
     ours = 12 if dtype != torch.float32 else 8
     if dtype != torch.float32:
         ours += (2 + 2 * 2) + (4 + 2 * 2)  # lo16 + bf16 moments; fp32 master + bf16 moments
+        ours += 2 * (2 * 2)  # pure bf16, rounded to nearest and stochastically: bf16 moments
     return numel * (2 * size + ours + 3 * 2 * size + 3 * size)
 
 

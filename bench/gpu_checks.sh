@@ -37,7 +37,13 @@
 #                          that the paired ratio's 95% interval resolves 1%; ~1 min after
 #                          the two compiles on an H100, estimated)
 #   GPU_CHECKS_OPT_BLOCKS  benches: bench/optimizer_ab.py --blocks (8: ~2 min on an H100, estimated)
-#   GPU_CHECKS_ROWS        benches: which rows, in order (segfault tests agent_ab optimizer_ab)
+#   GPU_CHECKS_ROWS        benches: which rows, in order (segfault tests agent_ab optimizer_ab;
+#                          also: sweep, our AdamW kernels' launch shapes beside torch fused,
+#                          bench/fused_adam_sweep.py, whose fastest fp32 shape optimizer_ab then
+#                          uses; demo, the demo trainer on the GPU with the monitor, one rank:
+#                          MoE, ZeRO-3 bf16, compile with our AdamW)
+#   GPU_CHECKS_ADAM_SHAPE  benches: optimizer_ab's --adam-shape (BLOCKxWARPS; default: the
+#                          sweep row's fastest fp32 shape when it ran first, else the module's)
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -65,9 +71,9 @@ fi
 ROWS=${GPU_CHECKS_ROWS:-segfault tests agent_ab optimizer_ab}
 for name in $ROWS; do
     case $name in
-        segfault | tests | agent_ab | optimizer_ab) ;;
+        segfault | tests | agent_ab | optimizer_ab | sweep | demo) ;;
         *) echo "gpu_checks.sh: GPU_CHECKS_ROWS names '$name': give some of" \
-               "segfault tests agent_ab optimizer_ab" >&2; exit 2 ;;
+               "segfault tests agent_ab optimizer_ab sweep demo" >&2; exit 2 ;;
     esac
 done
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -315,22 +321,60 @@ row_agent_ab() {  # (c) the agent's cost on the training thread, in-process A/B
     helper kill-hubs "$RUNDIR/ab"
     saved_runs agent_ab
     note "agent_ab: $(rc_text): $(grep -E ' (agent|control): A ' "$ROW_LOG" \
-        | tail -1) $(grep -E 'paired geometric mean' "$ROW_LOG" | tail -1)"
+        | tail -1) $(grep -E 'paired geometric mean' "$ROW_LOG" | tail -1)
+        $(grep -E '^  agent .*disabled' "$ROW_LOG" | tail -1)"
     counted
 }
 
+ADAM_SHAPE=${GPU_CHECKS_ADAM_SHAPE:-}
+
+row_sweep() {  # our AdamW kernels' launch shapes beside torch fused (bench/fused_adam_sweep.py)
+    local saved
+    if [[ $CPU == 1 ]]; then
+        note "sweep: not run in CPU mode (it needs CUDA)"
+        return
+    fi
+    row "sweep" 240 "$PY" "$REPO/bench/fused_adam_sweep.py" --best fp32
+    saved=$(ls -t "$REPO"/bench/results/fused_adam_sweep_*.json 2>/dev/null | head -1)
+    if [[ -n $saved ]]; then cp "$saved" "$OUT/"; fi
+    if ((ROW_RC == 0)) && [[ -z ${GPU_CHECKS_ADAM_SHAPE:-} ]]; then
+        ADAM_SHAPE=$(tail -1 "$ROW_LOG")
+    fi
+    note "sweep: $(rc_text): $(grep -E '^fastest shape' "$ROW_LOG" | tail -1)"
+    counted
+}
+
+row_demo() {  # the demo trainer on the GPU with the monitor, one rank (NCCL needs a GPU a rank)
+    local args i=0 runs=("--experts 4" "--zero 3 --amp bf16")
+    # the compiled run with our AdamW: GPU only (the CPU would compile for minutes)
+    if [[ $CPU != 1 ]]; then runs+=("--compile --amp bf16 --optimizer fused"); fi
+    for args in "${runs[@]}"; do
+        i=$((i + 1))
+        row "demo $args" 120 env SCALEMON_HOME="$RUNDIR/demo$i" "$PY" -m torch.distributed.run \
+            --standalone --nproc-per-node 1 -- "$REPO/demo_train/train.py" \
+            $([[ $CPU == 1 ]] && echo "--device cpu --preset tiny" || echo "--device cuda") \
+            $args --max-steps 30 --monitor
+        helper kill-hubs "$RUNDIR/demo$i"
+        note "demo $args: $(rc_text): $(grep -E 'step +30|tokens/s' "$ROW_LOG" | tail -1)"
+        counted
+    done
+}
+
 row_optimizer_ab() {  # (d) the trainer's AdamW choices, in-process A/B/C
-    local mode line
+    local mode line shape=()
     helper results-mark "$RUNDIR/results.state"
+    if [[ -n $ADAM_SHAPE ]]; then shape=(--adam-shape "$ADAM_SHAPE"); fi
     if [[ $CPU == 1 ]]; then
         echo "CPU mode: optimizer_ab runs tiny on the CPU (Triton interpreter, no compile)"
         row "optimizer_ab" 130 env TRITON_INTERPRET=1 "$PY" "$REPO/bench/optimizer_ab.py" \
-            --device cpu --preset tiny --blocks 2 --block-steps 3 --untimed 1 --no-compile
+            --device cpu --preset tiny --blocks 2 --block-steps 3 --untimed 1 --no-compile \
+            "${shape[@]}"
     else
-        row "optimizer_ab" 130 "$PY" "$REPO/bench/optimizer_ab.py" --blocks "$OPT_BLOCKS"
+        row "optimizer_ab" 130 "$PY" "$REPO/bench/optimizer_ab.py" --blocks "$OPT_BLOCKS" \
+            "${shape[@]}"
     fi
     saved_runs optimizer_ab
-    note "optimizer_ab: $(rc_text)"
+    note "optimizer_ab: $(rc_text)${ADAM_SHAPE:+, our kernels at $ADAM_SHAPE}"
     for mode in torch-fused fused fused-flat; do
         line=$(grep -E "^$mode +[0-9]" "$ROW_LOG" | tail -1)
         if [[ -n $line ]]; then note "  $line"; fi
@@ -353,6 +397,8 @@ benches_part() {
             tests) row_tests ;;
             agent_ab) row_agent_ab ;;
             optimizer_ab) row_optimizer_ab ;;
+            sweep) row_sweep ;;
+            demo) row_demo ;;
         esac
     done
     note "benches: $FAILS row(s) not exiting 0; $((SECONDS - DEADLINE + budget)) s of $budget"

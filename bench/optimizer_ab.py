@@ -8,9 +8,11 @@ sees the same process, compiled graphs, clocks and neighbours; separate processe
 several % on a shared machine. A block's first steps are not timed (a mode switch re-points
 grads); the rest are timed together with the device synced at both ends. Prints the median
 time per step of each mode over blocks and each mode's per-block paired ratio to torch's,
-median and p10..p90; saves bench/results/optimizer_ab-<device>.json. Peak memory is not
-compared here (the modes share one model and hold their states together): the trainer's runs
-in bench/train_throughput.py measure it per mode.
+median and p10..p90; saves bench/results/optimizer_ab-<device>.json. Memory per mode: what
+building its state and tables added (`state MiB`, at its first step, after a forward and
+backward that took compile's and the libraries' workspaces) and what a step() allocates beyond
+what is allocated when it starts (`step peak +MiB`); the trainer's whole-run peaks are
+bench/train_throughput.py's.
 
     python bench/optimizer_ab.py                          # 1 GPU: gpt2-124m, 8 blocks each
     TRITON_INTERPRET=1 python bench/optimizer_ab.py --device cpu --preset tiny --blocks 2
@@ -43,7 +45,12 @@ def main() -> int:
     p.add_argument("--block-steps", type=int, default=12)
     p.add_argument("--untimed", type=int, default=2, help="steps at a block's start not timed")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--adam-shape", metavar="BLOCKxWARPS", default=None,
+                   help="our kernels' launch shape (elements per program x warps), e.g. 8192x16,"
+                        " as bench/fused_adam_sweep.py names them (default: the module's)")
     args = p.parse_args()
+    if args.adam_shape:
+        set_adam_shape(p, args.adam_shape)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -76,9 +83,36 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    for mode in MODES:  # compile, build every optimizer's state and tables
-        for _ in range(3):
+    def allocated_mib() -> float:
+        return torch.cuda.memory_allocated(device) / 2**20 if cuda else 0.0
+
+    with autocast:  # compile, and the libraries' workspaces, before any optimizer's state
+        _, loss = compiled(x, x)
+    loss.backward()
+    for param in params:
+        param.grad = None
+    memory: dict[str, dict[str, float]] = {}
+    for mode in MODES:  # build every optimizer's state and tables: what each one adds
+        sync()
+        before = allocated_mib()
+        step(mode)
+        sync()
+        memory[mode] = {"state_mib": allocated_mib() - before}
+        for _ in range(2):
             step(mode)
+    for mode in MODES:  # what a step() needs beyond what is allocated when it starts
+        with autocast:
+            _, loss = compiled(x, x)
+        loss.backward()
+        sync()
+        base = allocated_mib()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        optimizers[mode].step()
+        sync()
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else base
+        memory[mode]["step_peak_extra_mib"] = peak - base
+        optimizers[mode].zero_grad(set_to_none=True)
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(args.blocks):
         order = MODES[i % len(MODES):] + MODES[:i % len(MODES)]
@@ -91,26 +125,46 @@ def main() -> int:
                 step(mode)
             sync()
             per_step[mode].append((time.perf_counter() - t0) / (args.block_steps - args.untimed))
-    result = summarize(args, device, per_step)
+    result = summarize(args, device, per_step, memory)
     print_result(result)
     append_result("optimizer_ab", result)
     return 0
 
 
+def set_adam_shape(parser: argparse.ArgumentParser, text: str) -> None:
+    """Point our kernels at this launch shape (read when a plan is built and at each launch)."""
+    from fused_adam_sweep import parse_config
+
+    from scalemon.demo_train import adam_kernel, adam_plan
+
+    try:
+        adam_kernel.GPU_BLOCK, adam_plan.GPU_WARPS = parse_config(text)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--adam-shape: {exc}")
+
+
+def adam_shape() -> str:
+    """Our kernels' launch shape in use, BLOCKxWARPS."""
+    from scalemon.demo_train import adam_kernel, adam_plan
+
+    return f"{adam_kernel.GPU_BLOCK}x{adam_plan.GPU_WARPS}"
+
+
 def summarize(args: argparse.Namespace, device: torch.device,
-              per_step: dict[str, list[float]]) -> dict:
+              per_step: dict[str, list[float]], memory: dict[str, dict[str, float]]) -> dict:
     base = per_step["torch-fused"]
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "preset": args.preset, "batch_size": args.batch_size,
            "compile": not args.no_compile, "blocks": args.blocks,
            "block_steps": args.block_steps, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "modes": {}}
+           "adam_shape": adam_shape(), "modes": {}}
     for mode, times in per_step.items():
         ratios = sorted(b / t for b, t in zip(base, times, strict=True))  # >1: faster than torch
         out["modes"][mode] = {
             "step_ms": 1e3 * statistics.median(times),
             "speed_vs_torch_fused": statistics.median(ratios),
             "p10_p90": [ratios[len(ratios) // 10], ratios[(9 * len(ratios)) // 10]],
+            **memory[mode],
         }
     return out
 
@@ -118,11 +172,12 @@ def summarize(args: argparse.Namespace, device: torch.device,
 def print_result(r: dict) -> None:
     print(f"{r['device']}, torch {r['torch']}, {r['preset']} batch {r['batch_size']}, "
           f"compile {r['compile']}, {r['blocks']} blocks of {r['block_steps']} steps per mode")
-    print(f"{'mode':<12} {'step ms':>9} {'speed vs torch-fused':>22} {'p10..p90':>16}")
+    print(f"{'mode':<12} {'step ms':>9} {'speed vs torch-fused':>22} {'p10..p90':>16} "
+          f"{'state MiB':>10} {'step peak +MiB':>15}")
     for mode, m in r["modes"].items():
         lo, hi = m["p10_p90"]
         print(f"{mode:<12} {m['step_ms']:>9.3f} {m['speed_vs_torch_fused']:>22.4f} "
-              f"{lo:>7.4f}..{hi:.4f}")
+              f"{lo:>7.4f}..{hi:.4f} {m['state_mib']:>10.1f} {m['step_peak_extra_mib']:>15.1f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Kernel
   loads/stores (checked on PTX built without a GPU). Division and square root are IEEE-rounded.
 * **Interpreter.** On CPU the kernels run under ``TRITON_INTERPRET=1`` (set it before triton is
   imported). The module imports without it; stepping CPU tensors then raises ``ValueError``.
-  The interpreter uses 16384-element programs (GPU: 2048, 8 warps), rounds fp32 -> bf16 by
+  The interpreter uses 16384-element programs (GPU: 512, 4 warps), rounds fp32 -> bf16 by
   hand, since its own cast truncates, and calls the device helpers without re-patching
   ``triton.language`` on every call (``_direct_device_calls``: about 3x faster on CPU).
 """
@@ -32,8 +32,14 @@ import triton.language as tl
 
 NCOL = 16  # int64 columns per tensor row
 HCOL = 8  # float64 columns per group row
-GPU_BLOCK, GPU_WARPS = 2048, 8
+# 512 elements and 4 warps a program: 62-72 registers a thread on sm_90, four or more programs
+# an SM. 2048 x 8 took 128 (two programs an SM) and reached 66-73% of a device copy's bandwidth
+# against 75-86% here; bench/fused_adam_sweep.py on an H200 (bench/results/
+# gpu-nvidia-h200-2026-11-27b.md): fastest of 12 shapes for every bf16 mode, within 1% of
+# the fastest (1024 x 8) for fp32
+GPU_BLOCK, GPU_WARPS = 512, 4
 INTERP_BLOCK = 16384  # the interpreter pays per program, so use fewer, larger ones
+FLAG_STOCHASTIC = 8  # a row's flags bit: round the (bf16, masterless) param stochastically
 POKES = 8  # (index, value) pairs per poke launch
 POKE_BIAS = 1 << 32  # added to every poke argument so that Triton types them all int64
 
@@ -152,6 +158,30 @@ def _store_lo16(p_addr, lo_addr, offs, x, mask, EVEN: tl.constexpr, AL: tl.const
 
 
 @triton.jit
+def _hash32(x):
+    """A 32-bit integer hash (Wellons' lowbias32: two multiplies, three xor-shifts): cheap
+    random bits for stochastic rounding, where Philox's ten rounds would cost more than the
+    memory traffic they hide behind."""
+    x = x.to(tl.uint32)
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D).to(tl.uint32)
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B).to(tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _store_sr(p_addr, offs, x, seed, mask, EVEN: tl.constexpr, AL: tl.constexpr):
+    """Store x as bf16 rounded stochastically: up with probability (low 16 bits) / 2**16, so
+    the stored value is x on average and updates below half an ulp still move the param; the
+    random bits hash the element's offset with the (tensor, step) seed. A NaN stays a NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    noise = _hash32(offs.to(tl.uint32) ^ seed) & 0xFFFF
+    hi = tl.where(x != x, (bits >> 16) | 0x40, (bits + noise) >> 16)
+    _st(_typed(p_addr, 3, AL) + offs, hi.to(tl.uint16), mask, EVEN)
+
+
+@triton.jit
 def _load_param(p_addr, m_addr, offs, mask, p_code, kind, P_CODE: tl.constexpr,
                 KIND: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr):
     """The fp32 value the update starts from: master, param + low bits, or the param."""
@@ -171,8 +201,21 @@ def _load_param(p_addr, m_addr, offs, mask, p_code, kind, P_CODE: tl.constexpr,
 
 
 @triton.jit
-def _store_param(p_addr, m_addr, offs, p, mask, p_code, kind, P_CODE: tl.constexpr,
-                 KIND: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr):
+def _store_own(p_addr, offs, p, mask, p_code, flags, seed, P_CODE: tl.constexpr,
+               SR: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr):
+    """A param without a master: rounded to nearest, or stochastically (bf16, flag 8)."""
+    if SR:
+        if (flags & 8) != 0:
+            _store_sr(p_addr, offs, p, seed, mask, EVEN, AL)
+        else:
+            _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
+    else:
+        _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
+
+
+@triton.jit
+def _store_param(p_addr, m_addr, offs, p, mask, p_code, kind, flags, seed, P_CODE: tl.constexpr,
+                 KIND: tl.constexpr, SR: tl.constexpr, EVEN: tl.constexpr, AL: tl.constexpr):
     """Write the updated value back: master and rounded param, param + low bits, or param."""
     if KIND == 1:
         _store_f32(m_addr, offs, p, mask, 0, 0, EVEN, AL)
@@ -180,14 +223,14 @@ def _store_param(p_addr, m_addr, offs, p, mask, p_code, kind, P_CODE: tl.constex
     elif KIND == 2:
         _store_lo16(p_addr, m_addr, offs, p, mask, EVEN, AL)
     elif KIND == 0:
-        _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
+        _store_own(p_addr, offs, p, mask, p_code, flags, seed, P_CODE, SR, EVEN, AL)
     elif kind == 1:
         _store_f32(m_addr, offs, p, mask, 0, 0, EVEN, AL)
         _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
     elif kind == 2:
         _store_lo16(p_addr, m_addr, offs, p, mask, EVEN, AL)
     else:
-        _store_f32(p_addr, offs, p, mask, p_code, P_CODE, EVEN, AL)
+        _store_own(p_addr, offs, p, mask, p_code, flags, seed, P_CODE, SR, EVEN, AL)
 
 
 @triton.jit
@@ -248,6 +291,7 @@ def _update(
     codes,
     sc,
     flags,
+    seed,
     scale_ptr,
     offs,
     mask,
@@ -257,6 +301,7 @@ def _update(
     S_CODE: tl.constexpr,
     MASTER: tl.constexpr,
     AMS: tl.constexpr,
+    SR: tl.constexpr,
     EVEN: tl.constexpr,
     AL: tl.constexpr,
 ):
@@ -286,7 +331,8 @@ def _update(
     p = p + tl.div_rn(neg_step * m, denom)
     _store_f32(m_addr, offs, m, mask, s_code, S_CODE, EVEN, AL)
     _store_f32(v_addr, offs, v, mask, s_code, S_CODE, EVEN, AL)
-    _store_param(p_addr, master_addr, offs, p, mask, p_code, kind, P_CODE, MASTER, EVEN, AL)
+    _store_param(p_addr, master_addr, offs, p, mask, p_code, kind, flags, seed, P_CODE, MASTER,
+                 SR, EVEN, AL)
 
 
 @triton.jit
@@ -305,6 +351,7 @@ def fused_adam_kernel(
     S_CODE: tl.constexpr,
     MASTER: tl.constexpr,
     AMS: tl.constexpr,
+    SR: tl.constexpr,
     ALIGNED: tl.constexpr,
     NCOL: tl.constexpr,
     HCOL: tl.constexpr,
@@ -335,13 +382,16 @@ def fused_adam_kernel(
         sc = _scalars(hyper_tab + hrow * HCOL, lr_addr, step)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < numel
+        seed = 0
+        if SR:  # stochastic rounding's random bits: a new draw per tensor and step
+            seed = _hash32(_hash32(step.to(tl.uint32)) ^ t.to(tl.uint32))
         # fmt: off
         if start + BLOCK <= numel:
-            _update(addrs, codes, sc, flags, scale_ptr, offs, mask, HAS_SCALE,
-                    P_CODE, G_CODE, S_CODE, MASTER, AMS, True, ALIGNED)
+            _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
+                    P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, True, ALIGNED)
         else:
-            _update(addrs, codes, sc, flags, scale_ptr, offs, mask, HAS_SCALE,
-                    P_CODE, G_CODE, S_CODE, MASTER, AMS, False, False)
+            _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
+                    P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, False, False)
         # fmt: on
         _bump_step(counters + t, step_addr, step, nblocks, ok)
 

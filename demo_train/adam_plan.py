@@ -14,6 +14,7 @@ from itertools import chain
 import torch
 
 from .adam_kernel import (
+    FLAG_STOCHASTIC,
     GPU_WARPS,
     HCOL,
     NCOL,
@@ -167,6 +168,7 @@ class Plan:
             "S_CODE": _uniform(r[12] for r in rows),
             "MASTER": _uniform(r[14] for r in rows),
             "AMS": _uniform(int(r[3] != 0) for r in rows),
+            "SR": int(any(r[13] & FLAG_STOCHASTIC for r in rows)),
             "ALIGNED": _aligned(chain((a for r in rows for a in r[:5]), self.gptrs)),
         }
 

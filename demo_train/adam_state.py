@@ -18,14 +18,20 @@ master "lo16", moments fp32                26         exact fp32 (param + low 16
 master "fp32", moments bf16                20         fp32 copy
 master "lo16", moments bf16                18         exact fp32 (param + low 16 bits)
 master False, moments bf16 (pure bf16)     14         none (torch's bf16 ``fused=True``)
+the same, ``stochastic_rounding=True``     14         none; the param rounded stochastically
 =========================================  =========  ======================================
 
 (read g, p or master, m, v; write p, master, m, v.) ``"lo16"`` keeps only the low 16 bits of
 the fp32 master (state ``master_lo16``, int16): the param is the fp32 master rounded to nearest
 with ties away from zero, so param and low bits together give back the fp32 master exactly
 (``join_lo16``/``split_lo16``); the update is computed on it, as with a full master. bf16
-moments are rounded to nearest even. ``bench/bf16_accuracy.py`` compares these modes with fp32
-AdamW over a training run of the demo model.
+moments are rounded to nearest even. ``stochastic_rounding`` (bf16 params without a master)
+rounds the updated param up with probability (the fp32 value's low 16 bits) / 2**16: the
+stored param equals the fp32 update on average, so updates under half a bf16 ulp, which
+rounding to nearest drops every step, still move it (Gupta et al. 2015; Zamirai et al. 2020,
+"Revisiting BFloat16 Training"). The random bits are a hash of the element's offset, the
+tensor and the step: a resumed run draws the same ones. ``bench/bf16_accuracy.py`` compares
+these modes with fp32 AdamW over a training run of the demo model.
 """
 
 from __future__ import annotations
@@ -148,8 +154,26 @@ def _moment_dtype(p: torch.Tensor, group: dict, kind: int) -> torch.dtype:
     return torch.float32 if kind != NO_MASTER else p.dtype
 
 
+def stochastic_rounding(p: torch.Tensor, group: dict, kind: int) -> bool:
+    """Whether ``p`` is rounded stochastically: asked for, and a bf16 param without a master
+    (fp32 params need no rounding; a master makes the param a rounded copy: refused)."""
+    if not group.get("stochastic_rounding"):
+        return False
+    if p.dtype == torch.float32:
+        return False
+    if p.dtype != torch.bfloat16 or kind != NO_MASTER:
+        raise ValueError(
+            "stochastic_rounding=True rounds bf16 params that have no master copy; this group "
+            f"has a {p.dtype} param with master_weights={group['master_weights']!r}: pass "
+            "master_weights=False (pure bf16), or drop stochastic_rounding")
+    return True
+
+
 def check_modes(group: dict) -> None:
-    """Refuse unknown ``master_weights``/``moment_dtype`` values."""
+    """Refuse unknown ``master_weights``/``moment_dtype``/``stochastic_rounding`` values."""
+    if group.get("stochastic_rounding", False) not in (True, False):
+        raise ValueError(
+            f"stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
     if group["master_weights"] not in (None, True, False, "fp32", "lo16"):
         raise ValueError(
             f"master_weights must be None, True, False, 'fp32' or 'lo16', "

@@ -67,7 +67,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from . import adam_plan
-from .adam_kernel import block_for, interpreted
+from .adam_kernel import FLAG_STOCHASTIC, block_for, interpreted
 from .adam_plan import CODES, Plan, check_device, check_tensor, poke
 from .adam_state import (
     FP32_MASTER,
@@ -78,6 +78,7 @@ from .adam_state import (
     join_lo16,
     master_kind,
     split_lo16,
+    stochastic_rounding,
 )
 from .flat_buffers import FlatBuffers
 
@@ -116,7 +117,9 @@ class FusedAdamW(torch.optim.Optimizer):
     ``master_weights`` (None = automatic = "fp32" for half params; True = "fp32"; "lo16" =
     the low 16 bits of an fp32 master next to bf16 params; False = none) and ``moment_dtype``
     (None = fp32 with a master, else the param's dtype; "fp32"; "bf16") choose the bytes moved
-    per parameter (adam_state.py). ``capturable=True`` lets ``step()`` be captured in a CUDA
+    per parameter (adam_state.py); ``stochastic_rounding=True`` rounds bf16 params without a
+    master stochastically (unbiased: small updates are not lost), at the same bytes.
+    ``capturable=True`` lets ``step()`` be captured in a CUDA
     graph. Loading a torch state: missing masters are created from the params; saved state
     keeps its dtype until the first step converts it to what the group asks for. Works with
     ``torch.amp.GradScaler`` (grads are unscaled in the kernel and a step with ``found_inf``
@@ -139,6 +142,7 @@ class FusedAdamW(torch.optim.Optimizer):
         decoupled: bool = True,
         master_weights: bool | str | None = None,
         moment_dtype: str | None = None,
+        stochastic_rounding: bool = False,
         capturable: bool = False,
         flat_buffers: bool = False,
     ) -> None:
@@ -153,6 +157,7 @@ class FusedAdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": decoupled,
             "master_weights": master_weights,
             "moment_dtype": moment_dtype,
+            "stochastic_rounding": stochastic_rounding,
             "capturable": capturable,
         }
         check_modes(defaults)
@@ -169,7 +174,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._flat = getattr(self, "_flat", None)
         for group in self.param_groups:
             for key in ("amsgrad", "maximize", "master_weights", "moment_dtype",
-                        "decoupled_weight_decay", "capturable"):
+                        "stochastic_rounding", "decoupled_weight_decay", "capturable"):
                 group.setdefault(key, self.defaults[key])
             if self.defaults["decoupled_weight_decay"]:
                 group["decoupled_weight_decay"] = True
@@ -434,6 +439,7 @@ class FusedAdamW(torch.optim.Optimizer):
             _FLAG_AMSGRAD * bool(group["amsgrad"])
             + _FLAG_MAXIMIZE * bool(group["maximize"])
             + _FLAG_DECOUPLED * bool(group["decoupled_weight_decay"])
+            + FLAG_STOCHASTIC * stochastic_rounding(p, group, kind)
         )
         vmax = st.get("max_exp_avg_sq") if group["amsgrad"] else None
         master = st.get({FP32_MASTER: "master_param", LO16_MASTER: "master_lo16"}.get(kind))

@@ -79,7 +79,7 @@ def test_log_sees_a_script_that_reuses_the_tensors_it_logs():
     finisher = StepFinisher(ScaleTracker(None), Phase(), None)
 
     def noted(*tensors):
-        return [(0, t, t._version) for t in tensors]
+        return [(0, t, t._version, t.data_ptr()) for t in tensors]
 
     first, second = torch.tensor(1.0), torch.tensor(2.0)
     finisher._last_later = noted(first)
@@ -260,6 +260,66 @@ class NeverReadyEvent:
 class FakeEventPool:
     def put(self, *events: object) -> None:
         pass
+
+
+class HostEventPool:
+    """An event pool whose "device" is the host (index -1, a CPU tensor's `get_device()`), so
+    the step finisher's device path runs here: streams are None (torch.cuda.stream(None) does
+    nothing) and every event has completed."""
+
+    index = -1
+    direct = None  # torch's copies
+
+    def stream_of(self, key: object) -> None:
+        return None
+
+    def record_on(self, stream: object) -> ReadyEvent:
+        return ReadyEvent()
+
+    def put(self, *events: object) -> None:
+        pass
+
+
+def test_the_common_step_is_only_noted_at_log_and_read_by_the_sender(monkeypatch, caplog):
+    """`StepFinisher.stage`'s common step (a one-element loss on the model's device, no extra
+    values): log() leaves a tuple and no copy, the sender reads the value it had at log(),
+    detached; a loss the script changes in place after log() is left out, not misread, and
+    from then on values are copied at log(); a loss of several elements is left out, said
+    once. The device here is the host (`HostEventPool`)."""
+    from scalemon.agent import steps
+    from scalemon.agent.heartbeat import Phase
+    from scalemon.agent.steps import ScaleTracker, StepFinisher, new_raw_step
+
+    monkeypatch.setattr(steps, "_pinned_slots", lambda n: (lambda b: (b, list(b.unbind())))(
+        torch.zeros(n)))  # no pinned memory without CUDA
+    monkeypatch.setattr(steps, "current_stream_key", lambda index: ("stream", index))
+    finisher = StepFinisher(ScaleTracker(None), Phase(), HostEventPool())
+
+    def step(n: int, loss: torch.Tensor) -> tuple:
+        noted = finisher.stage(loss, None, {})
+        return new_raw_step((n, 8, 0.1, 1e-5, {}, None, None, [], 0, [], noted, None))
+
+    weights = torch.tensor([3.0], requires_grad=True)
+    first = step(1, (weights * 2).sum())  # requires grad: the sender detaches it
+    assert type(first.staged) is tuple and first.staged[0] == ("stream", -1)
+    body = finisher.finish(first, None)
+    assert body["loss"] == 6.0 and finisher.defer
+    assert not any(buf.requires_grad for buf, _ in finisher.pinned[2])  # joined no graph
+    assert finisher.finish(first, None)["loss"] == 6.0  # asked again: the same step's value
+    wide = step(2, torch.ones(3))
+    with caplog.at_level(logging.WARNING, logger="scalemon.agent"):
+        assert finisher.finish(wide, None)["loss"] is None
+        total = torch.tensor(5.0)
+        changed = step(3, total)
+        total.zero_()  # the script resets what it logged before the sender read it
+        assert finisher.finish(changed, None)["loss"] is None
+    assert caplog.text.count("loss given to log() cannot be read (a tensor of 3 elements)") == 1
+    assert "the loss of step 3 could not be read" in caplog.text
+    assert not finisher.defer  # copied at log() from now on: right although reset after
+    total.fill_(7.0)
+    late = step(4, total)
+    total.zero_()
+    assert type(late.staged) is not tuple and finisher.finish(late, None)["loss"] == 7.0
 
 
 def test_a_step_whose_gpu_values_never_become_ready_is_dropped_and_said_once(zctx, caplog,

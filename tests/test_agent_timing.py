@@ -272,7 +272,7 @@ def test_a_step_number_logged_twice_in_a_row_is_said_once_and_each_call_still_ar
 
 
 def test_a_bad_optimizer_timing_setting_is_said_and_the_default_kept(monkeypatch, caplog):
-    from scalemon.agent.run import optimizer_timing_every_s
+    from scalemon.agent.timing import optimizer_timing_every_s
     from scalemon.agent.warn import Warnings
 
     monkeypatch.setenv("SCALEMON_OPTIMIZER_TIMING_S", "often")

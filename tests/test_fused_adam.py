@@ -463,15 +463,24 @@ AOT_COMPILE = textwrap.dedent(
     target = GPUTarget("cuda", 90, 32)
     sig = {"tensor_tab": "*i64", "grad_tab": "*i64", "block_tab": "*i64", "hyper_tab": "*fp64",
            "counters": "*i32", "scale_ptr": "*fp32", "inf_ptr": "*fp32"}
-    fixed = dict(P_CODE=0, G_CODE=0, S_CODE=0, MASTER=0, AMS=0, HAS_SCALE=False, HAS_INF=False)
-    mixed = dict(P_CODE=-1, G_CODE=-1, S_CODE=-1, MASTER=-1, AMS=-1, HAS_SCALE=True, HAS_INF=True)
-    bf16 = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=2, AMS=0, HAS_SCALE=False, HAS_INF=False)
-    for consts in (fixed, mixed, bf16):
+    fixed = dict(P_CODE=0, G_CODE=0, S_CODE=0, MASTER=0, AMS=0, HAS_SCALE=False, HAS_INF=False,
+                 SR=0)
+    mixed = dict(P_CODE=-1, G_CODE=-1, S_CODE=-1, MASTER=-1, AMS=-1, HAS_SCALE=True, HAS_INF=True,
+                 SR=1)
+    bf16 = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=2, AMS=0, HAS_SCALE=False, HAS_INF=False,
+                SR=0)
+    pure_sr = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=0, AMS=0, HAS_SCALE=False,
+                   HAS_INF=False, SR=1)  # stochastic rounding: still vectorised, IEEE math
+    for consts in (fixed, mixed, bf16, pure_sr):
         consts = dict(consts, ALIGNED=True, NCOL=k.NCOL, HCOL=k.HCOL, BLOCK=k.GPU_BLOCK)
         src = ASTSource(k.fused_adam_kernel, {**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts)
         ptx = triton.compile(src, target=target, options={"num_warps": k.GPU_WARPS}).asm["ptx"]
-        assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "full blocks not vectorised"
+        # 4 elements a thread (GPU_BLOCK / 32 / GPU_WARPS): 16-byte accesses for fp32, 8-byte
+        # ones for 16-bit values
+        wide = "v4" if consts["P_CODE"] == 0 else "v2"
+        assert f"ld.global.{wide}" in ptx and f"st.global.{wide}" in ptx, (
+            "full blocks not vectorised")
         assert "div.full" not in ptx and "sqrt.approx" not in ptx, "approximate fp32 math"
     poke = {"dst": "*i64", **{name: "i64" for name in k.POKE_ARGS}}
     triton.compile(ASTSource(k.poke_kernel, poke), target=target, options={"num_warps": 1})

@@ -16,7 +16,7 @@ from collections import deque
 
 import pytest
 from test_collectives import FakeSource, entry, reader
-from test_collectives_jobs import job_env, snapshot
+from test_collectives_jobs import fsdp_group, job_env, snapshot
 
 from conftest import REPO, free_port, wait_for
 from scalemon.home.history import history_path, read_messages
@@ -176,7 +176,8 @@ def test_fsdp2_collectives_are_counted_exactly_with_both_cores_busy(home, run):
     state = wait_for(lambda: (s := snapshot(home)) and len(s["ranks"]) == 2 and all(
         r["state"] == "finished" for r in s["ranks"]) and s, timeout=60)
     rows = {(r["group"], r["op"]): r["count"] for r in state["collectives"]}
-    assert rows[("default_pg", "reduce_scatter")] == LAYERS * STEPS, rows
+    mesh = fsdp_group(state)
+    assert rows[(mesh, "reduce_scatter")] == LAYERS * STEPS, rows
     assert {op for _, op in rows} == {"all_gather", "reduce_scatter"}, rows
     counted = per_rank_ops(home)
     for rank in (0, 1):
