@@ -2,19 +2,38 @@
 
 While the rank completes steps, a big job's hub asks for fewer heartbeats (`stepping_s`, from
 the answer to the rank's sync: `scalemon.policy.heartbeat_stepping_s`); the steps tell it the
-rank lives. A rank that stops stepping, or is found stuck, beats every second again at once."""
+rank lives. A rank that stops stepping, or is found stuck, beats every second again at once.
+
+A stuck rank's stack and collectives in flight (`scalemon.metrics.SENT_WHEN_CHANGED`) go out in
+its first heartbeat after it becomes stuck and again when they change; the heartbeats between
+name them in `same` (protocol 1.14, to a hub that keeps them), so a hung job of thousands of
+ranks does not send the hub every stack every second."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
+from scalemon.metrics import SENT_WHEN_CHANGED
+
 from .nvml import GpuReader
 from .warn import Warnings
+
+RESEND_S = 60.0
+"""The values sent when they change go whole at least this often (a heartbeat lost on the way,
+by a relay or a hub that restarted, is made good within this)."""
+SAME_SINCE = (1, 14)
+"""The hub's protocol version from which it keeps the values a heartbeat names in `same`."""
+
+
+class HubAnswer(Protocol):
+    """What the hub said in its answer to the rank's sync (`transport.Sender`)."""
+
+    hub_version: tuple[int, int] | None
 
 
 class Phase:
@@ -47,6 +66,7 @@ class Heartbeat:
         warnings: Warnings | None = None,
         chore: Callable[[float], None] | None = None,
         stepping_s: Callable[[], float | None] = lambda: None,
+        hub: HubAnswer | None = None,
     ) -> None:
         self.phase = phase
         self.warnings = warnings or Warnings()
@@ -58,6 +78,10 @@ class Heartbeat:
         """Called after each beat with time.monotonic() (the stack reader kept named)."""
         self.stepping_s = stepping_s
         """The interval while steps flow (None: every `interval_s`)."""
+        self.hub = hub
+        """What the hub answered (the sender): its protocol version, None before."""
+        self._values_sent: dict[str, Any] = {}  # SENT_WHEN_CHANGED, as the hub holds them
+        self._whole_at = float("-inf")  # when they last went whole
         self._sent_step: int | None = None
         self._sent_at = float("-inf")
         self._forced = False
@@ -80,9 +104,31 @@ class Heartbeat:
             **self.gpu.read(),
             **self.counters(),
         }
-        self.submit("heartbeat", body)
-        self._sent_step, self._sent_at = body["step"], time.monotonic()
+        now = time.monotonic()
+        values = {n: body[n] for n in SENT_WHEN_CHANGED if body.get(n) is not None}
+        whole = not self._leave_out_same(body, values, now)
+        if self.submit("heartbeat", body):
+            self._values_sent = values
+            if whole:
+                self._whole_at = now
+        else:  # lost: the next one goes whole
+            self._values_sent, self._whole_at = {}, float("-inf")
+        self._sent_step, self._sent_at = body["step"], now
         return body
+
+    def _leave_out_same(self, body: dict[str, Any], values: dict[str, Any], now: float) -> bool:
+        """Take the values that the hub already holds out of `body`, naming them in `same`
+        (a hub of 1.14 or later; whole at least every `RESEND_S`); True when any was."""
+        version = self.hub.hub_version if self.hub is not None else None
+        if version is None or tuple(version) < SAME_SINCE or now - self._whole_at >= RESEND_S:
+            return False
+        sent = self._values_sent
+        same = [n for n, value in values.items() if n in sent and sent[n] == value]
+        for name in same:
+            del body[name]
+        if same:
+            body["same"] = same
+        return bool(same)
 
     def due(self, now: float) -> bool:
         """True when a reading should go now: always, unless the rank completed a step since

@@ -22,6 +22,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from time import perf_counter
 from typing import Any, TypeVar
 
 import torch
@@ -46,7 +47,7 @@ from .rings import group_uses_nccl
 from .scaler import ScaleReader
 from .sigexit import install_end_hooks
 from .stepcomm import MARKS_KEPT
-from .steps import RawStep, ScaleTracker, StepFinisher, cuda_memory
+from .steps import ScaleTracker, StepFinisher, cuda_memory, new_raw_step
 from .timing import (
     AllReduceTimer,
     EventPool,
@@ -54,6 +55,7 @@ from .timing import (
     SpanTimer,
     hookable_optimizer,
     is_compiling,
+    optimizer_timing_every_s,
 )
 from .torchdist import (
     cuda_device,
@@ -80,31 +82,6 @@ MONITOR_OFF_CHARS = 2000
 """The reason a rank's monitor switched itself off is sent cut to this many characters."""
 OWN_DIRS = (Path(__file__).resolve().parent, Path(scalemon.__file__).resolve().parent)
 """scalemon's code: its frames are left out of the error a rank reports as its cause."""
-
-
-OPTIMIZER_TIMING_ENV = "SCALEMON_OPTIMIZER_TIMING_S"
-OPTIMIZER_TIMING_CUDA_S = 0.5
-"""On CUDA the optimizer step is timed (two event records on the training thread) on one step
-every this many seconds at most; the steps between carry that figure (`optimizer_timed_step`).
-On CPU the host clock costs nothing to speak of: every step is timed."""
-
-
-def optimizer_timing_every_s(cuda: bool, warnings: Warnings) -> float:
-    """Seconds between timed optimizer steps: SCALEMON_OPTIMIZER_TIMING_S (0: every step), else
-    `OPTIMIZER_TIMING_CUDA_S` on CUDA and 0 on CPU."""
-    default = OPTIMIZER_TIMING_CUDA_S if cuda else 0.0
-    text = (settings.raw(OPTIMIZER_TIMING_ENV) or "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-        if not 0.0 <= value < float("inf"):
-            raise ValueError
-    except ValueError:
-        warnings.once("optimizer-timing-env", "scalemon: %s=%r is not a number of seconds >= 0; "
-                      "using %g", OPTIMIZER_TIMING_ENV, text, default)
-        return default
-    return value
 
 
 def guarded(method: F) -> F:
@@ -169,6 +146,7 @@ class Run:
         self._last_log_t: float | None = None
         self._step_marks: deque[tuple[int, float]] = deque(maxlen=MARKS_KEPT)  # (step, t0)
         self._scale = ScaleReader(scaler, self.warnings)
+        self._read_scale = self._scale.reader()  # None: no scale to read (the common bf16 case)
         self._steps = StepFinisher(
             ScaleTracker(self._scale.init_scale), self.phase, events, self.warnings,
             self._scale, functools.partial(cuda_memory, self.device) if self._cuda else None)
@@ -229,7 +207,7 @@ class Run:
         self.stack_reader = ReaderNaming(self.address.ingest)  # may read it (Yama scope 1)
         self.heartbeat = Heartbeat(self.phase, self.gpu, self.sender.submit, self._counters,
                                    heartbeat_s, self.warnings, self.stack_reader.check,
-                                   lambda: self.sender.heartbeat_stepping_s)
+                                   lambda: self.sender.heartbeat_stepping_s, self.sender)
         self.recorder.on_stuck = self.heartbeat.wake  # a hang's stack goes out at once
         self._previous_excepthook, sys.excepthook = sys.excepthook, self._excepthook
         install_end_hooks(self)  # atexit, and SIGTERM's exit (agent/sigexit.py)
@@ -310,6 +288,7 @@ class Run:
         if self._steps.scales.previous is None:
             self._steps.scales.previous = reader.init_scale
         self._scale = self._steps.scaler = reader
+        self._read_scale = reader.reader()
 
     @guarded
     def watch_model(self, model: torch.nn.Module, time_collectives: bool = True) -> None:
@@ -332,13 +311,13 @@ class Run:
         # one hook only: "forward" lasts until the all-reduce (DDP) or optimizer phase starts
         if is_compiling():  # traced into a compiled model: leave no trace (fullgraph=True)
             return
-        t = time.perf_counter()
+        t = perf_counter()
         if self._pending_comm is not None:
             self._install_comm_timer()  # never raises
         phase = self.phase
         if phase.name != "forward-backward":
             phase.name, phase.since = "forward-backward", t
-        phase.cost_s += time.perf_counter() - t
+        phase.cost_s += perf_counter() - t
 
     def _install_comm_timer(self) -> None:
         timer, model = self._pending_comm
@@ -366,55 +345,54 @@ class Run:
         """
         if self.disabled or _forked:
             return  # a forked child (DataLoader worker) must not use the parent's sockets
-        try:  # inline rather than @guarded: this is the hot path
-            self._log(step, loss, tokens, extra)
+        # The training thread's share of a step message, inline rather than @guarded or a call
+        # of ours (each costs a Python frame, with caches cold from the step): read host clocks
+        # and values, leave one tuple for the sender thread, which builds the body.
+        try:
+            t0 = perf_counter()
+            if not self._backend_known and t0 >= self._backend_check_at:
+                self._settle_backend(t0)
+            last, self._last_log_t = self._last_log_t, t0
+            phase = self.phase
+            if type(step) is not int:
+                step = self.reader.step(step, phase.step)
+            if tokens is not None and type(tokens) is not int:
+                tokens = self.reader.int(tokens, "tokens")
+            if step == phase.step and self.steps_logged:
+                self._said_repeated_step(step)
+            phase.step = step
+            self._step_marks.append((step, t0))  # the recorder's step boundary (stepcomm.py)
+            hooks_s, phase.cost_s = phase.cost_s, 0.0
+            read_scale = self._read_scale
+            scale = None if read_scale is None else read_scale()
+            if self._cuda:
+                staged = self._steps.stage(loss, scale, extra)  # memory: read by the sender
+                loss = scale = None
+            else:  # host values are read now: the caller may change them in place later
+                staged = None
+                if loss is not None and type(loss) is not float:
+                    loss = self.reader.float(loss, "loss")
+                if scale is not None:
+                    scale = self.reader.float(scale, "the loss scale")
+            opt, comm = self._opt_timer, self._comm_timer
+            opt_spans, opt.spans = opt.spans, []
+            opt_untimed, opt.untimed, opt.timing = opt.untimed, 0, None
+            comm_spans, comm.spans = comm.spans, []
+            host_timer = self.host_timer
+            self.sender.submit_deferred("step", self._steps.finish, new_raw_step((
+                step, tokens, None if last is None else t0 - last,
+                hooks_s + self._previous_log_s, extra, loss, scale, opt_spans, opt_untimed,
+                comm_spans, staged,
+                host_timer.p2p.step.take() if host_timer is not None else None,
+            )))
+            if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
+                self._apply_flags(step)
+            phase.name, phase.since = "data", perf_counter()
+            self._previous_log_s = log_s = phase.since - t0  # reported with the next step
+            self.agent_time_total_s += hooks_s + log_s
+            self.steps_logged += 1
         except Exception as exc:
             self.disable(f"log: {type(exc).__name__}: {exc}")
-
-    def _log(self, step: int, loss: Any, tokens: int | None, extra: dict[str, Any]) -> None:
-        # The training thread's share of a step message: read host clocks and values, leave one
-        # tuple for the sender thread, which builds the body. Every operation here runs with
-        # caches cold from the step, so there are as few as possible.
-        t0 = time.perf_counter()
-        if not self._backend_known and t0 >= self._backend_check_at:
-            self._settle_backend(t0)
-        last, self._last_log_t = self._last_log_t, t0
-        phase = self.phase
-        if type(step) is not int:
-            step = self.reader.step(step, self.phase.step)
-        if tokens is not None and type(tokens) is not int:
-            tokens = self.reader.int(tokens, "tokens")
-        if step == phase.step and self.steps_logged:
-            self._said_repeated_step(step)
-        phase.step = step
-        self._step_marks.append((step, t0))  # the recorder's step boundary (stepcomm.py)
-        hooks_s, phase.cost_s = phase.cost_s, 0.0
-        scale = self._scale.read()
-        if self._cuda:
-            staged = self._steps.stage(loss, scale, extra)  # memory: read by the sender
-            loss = scale = None
-        else:  # host values are read now: the caller may change them in place later
-            staged = None
-            if loss is not None and type(loss) is not float:
-                loss = self.reader.float(loss, "loss")
-            if scale is not None:
-                scale = self.reader.float(scale, "the loss scale")
-        opt, comm = self._opt_timer, self._comm_timer
-        opt_spans, opt.spans = opt.spans, []
-        opt_untimed, opt.untimed, opt.timing = opt.untimed, 0, None
-        comm_spans, comm.spans = comm.spans, []
-        host_timer = self.host_timer
-        self.sender.submit_deferred("step", self._steps.finish, RawStep(
-            step, tokens, None if last is None else t0 - last, hooks_s + self._previous_log_s,
-            extra, loss, scale, opt_spans, opt_untimed, comm_spans, staged,
-            host_timer.p2p.step.take() if host_timer is not None else None,
-        ))
-        if self.flag_control.pending:  # a toggle the hub relayed (rare): maybe due now
-            self._apply_flags(step)
-        phase.name, phase.since = "data", time.perf_counter()
-        self._previous_log_s = log_s = phase.since - t0  # reported with the next step
-        self.agent_time_total_s += hooks_s + log_s
-        self.steps_logged += 1
 
     def _said_repeated_step(self, step: int) -> None:
         """Say once that log() got the same step number twice in a row (a callback that logs

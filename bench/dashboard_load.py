@@ -13,6 +13,14 @@ Results go to bench/results/.
     python bench/dashboard_load.py --ranks 4096 --rate 2 --seconds 20
     python bench/dashboard_load.py --ranks 512 1024 2048 4096 --rate 5 --seconds 25 --pin \
         --out bench/results/dashboard_load-pinned-cpu.json  # the dashboard on a core of its own
+    python bench/dashboard_load.py --ranks 16384 --rate 1 --seconds 30 --pin \
+        --out bench/results/dashboard_load-16k-cpu.json  # a big job: the hub's digest
+
+From `DIGEST_FROM_RANKS` ranks on the dashboard follows the hub's digest (`tui/digest_feed.py`)
+instead of every record: `digest` says what it received (digests, the few other records one by
+one, fetches of shown ranks' records), and `late_attach` how long a second dashboard took,
+attaching once the ranks sent everything, to show the hub's fold (`seed_s`) and its first
+digest (`first_digest_s`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +48,8 @@ from scalemon.home.address import HubAddress
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.link.client import HubClient
+from scalemon.tui.feed import HubFeed
+from scalemon.tui.model import DashboardData
 from scalemon.tui.sim import SimJob
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +170,27 @@ def hub_head(address: HubAddress) -> int:
     return HubClient(address, timeout_s=5).request("ping")["head"]
 
 
+def late_attach(address: HubAddress, timeout: float = 60.0) -> dict:
+    """A dashboard's receiver attaching now (in this process, no screen): seconds to the hub's
+    fold loaded and to the first digest folded (None: not within `timeout`)."""
+    data, feed, stop = DashboardData(), HubFeed(address=address), threading.Event()
+    start = time.monotonic()
+    thread = threading.Thread(target=feed.run, args=(data, stop.is_set, lambda *_: None),
+                              daemon=True)
+    thread.start()
+    seeded = first = None
+    while time.monotonic() - start < timeout and first is None:
+        if seeded is None and data.seeded_at is not None:
+            seeded = time.monotonic() - start
+        if data.digests:
+            first = time.monotonic() - start
+        time.sleep(0.02)
+    stop.set()
+    thread.join(10)
+    return {"seed_s": seeded, "first_digest_s": first, "followed": data.digest_followed,
+            "ranks": len(data.state.ranks), "note": feed.seed_note}
+
+
 def pin(pid: int, cpus: list[int]) -> None:
     """Keep process `pid`, every thread of it, on `cpus` (threads do not follow their
     process's affinity once started)."""
@@ -210,6 +242,7 @@ def run_one(ranks: int, seconds: float, rate: float, size: str, pinned: bool) ->
                            - (hub_cpu0.user + hub_cpu0.system)) / (t1 - t0)
         head = hub_head(address)
         hub_behind_s = time.monotonic() - t1  # the hub's answer waits for its backlog
+        attach = late_attach(address)
         time.sleep(3.0)  # let the dashboard drain what is queued
         screen = tmux(server, "capture-pane", "-p", "-t", "bench")
         tmux(server, "send-keys", "-t", "bench", "q")
@@ -222,17 +255,22 @@ def run_one(ranks: int, seconds: float, rate: float, size: str, pinned: bool) ->
         hub.terminate()
         hub.wait(timeout=10)
         shutil.rmtree(home, ignore_errors=True)
+    digest = stats.get("digest") or {}
     received = sum(stats["by_type"].get(t, 0) for t in RANK_TYPES)
+    if digest.get("followed"):  # by_type is the hub's count: the dashboard got the few only
+        received = digest.get("few_records", 0)
     redraws = stats["redraw_ms"]
     ordered = sorted(redraws)
     return {
         "ranks": ranks, "steps_per_s_per_rank": rate, "seconds": seconds,
         "messages_sent": sent.value, "hub_records": head, "dashboard_received": received,
-        "delivery": received / sent.value if sent.value else None,
+        "delivery": received / sent.value if sent.value and not digest.get("followed")
+        else None,
         "dashboard_cpu_pct_of_one_core": cpu_pct,
         "hub_cpu_pct_of_one_core": hub_pct,
         "sender_late_max_s": late.value, "send_s": t1 - t0,
         "hub_ping_after_s": hub_behind_s,
+        "digest": stats.get("digest"), "late_attach": attach,
         "pinned": {"dashboard": dash_cpus, "others": rest} if pinned else None,
         "redraws": len(redraws),
         "redraw_ms_median": statistics.median(redraws) if redraws else None,
@@ -243,6 +281,7 @@ def run_one(ranks: int, seconds: float, rate: float, size: str, pinned: bool) ->
         "plot_redraw_ms_median": statistics.median(stats["plot_redraw_ms"])
         if stats.get("plot_redraw_ms") else None,
         "redraw_ms_top": sorted(redraws)[-10:],
+        "redraw_ms_in_order": [round(ms, 1) for ms in redraws],  # when the slow ones came
         "terminal": size,
         "screen_header": screen.splitlines()[:3],
     }
@@ -271,13 +310,17 @@ def main() -> int:
         return 2
     rows = [run_one(n, args.seconds, args.rate, args.size, args.pin) for n in args.ranks]
     print(f"{'ranks':>6} {'msg/s':>7} {'sent':>8} {'received':>9} {'delivery':>9} "
-          f"{'CPU %':>6} {'redraw med ms':>14} {'p99 ms':>7} {'redraws/s':>9} {'hub %':>6}")
+          f"{'CPU %':>6} {'redraw med ms':>14} {'p99 ms':>7} {'redraws/s':>9} {'hub %':>6} "
+          f"{'digests':>7} {'few':>6} {'attach s':>8}")
     for r in rows:
         print(f"{r['ranks']:>6} {r['messages_sent'] / r['seconds']:>7.0f} "
               f"{r['messages_sent']:>8} {r['dashboard_received']:>9} {cell(r['delivery'], 9, 4)} "
               f"{cell(r['dashboard_cpu_pct_of_one_core'], 6, 1)} "
               f"{cell(r['redraw_ms_median'], 14, 1)} {cell(r['redraw_ms_p99'], 7, 1)} "
-              f"{cell(r['redraws_per_s'], 9, 1)} {cell(r['hub_cpu_pct_of_one_core'], 6, 1)}")
+              f"{cell(r['redraws_per_s'], 9, 1)} {cell(r['hub_cpu_pct_of_one_core'], 6, 1)} "
+              f"{(r['digest'] or {}).get('digests', 0):>7} "
+              f"{(r['digest'] or {}).get('few_records', 0):>6} "
+              f"{cell(r['late_attach']['first_digest_s'], 8, 2)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = args.out
     out.write_text(json.dumps({

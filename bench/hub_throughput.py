@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import zmq
 
 from scalemon import protocol
@@ -58,6 +59,23 @@ def sender(address: str, job: str, ranks: list[int], per_rank: int, go: mp.Event
     ctx.term()
 
 
+def _thread_cpu(proc: psutil.Process) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of the hub, by thread id."""
+    return {t.id: t.user_time + t.system_time for t in proc.threads()}
+
+
+def _cpu_per_message(before: dict[int, float], after: dict[int, float], main_id: int,
+                     messages: int) -> dict[str, float]:
+    """The hub's CPU per message ingested during the run: all threads, its main thread (id
+    `main_id`, the process id), and the others (the history's sealing thread, zmq's I/O)."""
+    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = spent.get(main_id, 0.0)
+    total = sum(spent.values())
+    per = 1e6 / max(1, messages)
+    return {"hub_cpu_us_per_msg": total * per, "hub_main_us_per_msg": main * per,
+            "hub_other_threads_us_per_msg": (total - main) * per}
+
+
 def run_case(n_ranks: int, total: int, senders: int, home: Path) -> dict:
     job = f"tput{n_ranks}"
     hub = subprocess.Popen(
@@ -86,6 +104,8 @@ def run_case(n_ranks: int, total: int, senders: int, home: Path) -> dict:
         for p in procs:
             p.start()
         time.sleep(1.0 + n_ranks / 200)  # connections up and frames encoded
+        hub_proc = psutil.Process(hub.pid)
+        cpu0 = _thread_cpu(hub_proc)
         go.set()
         t0 = time.monotonic()
         head0 = client.request("ping")["head"]
@@ -93,6 +113,7 @@ def run_case(n_ranks: int, total: int, senders: int, home: Path) -> dict:
         while samples[-1][1] < sent and time.monotonic() - t0 < 300:
             time.sleep(0.05)
             samples.append((time.monotonic(), client.request("ping")["head"]))
+        cpu1 = _thread_cpu(hub_proc)
         for p in procs:
             p.join()
         state = client.state()
@@ -104,6 +125,7 @@ def run_case(n_ranks: int, total: int, senders: int, home: Path) -> dict:
             "ranks": n_ranks, "sent": sent, "received": received,
             "lost": sent - received, "rejected": state["hub"]["rejected"], "seq_gaps": gaps,
             "seconds": last - first, "msgs_per_s": (received - head0) / max(last - first, 1e-9),
+            **_cpu_per_message(cpu0, cpu1, hub.pid, received - head0),
         }
     finally:
         hub.terminate()
@@ -127,7 +149,8 @@ def main() -> int:
                 home.mkdir()
                 runs.append(run_case(n, args.messages, args.senders, home))
                 print(f"{n:>4} ranks run {i + 1}: {runs[-1]['msgs_per_s']:>9,.0f} msg/s, "
-                      f"lost {runs[-1]['lost']}", flush=True)
+                      f"lost {runs[-1]['lost']}, hub CPU {runs[-1]['hub_cpu_us_per_msg']:.1f} "
+                      f"us/msg (main thread {runs[-1]['hub_main_us_per_msg']:.1f})", flush=True)
             runs.sort(key=lambda r: r["msgs_per_s"])
             median = dict(runs[len(runs) // 2])
             median["all_msgs_per_s"] = [r["msgs_per_s"] for r in runs]

@@ -142,7 +142,8 @@ class Case:
                         world_size=self.ranks, nodes=share,
                         ranks_per_node=self.args.ranks_per_node, rate=self.rate,
                         seconds=self.args.seconds, sync_s=self.args.sync_s,
-                        hang_s=self.args.hang, hang_culprit=self.culprit)
+                        hang_s=self.args.hang, hang_culprit=self.culprit,
+                        hang_whole_beats=self.args.hang_whole_beats)
             parent, child = spawn.Pipe()
             proc = spawn.Process(target=run_worker, args=(plan, child, self.args.worker_nice),
                                  daemon=True)
@@ -304,7 +305,10 @@ class Case:
                             rss_idle, jf)
 
     def hang_found(self, last_step_wall: float) -> dict[str, Any]:
-        """When the hub's alert named the hang after the last step, and whom (`--hang`)."""
+        """When the hub's hang alerts came after the last step (`--hang`): the first (maybe
+        provisional), the first that named the planted culprit alone and not provisionally,
+        and whom the last one named. The hub remakes its report as heartbeats arrive and
+        sends an update once it no longer guesses (and when its culprits change after)."""
         if not self.args.hang:
             return {}
         alerts = []
@@ -312,16 +316,32 @@ class Case:
             for line in self.alerts_path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     alerts.append(json.loads(line))
-        hang = next((a for a in alerts if a.get("kind") == "hang"), None)
+        hangs = [a for a in alerts if a.get("kind") == "hang"]
+        during = self.window(last_step_wall + 1.0, last_step_wall + self.args.hang)
         found = {"hang_s": self.args.hang, "hang_culprit_planted": self.culprit,
-                 "alerts": len(alerts)}
-        if hang is None:
+                 "alerts": len(alerts), "hang_alerts": len(hangs),
+                 "hang_whole_beats": self.args.hang_whole_beats,
+                 # the hub while every rank beats stuck (the hub's own clock: it may lag)
+                 "hang_hub_main_thread_cpu_pct": during.get("hub_main_thread_cpu_pct"),
+                 "hang_hub_ingest_per_s": during.get("hub_ingest_per_s")}
+        if not hangs:
             self.log(f"the hub named no hang in {self.args.hang:g} s")
-            return {**found, "hang_named_after_s": None, "hang_culprits": None}
-        after = float(hang["t"]) - last_step_wall
-        self.log(f"hang named {after:.1f} s after the last step: {hang['text'][:160]}")
-        return {**found, "hang_named_after_s": after, "hang_culprits": hang.get("ranks"),
-                "hang_text": hang["text"][:300]}
+            return {**found, "hang_first_alert_after_s": None, "hang_named_after_s": None,
+                    "hang_culprits": None, "hang_culprit_count": None}
+        first, last = hangs[0], hangs[-1]
+        right = next((a for a in hangs if a.get("ranks") == [self.culprit]
+                      and not a.get("provisional")), None)
+        after = None if right is None else float(right["t"]) - last_step_wall
+        for a in hangs:
+            self.log(f"hang alert {float(a['t']) - last_step_wall:.1f} s after the last step"
+                     f" ({len(a.get('ranks') or [])} culprits): {a['text'][:160]}")
+        culprits = last.get("ranks") or []
+        return {**found, "hang_first_alert_after_s": float(first["t"]) - last_step_wall,
+                "hang_first_culprit_count": len(first.get("ranks") or []),
+                "hang_first_provisional": first.get("provisional"),
+                "hang_named_after_s": after,  # the planted culprit alone, not provisional
+                "hang_culprits": culprits[:16], "hang_culprit_count": len(culprits),
+                "hang_text": last["text"][:300]}
 
     def own_pids(self) -> set[int]:
         """This run's processes: the bench, the hub, the workers, the dashboard, its tmux."""
@@ -495,7 +515,7 @@ class Case:
             "hang_named": (None if not self.args.hang else
                            row["hang_named_after_s"] is not None
                            and row["hang_named_after_s"] <= HANG_NAMED_S
-                           and self.culprit in (row["hang_culprits"] or []))}
+                           and row["hang_culprits"] == [self.culprit])}
         return row
 
     def close(self) -> None:
@@ -706,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the load, the job hangs S seconds (one rank stuck in its data "
                         "loader, the others in an all-reduce) before its ranks exit; the hub's "
                         "alert command ($SCALEMON_ALERT_CMD) times when it names the hang")
+    p.add_argument("--hang-whole-beats", action="store_true",
+                   help="with --hang: every hang heartbeat carries its stack and collectives in "
+                        "flight, as agents before protocol 1.14 sent them (not once)")
     p.add_argument("--keep", action="store_true", help="keep each run's home (logs, history)")
     p.add_argument("--replay", action="store_true",
                    help="also time a late attach that replays the whole history (no seed)")

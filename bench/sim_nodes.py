@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from scalemon import protocol
+from scalemon.metrics import SENT_WHEN_CHANGED
 from scalemon.tui.sim import SimJob
 
 SOCKET_HWM = 10_000
@@ -60,6 +61,8 @@ class Plan:
     `hang_culprit` is stuck in its data loader; the others wait in the next all-reduce; every
     rank beats every second, as the agent's stuck ranks do."""
     hang_culprit: int = 0
+    hang_whole_beats: bool = False
+    """Every hang heartbeat carries its stack and collectives in flight (agents before 1.14)."""
 
 
 @dataclass
@@ -78,6 +81,9 @@ class _Rank:
     last_beat_tick: int = 0
     heartbeats: int = 0
     relay_answered: int = 0
+    stuck_sent: bool = False
+    """Its stuck values (stack, groups, collectives in flight) went out whole: its later hang
+    heartbeats name them in `same`, as the agent's do (protocol 1.14)."""
 
 
 class NodeSim(SimJob):
@@ -156,8 +162,10 @@ class Node:
                 r.last_beat_tick = step
                 self.send(r, "heartbeat", self._heartbeat(r, step), t)
 
-    def hang_beat(self, step: int, t: float, stuck_s: float, culprit: int) -> None:
-        """Each rank's heartbeat while the job hangs after `step` (`SimJob.hang`'s bodies)."""
+    def hang_beat(self, step: int, t: float, stuck_s: float, culprit: int,
+                  whole: bool = False) -> None:
+        """Each rank's heartbeat while the job hangs after `step` (`SimJob.hang`'s bodies);
+        `whole`: each one with its stack and collectives in flight (agents before 1.14)."""
         from scalemon.tui.sim import _STACK_BACKWARD, _STACK_DATA, GROUP
 
         for r in self.ranks:
@@ -171,6 +179,10 @@ class Node:
                         inflight=None if late else [[GROUP, seq + 1, "all_reduce",
                                                      t - stuck_s]],
                         stack=_STACK_DATA if late else _STACK_BACKWARD)
+            if r.stuck_sent and not whole:  # unchanged since its first stuck heartbeat
+                same = [n for n in SENT_WHEN_CHANGED if body.pop(n, None) is not None]
+                body["same"] = same
+            r.stuck_sent = True
             self.send(r, "heartbeat", body, t)
 
     def finish(self, step: int, t: float) -> None:
@@ -372,7 +384,8 @@ class Worker:
                 next_beat += 1.0
                 wall = time.time()
                 for node in self.nodes:
-                    node.hang_beat(step, wall, wall - t_last, plan.hang_culprit)
+                    node.hang_beat(step, wall, wall - t_last, plan.hang_culprit,
+                                   plan.hang_whole_beats)
             self.service_relays(ROUND_S)
 
     def close(self) -> None:

@@ -5,7 +5,13 @@ request, never a rank's message. An alert fires when a condition appears in the 
 
 * the training-health alerts of `scalemon.state.alerts` (`loss_not_finite`, `loss_scale_floor`,
   `skipped_steps`), per rank;
-* `hang`: the job's hang (`reports.hangs.job_hang`) becomes non-null;
+* `hang`: the job's hang (`reports.hangs.job_hang`) becomes non-null; the report is made
+  again as newer heartbeats arrive (every `REMAKE_S` while it is provisional, its ranks not all
+  heard since the hang began, or as soon as they are, every `REMAKE_FINAL_S` after; never
+  more often than `REMAKE_COST_X` times its own cost), and an alert with `update` (its
+  number) goes out when it stops being provisional and, after, when its culprits change (a
+  guess that changes is not sent again): a hub that was behind when the hang began converges
+  on the right rank;
 * `straggler`: a rank is named a straggler (`scalemon.reports.stragglers`, the dashboard's
   rule) at every
   look for `STRAGGLER_STEPS` steps of its own;
@@ -17,12 +23,14 @@ request, never a rank's message. An alert fires when a condition appears in the 
   ended without reporting an exit; its node's relay is silent too; nothing on its node can look
   at its process. A rank that goes from one to another (frozen, then gone) alerts again.
 
-Sending is rate-limited: one alert per (kind, rank) every `PER_KEY_S`, and `PER_MINUTE` alerts
-a minute over all; a suppressed alert is logged and audited, and the next alert sent says how
-many were suppressed before it. The command runs in the background (a thread waits for it), is
-killed with its process group after `TIMEOUT_S`, and never holds up the hub loop; its output
-goes to `alerts.log` in the run directory. Every alert, sent or suppressed, and every outcome of
-the command is appended to the hub's audit (`toggles.log`).
+Sending is rate-limited: one alert per (kind, rank) every `PER_KEY_S` (a hang's updates
+excepted: they are paced as above; a provisional hang and the hang named are limited apart),
+and `PER_MINUTE` alerts a minute over all (the job's hang excepted: ranks found silent in a
+hung job must not hold it back); a suppressed alert is logged and audited, and the next
+alert sent says how many were suppressed before it. The command runs in the background (a
+thread waits for it), is killed with its process group after `TIMEOUT_S`, and never holds up
+the hub loop; its output goes to `alerts.log` in the run directory. Every alert, sent or
+suppressed, and every outcome of the command is appended to the hub's audit (`toggles.log`).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from typing import Any
 from scalemon import settings
 from scalemon.protocol import SILENT_RANK_STATES
 from scalemon.reports import stragglers as rule
-from scalemon.reports.hangs import job_hang
+from scalemon.reports.hangs import job_hang, unheard_since_hang
 from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import JobState
 from scalemon.text.display import LATE, shown, unit
@@ -62,6 +70,13 @@ PER_MINUTE = 10
 TIMEOUT_S = 10.0
 SCAN_EVERY_S = 1.0
 """The whole state is looked at at most this often (the hub's housekeeping runs more often)."""
+REMAKE_S = 5.0
+"""A provisional hang report is made again at most this often (as newer heartbeats arrive)."""
+REMAKE_FINAL_S = 30.0
+"""...and a final one (every running rank heard since the hang began) this often."""
+REMAKE_COST_X = 10.0
+"""...and never more often than this many times what making it cost (0.6 s at 16,384 ranks:
+every 6 s at most, a tenth of the hub's main thread while the hang lasts)."""
 SUPPRESSIONS_AUDITED = 20
 """Suppressed alerts written to the audit one by one per minute; more are counted and written
 as one entry (a job that loses thousands of ranks at once must not fill the disk)."""
@@ -154,11 +169,12 @@ class AlertsOut:
         self._suppressions_unsaid = 0
         self._next_scan = 0.0
         self._hang_alert: dict[str, Any] | None = None
+        self._hang_remake = (0.0, 0.0, -1)  # (when due, not before, state.messages then)
         self.sent = 0
         self.suppressed = 0
         if state is not None:  # what the replayed history already holds fired long ago
-            self._active = {key: alert["_episode"]
-                            for key, alert in self._conditions(state, time.time()).items()}
+            self._active = {key: alert["_episode"] for key, alert in
+                            self._conditions(state, time.time(), time.monotonic()).items()}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], job: str, audit: Any, state: JobState,
@@ -193,7 +209,7 @@ class AlertsOut:
             return []
         self._next_scan = now + max(SCAN_EVERY_S, scan_every_s(len(state.ranks)))
         wall = time.time()
-        current = self._conditions(state, wall)
+        current = self._conditions(state, wall, now)
         fired = [{k: v for k, v in alert.items() if k != "_episode"}
                  for key, alert in current.items()
                  if key not in self._active or self._active[key] != alert["_episode"]]
@@ -207,14 +223,16 @@ class AlertsOut:
 
     def _deliver(self, alert: dict[str, Any], now: float) -> None:
         key = (alert["kind"], alert["rank"])
+        if alert.get("provisional"):  # a guess (a hub behind) never holds back the hang named
+            key = (f"{HANG} provisional", None)
         while self._sent_times and now - self._sent_times[0] >= 60.0:
             self._sent_times.popleft()
         why = None
         last = self._last_sent.get(key)
-        if last is not None and now - last < PER_KEY_S:
+        if last is not None and now - last < PER_KEY_S and not alert.get("update"):
             why = (f"this kind of alert of this rank was sent {now - last:.0f} s ago (at most "
                    f"one per {PER_KEY_S:g} s)")
-        elif len(self._sent_times) >= PER_MINUTE:
+        elif len(self._sent_times) >= PER_MINUTE and alert["kind"] != HANG:  # one per job
             why = f"{PER_MINUTE} alerts were sent in the last minute (at most {PER_MINUTE})"
         entry = {"event": "alert", "kind": alert["kind"], "rank": alert["rank"],
                  "step": alert["step"], "text": alert["text"]}
@@ -260,7 +278,8 @@ class AlertsOut:
                 "value": value, "host": view.host if view else None, "t": wall,
                 **extra, "_episode": episode}
 
-    def _conditions(self, state: JobState, wall: float) -> dict[Key, dict[str, Any]]:
+    def _conditions(self, state: JobState, wall: float, now: float
+                    ) -> dict[Key, dict[str, Any]]:
         """Every alert condition that holds now, by (kind, rank)."""
         out: dict[Key, dict[str, Any]] = {}
         running: list[int] = []
@@ -287,30 +306,50 @@ class AlertsOut:
                     f"device memory {fraction:.0%} in use on rank {rank} ({used / 2**30:.2f} "
                     f"of {total / 2**30:.2f} GiB)", fraction, True, state, wall)
         out.update(self._stragglers(state, running, wall))
-        out.update(self._hang(state, wall))
+        out.update(self._hang(state, wall, now))
         return out
 
-    def _hang(self, state: JobState, wall: float) -> dict[Key, dict[str, Any]]:
-        """The hang, while `job_hang` finds one: its report (costly on a big job) is made
-        once when it begins, then kept while no step completes and the job runs."""
+    def _hang(self, state: JobState, wall: float, now: float) -> dict[Key, dict[str, Any]]:
+        """The hang, while `job_hang` finds one. Its report (costly on a big job) is made when
+        it begins, then again when due (`REMAKE_S`, `REMAKE_FINAL_S`, `REMAKE_COST_X`) and
+        messages came since, while no step completes and the job runs; a new episode (an
+        `update` alert) when it stops being provisional or, once not, its culprits change."""
         key: Key = (HANG, None)
         if state.last_step_t is None or wall - state.last_step_t < state.hang_after_s:
             return {}
         held = self._hang_alert
-        if key in self._active and held is not None and state.state in ("running", "degraded"):
-            return {key: held}
+        ongoing = (key in self._active and held is not None
+                   and state.state in ("running", "degraded"))
+        due, earliest, messages = self._hang_remake
+        if ongoing and (now < earliest or messages == state.messages or (
+                now < due and not (held["provisional"] and not unheard_since_hang(state)))):
+            return {key: held}  # made again when due, or as soon as every rank was heard
+        began = time.perf_counter()
         hang = job_hang(state, wall)
+        cost = time.perf_counter() - began
         self._hang_alert = None
-        out: dict[Key, dict[str, Any]] = {}
-        if hang is not None:
-            culprits = [int(r) for r in hang.get("culprits") or []]
-            out[key] = self._alert(
-                HANG, None,
-                max((v.step for v in state.ranks.values() if v.step is not None), default=None),
-                f"job hung: {hang['text']}", hang["since_s"], True, state, wall,
-                ranks=culprits)  # the job's alert: its culprits in `ranks`
-            self._hang_alert = out[key]
-        return out
+        if hang is None:
+            return {}
+        again = REMAKE_S if hang.get("provisional") else REMAKE_FINAL_S
+        self._hang_remake = (now + max(again, REMAKE_COST_X * cost), now + REMAKE_COST_X * cost,
+                             state.messages)
+        culprits = [int(r) for r in hang.get("culprits") or []]
+        provisional = bool(hang.get("provisional"))
+        episode = (None if provisional else culprits, provisional)  # a guess is not news
+        if ongoing and held is not None and held["_episode"][:2] == episode:
+            self._hang_alert = held  # the same finding: no new alert
+            return {key: held}
+        update = held["_episode"][2] + 1 if ongoing and held is not None else 0
+        alert = self._alert(
+            HANG, None,
+            max((v.step for v in state.ranks.values() if v.step is not None), default=None),
+            f"job hung{f' (update {update})' if update else ''}: {hang['text']}",
+            hang["since_s"], (*episode, update), state, wall,
+            ranks=culprits, provisional=provisional,
+            not_heard=hang.get("not_heard", 0),
+            update=update)  # the job's alert: its culprits in `ranks`
+        self._hang_alert = alert
+        return {key: alert}
 
     def _stragglers(self, state: JobState, running: list[int], wall: float
                     ) -> dict[Key, dict[str, Any]]:

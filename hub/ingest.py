@@ -13,6 +13,7 @@ import zmq
 
 import scalemon
 from scalemon import protocol
+from scalemon.messages import DIGESTED_TYPES
 from scalemon.protocol import (
     HUB_RANK,
     RANK_RECORDS_KEPT,
@@ -24,6 +25,7 @@ from scalemon.protocol import (
 
 from .access import Peer, refusal
 from .core import HubCore
+from .digest import RankDigest
 from .limits import RejectBook, check_name, clip
 from .sockets import FanOut
 
@@ -52,6 +54,7 @@ class Intake:
         self._rank_keys: dict[int, bytes] = {}  # the key each rank's hello came with
         self._versions_refused: set[tuple[int, int]] = set()
         self._own_seq = 0
+        self.digest = RankDigest(core)  # a big job's feed for dashboards (hub/digest.py)
 
     def take(self, ingest: zmq.Socket, feed: FanOut) -> None:
         """Take what arrived: ranks send one frame per message, a node's relay a batch of them
@@ -62,6 +65,7 @@ class Intake:
         now = time.monotonic()
         taken = 0
         port = core.tcp_ports.get(ingest)
+        few: list[tuple[int, bytes]] = []  # neither steps nor heartbeats (a big job's)
         while taken < INGEST_BATCH:
             sender = None
             try:
@@ -90,9 +94,13 @@ class Intake:
                 self.apply(seq, msg)
                 if msg.type == "hello":
                     core.liveness.note_pid(core.state.ranks.get(msg.rank))
+                if msg.type not in DIGESTED_TYPES:
+                    few.append((seq, frame))
         if accepted:
             core.history.flush()  # published only once written: a hub crash cannot unsay it
             feed.send_multipart([core.topic, protocol.pack_seq(first_seq), *accepted])
+            if few and self.digest.active():
+                self.digest.send_few(feed, few)
 
     def _admitted_frames(self, frames: list[zmq.Frame],
                          port: int) -> tuple[list[bytes], Peer | None]:
@@ -234,6 +242,8 @@ class Intake:
         self.apply(seq, msg)
         core.history.flush()
         feed.send_multipart([core.topic, protocol.pack_seq(seq), frame])
+        if self.digest.active():
+            self.digest.send_few(feed, [(seq, frame)])
         return seq
 
 

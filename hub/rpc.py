@@ -19,6 +19,7 @@ import zmq
 
 from scalemon import protocol
 from scalemon.link import seed
+from scalemon.messages import DIGEST_WANTED_S
 from scalemon.policy import heartbeat_stepping_s
 from scalemon.protocol import ProtocolError
 from scalemon.reports.snapshot import snapshot_json
@@ -149,7 +150,10 @@ class Requests:
         if op == "state":
             return {"state": snapshot_json(core.state), "hub": self.stats(),
                     "head": len(core.history)}
-        if op == "seed":
+        if op in ("seed", "digest"):  # a dashboard follows (or will follow) the digest
+            core.digest_wanted_until = time.monotonic() + DIGEST_WANTED_S
+            if op == "digest":
+                return {}
             return self._seed()
         if op == "rank_records":
             return self._records_of(args["rank"], args["before"], args["limit"])
@@ -200,6 +204,7 @@ class Requests:
         else:
             reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
         reply["hang_after_s"] = fold.state.hang_after_s  # the dashboard's threshold too
+        reply["digest"] = True  # a big job's digest on the feed (hub/digest.py)
         log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
         self._seed_cache = (head, time.monotonic(), reply)
         return reply

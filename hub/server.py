@@ -398,6 +398,7 @@ class Hub:
             self.alerts_out.check(self.state, now)
         if self.exporter is not None:
             self.exporter.update(self.state, now)
+        self.intake.digest.tick(feed, now)  # a big job's digest for dashboards
         job_state = self.core.liveness.lifecycle_state(self.state, now)
         if job_state != self._ending_state:  # each ending state counts its own linger
             self._ending_state, self._ended_since = job_state, now

@@ -34,6 +34,10 @@ class SyncAnswers:
         self.heartbeat_stepping_s: float | None = None
         self.enabled = False
         """True once the hub said it hands over the ranks' commands (`answers_syncs`)."""
+        self.hub_version: tuple[int, int] = protocol.PROTOCOL_VERSION
+        """The version the answers give: the hub's where it is older than the relay (its
+        ranks then send what that hub reads: a 1.13 hub takes a left-out heartbeat value for
+        null), else the relay's own."""
         self.ranks: set[int] = set()
         """Ranks whose syncs this relay answered: their commands come in the report's reply."""
         self.answered = 0
@@ -48,6 +52,7 @@ class SyncAnswers:
     def take_reply(self, reply: dict[str, Any]) -> None:
         """Read the hub's answer to the relay's report: its consent, threshold and commands."""
         self.enabled = reply.get("answers_syncs") is True
+        self.hub_version = spoken_version(reply.get("v"))
         self.hang_after_s = _seconds(reply.get("hang_after_s")) or self.hang_after_s
         self.heartbeat_stepping_s = (_seconds(reply.get("heartbeat_stepping_s"))
                                      or self.heartbeat_stepping_s)
@@ -79,7 +84,17 @@ class SyncAnswers:
         return protocol.encode_reply(t0=args["t"], t=time.time() + clock_offset_s,
                                      hang_after_s=self.hang_after_s,
                                      heartbeat_stepping_s=self.heartbeat_stepping_s,
-                                     commands=self._held.pop(rank, []), via="relay")
+                                     commands=self._held.pop(rank, []), via="relay",
+                                     version=self.hub_version)
+
+
+def spoken_version(hub: Any) -> tuple[int, int]:
+    """The older of the hub's version (a reply's `v`) and ours; ours where `v` is unreadable
+    (the reply was decoded, so its major is ours)."""
+    if (isinstance(hub, (list, tuple)) and len(hub) == 2
+            and all(type(x) is int for x in hub)):
+        return min((hub[0], hub[1]), protocol.PROTOCOL_VERSION)
+    return protocol.PROTOCOL_VERSION
 
 
 def _seconds(value: Any) -> float | None:

@@ -197,3 +197,39 @@ RANK_STATES = ("running", *SILENT_RANK_STATES, "exited", "finished", "lost")
 """`lost` is read in histories of hubs before 1.12 (the reducer takes it as `silent`)."""
 HUB_TYPES = ("rank_state", "fr_dump", "hub_note", "toggle", "relay", "job_stop", "rank_stacks")
 """Message types only the hub writes (as rank `HUB_RANK`)."""
+
+# --- a big job's feed for dashboards (the `seed` reply says `"digest": true`) ------------
+DIGEST_FROM_RANKS = 1024
+"""From this world size on the hub also publishes a digest of its fold on the feed, once a
+second, and a dashboard follows it instead of every record (`hub/digest.py`)."""
+DIGEST_WANTED_S = 60.0
+"""A dashboard following a big job's digest asks for it (`digest` request) every third of this;
+the hub builds digests only while one asked within it (1.14)."""
+DIGEST_TOPIC = b"dig"
+"""Feed messages [`dig <history id> <base>`, msgpack map `DIGEST_FIELDS`]: a big job's fold
+as it stands, each rank that changed since the previous digest as a `DIGEST_RANK_FIELDS` row."""
+FEW_TOPIC = b"few"
+"""Feed messages [`few <history id> <base>`, record number (8 bytes), record] of a big job:
+each record that is neither a `step` nor a `heartbeat` (a dashboard folds them itself)."""
+DIGESTED_TYPES = ("step", "heartbeat")
+"""The records a digest stands for; the others go on the feed one by one (`FEW_TOPIC`)."""
+DIGEST_FIELDS = ("seq", "t", "ranks", "lean", "job", "agg")
+"""A digest: the record number it is as of, the hub's clock, whole rows of some ranks (a
+`DIGEST_RANK_FIELDS` row each, for up to 4,096 ranks that changed since their last row, in
+turns), the `DIGEST_LEAN_FIELDS` of every rank heard from since the previous digest ({"rows":
+n, "columns": {field: column}}, `scalemon.link.columns`), the fold's job-wide figures
+({"last_t", "last_step_t", "fold_last_step_t", "records", "by_type", "groups": the process
+groups first seen since the previous digest}), and the per-step bands closed since the
+previous digest ({metric: [[x, lo, hi, mean], ...]})."""
+DIGEST_RANK_FIELDS = ("rank", "step", "steps_received", "last_seen_t", "last_step_t",
+                      "last_seq", "seq_seen", "seq_gaps", "compute_over_median_s", "metrics",
+                      "extra", "derived", "alerts")
+"""One rank's row in a digest: its `RankView` fields that its steps and heartbeats change;
+`metrics` a list of values in `DIGEST_METRICS` order (null: not known), `extra` a list in
+`DIGEST_EXTRAS` order (the table's `log(**extra)` names; empty: none)."""
+DIGEST_LEAN_FIELDS = ("rank", "step", "steps_received", "last_seen_t", "last_step_t")
+"""The `RankView` fields of every rank heard from that each digest carries (as columns)."""
+DIGEST_METRICS = metrics.latest_of("step") + metrics.latest_of("heartbeat")
+"""The order of a digest row's `metrics`: a `RankView.metrics`' names."""
+DIGEST_EXTRAS = tuple(m.name for m in metrics.METRICS if m.source == "extra")
+"""The order of a digest row's `extra`."""

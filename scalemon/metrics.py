@@ -315,6 +315,12 @@ METRICS: tuple[Metric, ...] = (
            "else null"),
     Metric("stack", "heartbeat", "str", "", "only while the training thread is stuck: its "
            "Python stack (`sys._current_frames()`, taken by the agent's own thread); else null"),
+    Metric("same", "heartbeat", "list", "", "(1.14) the fields of `SENT_WHEN_CHANGED` (`groups`, "
+           "`inflight`, `p2p_inflight`, `stack`) left out of this heartbeat because their "
+           "values are those of the process's previous one: the reducer keeps what it has. "
+           "An agent leaves them out only for a hub of 1.14 or later, and sends them whole "
+           "again at least once a minute and after a heartbeat it dropped; absent when none "
+           "is left out", kept=False),
     Metric("clock_offset_s", "heartbeat", "float", "s", "the hub's clock minus this host's, "
            "estimated from the round trip of the agent's pings (the fastest of the last 8); "
            "null until the hub answered",
@@ -353,6 +359,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("queued", "heartbeat", "int", "", "messages waiting in the agent's send queues at this "
            "moment, including steps still waiting for the GPU"),
 )
+
+SENT_WHEN_CHANGED = ("groups", "inflight", "p2p_inflight", "stack")
+"""The heartbeat's nested values that an agent sends when they change and, while they do not,
+names in `same` (1.14): a hung job of 16,384 ranks would otherwise send each rank's stack and
+collectives in flight every second, to be checked and folded again."""
 
 KEPT: tuple[Metric, ...] = ()
 """The values a rank view holds (what `scalemon snapshot --json` shows per rank)."""

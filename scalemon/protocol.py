@@ -30,7 +30,7 @@ from scalemon.messages import RANK_STATES as RANK_STATES
 from scalemon.messages import SILENT_RANK_STATES as SILENT_RANK_STATES
 from scalemon.messages import STEP_COMM_FIELDS as STEP_COMM_FIELDS
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 13)
+PROTOCOL_VERSION: tuple[int, int] = (1, 14)
 MAX_MESSAGE_BYTES = 1 << 20
 """Messages larger than this are rejected before they are unpacked."""
 MAX_REPLY_BYTES = 64 << 20
@@ -155,6 +155,19 @@ def decode(frame: bytes) -> Message:
     """Unpack and validate one frame; raises `ProtocolError` with the reason."""
     obj, version = _map_of(frame)
     get = obj.get
+    mtype, rank, seq, t, body = get("type"), get("rank"), get("seq"), get("t"), get("body")
+    if (mtype in _RANK_TYPES and type(mtype) is str and type(rank) is int and type(seq) is int
+            and type(t) is float and type(body) is dict and type(get("job")) is str
+            and 0 <= rank < MAX_WORLD_SIZE and 0 <= seq < MAX_SEQ and t - t == 0.0):
+        # the common case, a rank's step or heartbeat: its envelope passes every check below
+        _check_body(mtype, body, version)
+        return Message(mtype, obj["job"], rank, seq, t, body, version)
+    return _decode_checked(obj, version)
+
+
+def _decode_checked(obj: dict[str, Any], version: tuple[int, int]) -> Message:
+    """`decode` of any map: each envelope check in turn, saying which failed."""
+    get = obj.get
     if not (type(get("type")) is str and type(get("job")) is str
             and type(get("rank")) is int and type(get("seq")) is int):
         for key, typ in _ENVELOPE.items():
@@ -212,6 +225,11 @@ def _check_hello(body: dict[str, Any], rank: int) -> None:
                             "expected local_rank >= 0 and pid > 0")
 
 
+_RANK_TYPES = frozenset(MESSAGE_FIELDS).difference(HUB_TYPES, ("hello",))
+"""Message types a rank sends whose envelope `decode` checks in one go (a hello has checks of
+its own)."""
+
+
 def _check_sender(mtype: str, rank: int) -> None:
     if (mtype in HUB_TYPES) != (rank == HUB_RANK):
         raise ProtocolError(
@@ -234,7 +252,8 @@ def _check_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) -> N
     nested = _SHAPES.get(shape)
     if nested is not None:
         for name in nested:
-            _check_plain(body[name], f"{mtype}.{name}")
+            if not _plain(body[name]):
+                _check_plain(body[name], f"{mtype}.{name}")  # says what is wrong
         return
     _check_new_body(mtype, body, version)
     if len(_SHAPES) < MAX_SHAPES:
@@ -263,6 +282,30 @@ def _check_new_body(mtype: str, body: dict[str, Any], version: tuple[int, int]) 
             raise ProtocolError(f"{mtype}.{name} is {value!r}, expected {expected}")
         if type(value) in (dict, list, tuple):
             _check_plain(value, f"{mtype}.{name}")
+
+
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """True when `value` is surely what `_check_plain` accepts (plain dicts and lists of JSON
+    values): the quick test of every nested value; False sends it to `_check_plain`."""
+    kind = type(value)
+    if kind is dict:
+        if depth >= 32:
+            return False
+        for key, item in value.items():
+            if type(key) is not str or (type(item) not in _PLAIN and not _plain(item, depth + 1)):
+                return False
+        return True
+    if kind is list:
+        if depth >= 32:
+            return False
+        for item in value:  # noqa: SIM110 - a loop: no generator on the decode path
+            if type(item) not in _PLAIN and not _plain(item, depth + 1):
+                return False
+        return True
+    return kind in _PLAIN
 
 
 def _check_plain(value: Any, where: str, depth: int = 0) -> None:
@@ -324,6 +367,10 @@ RPC_OPS = {
     # rank `rank`'s latest records numbered below `before`, at most `limit`, oldest first
     # (a big job's rank detail): {"records": [bytes], "head": int, "complete": bool}
     "rank_records": {"rank": int, "before": int, "limit": int},
+    # 1.14: a dashboard following a big job's digest says it still does (every
+    # DIGEST_WANTED_S / 3 s; a `seed` request says so too): the hub builds and publishes
+    # digests only while one did within DIGEST_WANTED_S. The reply is empty
+    "digest": {},
     # 1.12: read ranks' stacks from outside their processes (all ranks when `ranks` is empty;
     # `native` frames too). `id` 0 starts a reading, whose id the reply gives; asked again with
     # that id, the reply has what came so far: {"id", "done", "ranks": {rank: {"reading",
@@ -345,6 +392,7 @@ OP_ROLES: dict[str, tuple[str, ...]] = {
     "fetch": ("watch", "control"),
     "seed": ("watch", "control"),
     "rank_records": ("watch", "control"),
+    "digest": ("watch", "control"),
     "stacks": ("control",),  # reading a stack stops the process for a moment
     **{op: ("control",) for op in CONTROL_OPS},
 }
@@ -383,10 +431,13 @@ def decode_request(frame: bytes) -> tuple[str, dict[str, Any]]:
     return op, args
 
 
-def encode_reply(ok: bool = True, error: str | None = None, **results: Any) -> bytes:
-    """Pack an RPC reply."""
+def encode_reply(ok: bool = True, error: str | None = None, *,
+                 version: tuple[int, int] | None = None, **results: Any) -> bytes:
+    """Pack an RPC reply (`version`: the one it speaks for, ours by default; a relay answering
+    for an older hub gives the hub's, so that its ranks send what that hub reads)."""
     return msgpack.packb(
-        {"v": list(PROTOCOL_VERSION), "ok": ok, "error": error, **results}, use_bin_type=True
+        {"v": list(version or PROTOCOL_VERSION), "ok": ok, "error": error, **results},
+        use_bin_type=True,
     )
 
 

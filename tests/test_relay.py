@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from scalemon.home.address import HubAddress
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir, relay_dir
 from scalemon.link.client import HubClient
+from scalemon.relay.syncs import SyncAnswers
 
 
 @pytest.fixture
@@ -232,3 +234,21 @@ def _stalled(read, seconds: float) -> bool:
     before = read()
     time.sleep(seconds)
     return read() == before
+
+
+def test_a_relay_answers_syncs_in_the_version_of_an_older_hub():
+    """A relay of 1.14 in front of a 1.13 hub answers its ranks' syncs as 1.13: the agents then
+    send every heartbeat value in full (a 1.13 hub would take a left-out one for null)."""
+    answers = SyncAnswers()
+    answers.take_reply({"v": [1, 13], "ok": True, "answers_syncs": True, "hang_after_s": 30.0})
+    sync = protocol.encode_request("sync", rank=3, t=time.time())
+    reply = protocol.decode_reply(answers.answer(sync, clock_offset_s=0.0))
+    assert reply["v"] == [1, 13] and reply["via"] == "relay"
+    answers.take_reply({"v": list(protocol.PROTOCOL_VERSION), "ok": True,
+                        "answers_syncs": True, "hang_after_s": 30.0})
+    reply = protocol.decode_reply(answers.answer(sync, clock_offset_s=0.0))
+    assert reply["v"] == list(protocol.PROTOCOL_VERSION)
+    newer = [protocol.PROTOCOL_VERSION[0], protocol.PROTOCOL_VERSION[1] + 1]
+    answers.take_reply({"v": newer, "ok": True, "answers_syncs": True, "hang_after_s": 30.0})
+    reply = protocol.decode_reply(answers.answer(sync, clock_offset_s=0.0))
+    assert reply["v"] == list(protocol.PROTOCOL_VERSION)  # never more than the relay knows

@@ -214,6 +214,8 @@ class DashboardApp(App[None]):
         screen = self.screen
         if not isinstance(screen, DataScreen) or not screen.is_mounted:
             return  # a modal on top (help, palette), or a screen still composing
+        if self.data.busy:
+            return  # the receiver holds the lock for a while (a big job's digest): next tick
         now = self.clock()
         start = time.perf_counter()
         version = self.data.version
@@ -237,7 +239,8 @@ class DashboardApp(App[None]):
     def _show_hang(self, now: float) -> bool:
         """Show the hang screen when a hang begins (once per hang); True when it did."""
         with self.data.lock:
-            hang = current_hang(self.data, now)
+            kept = self.data.totals if self.data.digest_followed else None
+            hang = kept.hang if kept is not None else current_hang(self.data, now)
         if hang is None:
             self._hang_shown = False
             return False
@@ -441,4 +444,12 @@ class DashboardApp(App[None]):
             return {"redraws": self.redraws, "redraw_ms": list(self.pacer.redraw_ms),
                     "plot_redraw_ms": list(self.pacer.plot_redraw_ms),
                     "records": self.data.records, "by_type": dict(self.data.by_type),
-                    "next_seq": self.data.next_seq, "rejected": self.data.rejected}
+                    "next_seq": self.data.next_seq, "rejected": self.data.rejected,
+                    "digest": self._digest_stats()}
+
+    def _digest_stats(self) -> dict[str, Any]:
+        """What a big job's dashboard received instead of every record (`digest_feed`)."""
+        follower = getattr(self.feed, "follower", None)
+        return {"followed": self.data.digest_followed, "digests": self.data.digests,
+                "few_records": follower.few if follower else 0,
+                "rank_fetches": follower.fetches if follower else 0}

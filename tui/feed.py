@@ -27,6 +27,7 @@ from scalemon.link.client import HistoryReset, HubStream, HubUnreachable
 from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch, version_text
 from scalemon.state.fold import record_key
 
+from .digest_feed import DigestFollower, make_totals, wants_digest
 from .model import DashboardData
 
 SEED_TIMEOUT_S = 30.0
@@ -63,6 +64,8 @@ class HubFeed(Feed):
         self.attaches = 0  # successful attaches (the first one included)
         self.use_seed = use_seed
         self.seed_note = ""  # how the last attach from scratch started (seed or replay)
+        self.digest_offered = False  # the hub publishes a big job's digest (its seed said)
+        self.follower: DigestFollower | None = None  # the last one followed (a big job's)
 
     def _resolve(self) -> HubAddress | None:
         """The job's hub while it serves, lingering after the job ended included (None when
@@ -96,16 +99,32 @@ class HubFeed(Feed):
                         status("waiting", f"no hub for job {self.job} yet")
                 _sleep(self.retry_s, stop)
                 continue
-            stream = HubStream(address, since=data.next_seq, timeout_s=self.timeout_s,
+            since = 0 if data.digest_followed else data.next_seq  # a digest: seeded again
+            stream = HubStream(address, since=since, timeout_s=self.timeout_s,
                                identity=data.history_identity)
+            follower: DigestFollower | None = None
             try:
-                if not self._same_history(stream, data):
+                if not data.digest_followed and not self._same_history(stream, data):
                     data.reset()  # a new (or shortened) history under the same name
                     stream.next_seq = 0
                 if stream.next_seq == 0 and self.use_seed:
-                    self._start_from_seed(stream, data)
+                    follower = DigestFollower(address, stream.client)
+                    if not (self._start_from_seed(stream, data) and self.digest_offered
+                            and wants_digest(data)):
+                        follower.close()
+                        follower = None
+                with data.lock:
+                    data.digest_followed = follower is not None
                 self.attaches += 1
                 status("connected", address.base)
+                if follower is not None:  # a big job: the hub's digest, not every record
+                    self.follower = follower
+                    make_totals(data)  # what the redraws read, before the first digest
+                    stream.sub.setsockopt(zmq.UNSUBSCRIBE, protocol.FEED_TOPIC)
+                    while not stop():
+                        data.wait_for_screen()
+                        follower.poll(data)
+                    continue
                 while not stop():
                     data.wait_for_screen()
                     batch = stream.poll(0.1)
@@ -118,6 +137,9 @@ class HubFeed(Feed):
                         with data.lock:
                             data.rejected += stream.rejected
                         stream.rejected = 0
+                    if self.use_seed and self.digest_offered and wants_digest(data):
+                        data.reset()  # the job grew big: follow its digest from a seed
+                        break
             except HistoryReset as exc:  # the records shown are not the hub's: start over
                 data.reset()
                 status("restarted", f"history started over: {exc}")
@@ -127,7 +149,8 @@ class HubFeed(Feed):
                 status("incompatible", f"the hub speaks scalemon protocol "
                        f"{version_text(exc.theirs)}, this dashboard {version_text(exc.ours)}: "
                        "attach with the scalemon version the job runs")
-            except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError) as exc:
+            except (HubUnreachable, ProtocolError, zmq.ZMQError, OSError,
+                    ConnectionError) as exc:
                 if data.conn.status != "offline":  # else the history file is shown already
                     gone = self._ended_hub_of_address(data)
                     if gone is not None and self._replay_history(data, data.state.job):
@@ -135,6 +158,8 @@ class HubFeed(Feed):
                     else:
                         status("disconnected", _short(exc))
             finally:
+                if follower is not None:
+                    follower.close()
                 stream.close()
             _sleep(self.retry_s, stop)
 
@@ -151,6 +176,7 @@ class HubFeed(Feed):
         finally:
             client.timeout_s = timeout
         data.hub_hang_after(reply.get("hang_after_s"))  # one threshold, the hub's
+        self.digest_offered = reply.get("digest") is True  # a big job's digest on its feed
         blob = reply.get("seed")
         if not isinstance(blob, bytes):
             self.seed_note = f"replayed the history: {reply.get('why') or 'no seed'}"

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from scalemon import settings
 from scalemon.protocol import Message
@@ -86,6 +87,29 @@ class LatenessMedians:
         self.values[rank] = statistics.median(samples) if samples else None
 
 
+class MeshCoords:
+    """Each rank's device-mesh coordinates (`JobState.mesh`), kept while the job's groups and
+    the ranks' mesh descriptions stay as they were (a redraw of thousands of ranks would
+    otherwise work each out from every group again)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, int] | None = None
+        self._coords: dict[int, dict[str, int] | None] = {}
+
+    def of(self, state: JobState) -> dict[int, dict[str, int] | None]:
+        """rank -> coordinates (None: not in a mesh), for every known rank (under the lock)."""
+        infos = state.info.get("mesh")
+        key = (len(state.groups), len(infos or ()), id(infos))
+        if key != self._key:
+            self._key, self._coords = key, {}
+        coords = self._coords
+        if len(coords) != len(state.ranks):
+            for rank in state.ranks:
+                if rank not in coords:
+                    coords[rank] = state.mesh(rank)
+        return coords
+
+
 class DashboardData(JobFold):
     """Thread-safe fold of one job's records for the dashboard. `hang_after_s`: a job where no
     rank completed a step for this long is hung (`reports.hangs.job_hang`)."""
@@ -104,8 +128,13 @@ class DashboardData(JobFold):
         """When this dashboard's app launched the job itself (`scalemon demo`): the wait for
         its first rank is told as its start-up."""
         self.to_watch: set[int] = set()  # ranks the screen asked for, the receiver fetches
+        self.digest_followed = False
+        """A big job: the hub's digest is followed instead of every record (`digest_feed`)."""
         self.partial_series: dict[int, int] = {}
         """Watched ranks whose series start later than their records (rank -> first step)."""
+        self.busy = False
+        """The receiver holds the lock for long (a big job's pass over its ranks): the screen
+        draws at a later tick rather than wait for it."""
         self._screen_idle = threading.Event()  # cleared while the screen is being drawn
         self._screen_idle.set()
         if hang_after_s is None:
@@ -125,6 +154,11 @@ class DashboardData(JobFold):
         self.history_identity: dict | None = None  # of the history the records came from
         self.lateness = LatenessMedians()
         self.seeded_at = None
+        self.digests = 0  # the hub's digests folded (a big job's)
+        self.mesh_coords = MeshCoords()
+        self.totals: Any = None
+        """A big job's pass over its ranks (`views.totals.RankTotals`), made by the receiver
+        after each digest; None: each redraw makes its own."""
 
     # ---- receiver side -------------------------------------------------------------------
 
@@ -223,6 +257,21 @@ class DashboardData(JobFold):
             self.to_watch.add(rank)
             self.version += 1
             return True
+
+    def show_ranks(self, ranks: Iterable[int]) -> None:
+        """The screen shows `ranks` (a node's): while the hub's digest is followed their
+        records are fetched, as a shown rank's (`show_rank`); else nothing changes."""
+        with self.lock:
+            if self.digest_followed:
+                self.to_watch.update(r for r in ranks if r not in self.watched)
+
+    def hide_ranks(self, ranks: Iterable[int]) -> None:
+        """The screen no longer shows `ranks`: while the hub's digest is followed their
+        records are no longer fetched (a small job's series are kept as before)."""
+        with self.lock:
+            if self.digest_followed:
+                self.watched.difference_update(ranks)
+                self.to_watch.difference_update(ranks)
 
     def take_watch(self) -> list[int]:
         """The ranks whose series the receiver is to fetch (each returned once)."""

@@ -13,10 +13,12 @@ A missing, short or damaged index is rebuilt by walking the chunks file (`load_i
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import zlib
-from collections.abc import Collection, Iterator
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,25 +143,30 @@ class ChunkEntry:
 
 
 def seal(raw: bytes, first: int, count: int, offset: int, at: int = 0,
-         known: list[Known | None] | None = None) -> tuple[bytes, ChunkEntry]:
+         known: list[Known | None] | None = None,
+         starts: Sequence[int] | None = None) -> tuple[bytes, ChunkEntry]:
     """The bytes of a chunk of the tail's frames `raw` (records `first` .., `count` of them,
-    from offset `at` of the tail; `known`: what each covers, where its writer said), to be
-    appended at `offset` of the chunks file, and its entry."""
-    cover = Cover()
-    by_rank: dict[int, list[bytes]] = {}
-    for i, frame in enumerate(frames_of(raw)):
-        ranks = cover.add(frame, known[i] if known is not None and i < len(known) else None)
-        rank = ranks[0] if ranks is not None else -1
-        by_rank.setdefault(rank, []).append(
-            i.to_bytes(4, "big") + len(frame).to_bytes(4, "big") + frame)
-    order = sorted(by_rank)
-    per_lane = max(1, len(order) * LANE_BYTES // max(1, len(raw)))
+    from offset `at` of the tail, each at its offset in `starts` when the caller knows them;
+    `known`: what each covers, where its writer said), to be appended at `offset` of the
+    chunks file, and its entry. Runs on the history's sealing thread: the work per record is
+    done by builtins over whole lists, so that the hub's thread keeps the GIL."""
+    if starts is None:
+        starts = record_starts(raw)
+    ends = [*starts[1:], len(raw)]
+    cover, lane_ranks = _cover_of(raw, starts, ends, known)
+    order = sorted(range(len(starts)), key=lane_ranks.__getitem__)  # by rank, stable
+    ranked = [lane_ranks[i] for i in order]
+    distinct = sorted(set(lane_ranks))
+    per_lane = max(1, len(distinct) * LANE_BYTES // max(1, len(raw)))
+    view = memoryview(raw)
     parts, lanes, at_lane = [], [], 0
-    for start in range(0, len(order), per_lane):
-        ranks_here = order[start:start + per_lane]
-        part = zlib.compress(b"".join(b"".join(by_rank[r]) for r in ranks_here), LEVEL)
-        lanes.append([ranks_here[0], ranks_here[-1], at_lane, len(part),
-                      sum(len(by_rank[r]) for r in ranks_here), zlib.crc32(part)])
+    for start in range(0, len(distinct), per_lane):
+        ranks_here = distinct[start:start + per_lane]
+        lo = bisect.bisect_left(ranked, ranks_here[0])
+        hi = bisect.bisect_right(ranked, ranks_here[-1])
+        part = zlib.compress(_lane_bytes(view, starts, ends, order[lo:hi]), LEVEL)
+        lanes.append([ranks_here[0], ranks_here[-1], at_lane, len(part), hi - lo,
+                      zlib.crc32(part)])
         parts.append(part)
         at_lane += len(part)
     header_fields = {"first": first, "count": count, "length": at_lane, "raw": len(raw),
@@ -168,6 +175,40 @@ def seal(raw: bytes, first: int, count: int, offset: int, at: int = 0,
     header = json.dumps(header_fields, separators=(",", ":")).encode()
     entry = ChunkEntry(offset=offset + _HEAD + len(header), **header_fields)  # type: ignore[arg-type]
     return MAGIC + len(header).to_bytes(4, "big") + header + b"".join(parts), entry
+
+
+def _lane_bytes(view: memoryview, starts: Sequence[int], ends: Sequence[int],
+                records: list[int]) -> bytes:
+    """A lane's records before compression: each one's number in the chunk (4 bytes), then its
+    length and frame as the tail holds them."""
+    return b"".join([part for i in records
+                     for part in (i.to_bytes(4, "big"), view[starts[i]:ends[i]])])
+
+
+def _cover_of(raw: bytes, starts: Sequence[int], ends: Sequence[int],
+              known: list[Known | None] | None) -> tuple[Cover, list[int]]:
+    """What the records cover together, and the rank each one's lane is chosen by (its lowest
+    rank; -1 without one). Where the writer said what every record covers (the hub does),
+    counted by builtins over the columns; else record by record (`Cover.add`)."""
+    n = len(starts)
+    if known is not None and len(known) >= n and None not in known[:n]:
+        types, ranks, steps, times = zip(*known[:n], strict=True) if n else ((), (), (), ())
+        return (Cover(ranks=_span(ranks), steps=_span(steps), types=dict(Counter(types)),
+                      t=_span(times)),
+                [-1 if rank is None else rank for rank in ranks])
+    cover = Cover()
+    lane_ranks = []
+    for i in range(n):
+        frame = raw[starts[i] + 4:ends[i]]
+        ranks = cover.add(frame, known[i] if known is not None and i < len(known) else None)
+        lane_ranks.append(ranks[0] if ranks is not None else -1)
+    return cover, lane_ranks
+
+
+def _span(values: Sequence[Any]) -> list | None:
+    """[lowest, highest] of `values` that are not None; None when all are."""
+    present = [v for v in values if v is not None]
+    return [min(present), max(present)] if present else None
 
 
 def index_line(entry: ChunkEntry) -> bytes:
@@ -336,3 +377,17 @@ def frames_of(raw: bytes) -> Iterator[bytes]:
         n = int.from_bytes(raw[offset:offset + 4], "big")
         yield raw[offset + 4:offset + 4 + n]
         offset += 4 + n
+
+
+def record_starts(raw: bytes) -> list[int]:
+    """The offsets of the whole records in tail bytes `raw` (a 4-byte length then the frame);
+    a torn last one is left out."""
+    out = []
+    offset, size = 0, len(raw)
+    while offset + 4 <= size:
+        n = int.from_bytes(raw[offset:offset + 4], "big")
+        if offset + 4 + n > size:
+            break
+        out.append(offset)
+        offset += 4 + n
+    return out

@@ -190,16 +190,20 @@ class History:
         `chunks.record_cover` would read it (the hub knows it: sealing then never unpacks
         the record again). Never raises for a write error: while the file cannot be written
         (a full disk) records are kept in memory, and `flush` retries (see `write_error`)."""
-        seq = len(self)
-        self._offsets.append(self._end)
+        offsets = self._offsets
+        seq = self._tail_base + len(offsets)
+        offsets.append(self._end)
         self._covers.append(cover)
         self._end += _LEN + len(record)
-        self._remember(record)
+        memory = self._memory  # _remember(record), inlined: once per message
+        memory.append(record)
+        if len(memory) > self.memory_limit:
+            memory.popleft()
+            self._memory_base += 1
         self._unwritten.append(record)
         if self.write_error is None:
             try:
-                self._writer.write(len(record).to_bytes(_LEN, "big"))
-                self._writer.write(record)
+                self._writer.write(len(record).to_bytes(_LEN, "big") + record)
             except OSError as exc:
                 self._failed(exc)
         return seq

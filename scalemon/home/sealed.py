@@ -162,7 +162,8 @@ def prepare_chunks(path: Path, end: int, offsets: bytes, covers: list[chunks.Kno
             at_record + 1, bisect.bisect_left(starts, end * piece // pieces))
         stop_byte = starts[stop] if stop < len(starts) else end
         blob, entry = chunks.seal(raw[at_byte:stop_byte], first + at_record, stop - at_record,
-                                  chunks_size, at_byte, covers[at_record:stop])
+                                  chunks_size, at_byte, covers[at_record:stop],
+                                  [start - at_byte for start in starts[at_record:stop]])
         out.append((blob, entry))
         chunks_size += len(blob)
         at_record, at_byte = stop, stop_byte

@@ -11,6 +11,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from scalemon.policy import HEARTBEAT_S
 from scalemon.proc.stacks import StackReading, format_stacks
 from scalemon.reports.groups import group_label
 from scalemon.reports.waitfor import wait_for_graph
@@ -400,6 +401,10 @@ def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
         return None  # no rank reports steps any more: silence is no sign of a hang
     report = HangReport(st, now)
     finding = report.finding
+    unheard = unheard_since_hang(st)
+    text = report.text(since)
+    if unheard:
+        text = f"provisional, {_ranks_count(len(unheard))} not heard since the hang began: {text}"
     group, seq = finding.get("group"), finding.get("seq")
     first = [r for r, w in sorted(report.waits.items())
              if (w["group"], w["seq"]) == (group, seq)]
@@ -413,7 +418,10 @@ def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
         "group_name": group,
         "op": op, "seq": seq, "waited_s": max(waited) if waited else None,
         "gone": sorted(report.gone),
-        "text": report.text(since),
+        "text": text,
+        "provisional": bool(unheard),
+        "not_heard": len(unheard),
+        "not_heard_ranks": unheard[:FOR_SHOWN],
         "causes": report.causes_json(),
         "waits": report.waits_json(),
         "chains": finding.get("chains", []),
@@ -423,6 +431,25 @@ def _analyse(st: JobState, now: float) -> dict[str, Any] | None:
         "nccl_ras": {str(r): v for r, v in st.info.get("nccl_ras", {}).items()},
         "ranks": {str(r): report.rank_json(v) for r, v in sorted(st.ranks.items())},
     }
+
+
+def unheard_since_hang(st: JobState) -> list[int]:
+    """The running ranks of `st` not heard from since the hang began for them: nothing they
+    sent came a heartbeat interval or more after their last step (or the job's), so the
+    report's word on them is a guess from before the hang (a hub behind, late heartbeats)."""
+    out = []
+    for rank, view in st.ranks.items():
+        if view.state != "running":
+            continue
+        last_step = view.last_step_t if view.last_step_t is not None else st.last_step_t
+        seen = view.last_seen_t
+        if seen is not None and last_step is not None and seen < last_step + HEARTBEAT_S:
+            out.append(rank)
+    return sorted(out)
+
+
+def _ranks_count(count: int) -> str:
+    return f"{count:,} rank" + ("" if count == 1 else "s")
 
 
 def frozen_text(view: RankView) -> str:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from scalemon.text.ranks import ranks_text
+
 PEER_LOSS_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, re.IGNORECASE) for p in (
     r"connection closed by peer",
     r"connection reset by peer",
@@ -89,3 +91,12 @@ def clean_error(text: str, own_dirs: tuple[Path, ...]) -> str:
     kept = [line for line, after in zip(kept, [*kept[1:], ""], strict=True)
             if not (line.strip() == "At:" and not after.strip())]
     return "\n".join(kept).strip() + ("\n" if text.endswith("\n") else "")
+
+
+def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:
+    """"rank 1 failed first (step 30): InjectedCrash: ...; rank 0 failed after losing a peer"."""
+    at = f" (step {step})" if step is not None else ""
+    text = f"rank {rank} failed first{at}: {why}"
+    if peer_loss:
+        text += f"; {ranks_text(peer_loss)} failed only because a peer went away"
+    return text

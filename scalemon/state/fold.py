@@ -15,7 +15,9 @@ them when it shows a rank, so neither side holds series for thousands of ranks.
 from __future__ import annotations
 
 import statistics
+from array import array
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,13 @@ SERIES_ALL_BELOW = AGGREGATE_AT
 AGGREGATED = tuple(m.name for m in metrics.AGGREGATED)
 """Metrics whose min/mean/max over ranks the overview plots draw (`Show.overview`)."""
 AGGREGATED_STEP = tuple(m.name for m in metrics.AGGREGATED if m.source == "step")
+AGGREGATED_ROW = (*AGGREGATED_STEP, *(name for name in AGGREGATED if name not in AGGREGATED_STEP))
+"""The order of a `StepAcc` row: the step body's aggregated fields, then the derived ones."""
+AGGREGATED_DERIVED = AGGREGATED_ROW[len(AGGREGATED_STEP):]
+NAN = float("nan")
+_NAN_STEP = (NAN,) * len(AGGREGATED_STEP)
+_NAN_DERIVED = (NAN,) * len(AGGREGATED_DERIVED)
+_NUMBER_TYPES = frozenset((float, int))
 _FOLDED = tuple(m for m in metrics.METRICS if m in metrics.PLOTTED or m.aggregated)
 STEP_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "step")
 EXTRA_PLOTTED = tuple(m.name for m in _FOLDED if m.source == "extra")
@@ -108,17 +117,34 @@ class RankTrack:
 
 
 class StepAcc:
-    """Cross-rank min/max/sum of each metric at one step, plus each rank's compute time."""
+    """One step's values over the ranks, reduced when the step closes (`bands`): each rank's
+    row of the `AGGREGATED_ROW` values one after another in `values` (NaN: absent or not a
+    number; a flat array, so that a step of thousands of ranks adds no objects for the
+    garbage collector to walk), and each rank's compute time for the median."""
 
-    __slots__ = ("ranks", "lo", "hi", "sum", "n", "compute")
+    __slots__ = ("ranks", "values", "compute")
 
     def __init__(self) -> None:
         self.ranks = 0
-        self.lo: dict[str, float] = {}
-        self.hi: dict[str, float] = {}
-        self.sum: dict[str, float] = {}
-        self.n: dict[str, int] = {}
+        self.values = array("d")
         self.compute: dict[int, float] = {}
+
+    def add(self, row: list[Any]) -> None:
+        """Add one rank's row (`AGGREGATED_ROW` order): numbers kept, anything else NaN."""
+        if _NUMBER_TYPES.issuperset(map(type, row)):  # bools are not numbers here
+            self.values.fromlist(row)
+        else:
+            self.values.fromlist([float(v) if type(v) is float or type(v) is int else NAN
+                                  for v in row])
+
+    def bands(self) -> Iterator[tuple[str, float, float, float]]:
+        """(metric, min, max, mean) of each `AGGREGATED_ROW` metric some rank had a finite
+        number for (the sum in arrival order)."""
+        width = len(AGGREGATED_ROW)
+        for i, name in enumerate(AGGREGATED_ROW):
+            column = [v for v in self.values[i::width] if v - v == 0.0]  # not NaN nor inf
+            if column:
+                yield name, min(column), max(column), sum(column) / len(column)
 
 
 def record_key(msg: Message) -> tuple:
@@ -224,7 +250,7 @@ class JobFold:
         """Fold record number `seq` in (records come in history order)."""
         self._apply(msg)
         self.next_seq = seq + 1
-        self.last_key = record_key(msg)
+        self.last_key = (msg.rank, msg.seq, msg.type, msg.t)  # record_key(msg), inlined
 
     def big(self) -> bool:
         """True for a job of SERIES_ALL_BELOW ranks or more (per-rank series only when
@@ -252,21 +278,24 @@ class JobFold:
 
     def _apply(self, msg: Message) -> None:
         self.records += 1
-        self.by_type[msg.type] = self.by_type.get(msg.type, 0) + 1
-        before = self.state.ranks.get(msg.rank)
+        mtype, rank = msg.type, msg.rank
+        by_type = self.by_type
+        by_type[mtype] = by_type.get(mtype, 0) + 1
+        state = self.state
+        before = state.ranks.get(rank)
         old_state = before.state if before is not None else None
-        view = self.state.apply(msg)
+        view = state.apply(msg)
         if view is None:  # hub record (rank_state)
             self._expected = None
             return
         if view.state != old_state:
             self._expected = None
-        if msg.type == "step":
+        if mtype == "step":
             self._on_step(msg, view)
-        elif msg.type == "heartbeat":
-            if self.keeps_series(msg.rank):
-                self.track(msg.rank).add_heartbeat_series(msg.body, view.step)
-        elif msg.type == "collectives":
+        elif mtype == "heartbeat":
+            if rank in self.watched or not self.big():  # keeps_series(rank)
+                self.track(rank).add_heartbeat_series(msg.body, view.step)
+        elif mtype == "collectives":
             if self.keeps_series(msg.rank):
                 late = view.value("arrival_lateness_s")
                 x = msg.body.get("step")
@@ -278,58 +307,50 @@ class JobFold:
                 self._on_step_comm(msg.rank, rows)
 
     def _on_step(self, msg: Message, view: RankView) -> None:
-        track = self.track(msg.rank)
-        step = msg.body["step"]
-        if self.keeps_series(msg.rank):
-            values = step_values(msg.body, view.derived)  # derived once, by the state
-            track.add_step_series(msg.body, values)
-        else:  # a big job's unwatched rank: only what the per-step aggregates take
-            values = _numbers(msg.body, AGGREGATED_STEP)
-            if (compute := view.derived.get("compute_s")) is not None:
-                values["compute_s"] = compute
-        if msg.body.get("skipped"):
+        rank, body, t = msg.rank, msg.body, msg.t
+        step = body["step"]
+        track = self.tracks.get(rank) or self.track(rank)
+        if rank in self.watched or not self.big():
+            track.add_step_series(body, step_values(body, view.derived))  # derived by the state
+        if body.get("skipped"):
             track.skipped.add(step)
             self.skipped.add(step)
-        if not track.samples or msg.t - track.samples[-1][0] >= 0.5:
-            track.samples.append((msg.t, step))
-        if self.last_step_t is None or msg.t > self.last_step_t:
-            self.last_step_t = msg.t
+        samples = track.samples
+        if not samples or t - samples[-1][0] >= 0.5:
+            samples.append((t, step))
+        if self.last_step_t is None or t > self.last_step_t:
+            self.last_step_t = t
         if view.steps_received == 1:
             self._expected = None
-        self._accumulate(msg.rank, step, values)
+        self._accumulate(rank, step, body, view.derived)
 
-    def _accumulate(self, rank: int, step: int, values: dict[str, float]) -> None:
-        if step in self._closed and step not in self._open:
-            return  # arrived after its step was closed: kept per rank only
+    def _accumulate(self, rank: int, step: int, body: dict[str, Any],
+                    derived: dict[str, float]) -> None:
+        """Rank `rank`'s values at `step` into the step's aggregate (reduced when it closes)."""
         acc = self._open.get(step)
         if acc is None:
+            if step in self._closed:
+                return  # arrived after its step was closed: kept per rank only
             acc = self._open[step] = StepAcc()
         acc.ranks += 1
-        lo, hi, total, count = acc.lo, acc.hi, acc.sum, acc.n
-        for name in AGGREGATED:
-            value = values.get(name)
-            if value is None or value - value != 0.0:  # absent, inf or nan
-                continue
-            if name in count:
-                if value < lo[name]:
-                    lo[name] = value
-                elif value > hi[name]:
-                    hi[name] = value
-                total[name] += value
-                count[name] += 1
-            else:
-                lo[name] = hi[name] = total[name] = value
-                count[name] = 1
-        if "compute_s" in values:
-            acc.compute[rank] = values["compute_s"]
+        row = list(map(body.get, AGGREGATED_STEP, _NAN_STEP))  # absent: NaN
+        row += map(derived.get, AGGREGATED_DERIVED, _NAN_DERIVED)
+        acc.add(row)
+        compute = derived.get("compute_s")
+        if compute is not None:
+            acc.compute[rank] = compute
         if self._expected is None:
-            self._expected = sum(1 for v in self.state.ranks.values()
-                                 if v.state == "running" and v.steps_received)
+            self._expected = self._running_ranks()
         if acc.ranks >= self._expected:
             self._close(step)
         if len(self._open) > STEP_WINDOW:
             for old in sorted(self._open)[: len(self._open) - STEP_WINDOW]:
                 self._close(old)
+
+    def _running_ranks(self) -> int:
+        """The ranks expected at each step: running ones that completed a step."""
+        return sum(1 for v in self.state.ranks.values()
+                   if v.state == "running" and v.steps_received)
 
     def _on_step_comm(self, rank: int, rows: Any) -> None:
         """The recorder's per-step all-reduce time of `rank` (`collectives.steps`, seconds
@@ -347,8 +368,7 @@ class JobFold:
         acc[0] += 1
         acc[1], acc[2], acc[3] = min(acc[1], seconds), max(acc[2], seconds), acc[3] + seconds
         if self._expected is None:
-            self._expected = sum(1 for v in self.state.ranks.values()
-                                 if v.state == "running" and v.steps_received)
+            self._expected = self._running_ranks()
         if acc[0] >= self._expected:
             self._comm_close(step)
         if len(self._comm_open) > STEP_WINDOW:
@@ -362,8 +382,8 @@ class JobFold:
     def _close(self, step: int) -> None:
         acc = self._open.pop(step)
         self._closed.append(step)
-        for name, n in acc.n.items():
-            self.agg[name].add(step, acc.lo[name], acc.hi[name], acc.sum[name] / n)
+        for name, lo, hi, mean in acc.bands():
+            self.agg[name].add(step, lo, hi, mean)
         if len(acc.compute) >= 2:
             median = statistics.median(acc.compute.values())
             for rank, c in acc.compute.items():

@@ -24,19 +24,19 @@ from scalemon.collectives import CollectiveStats, P2PStats
 from scalemon.policy import HANG_AFTER_S
 from scalemon.protocol import HUB_RANK, SILENT_RANK_STATES, Message
 from scalemon.state import alerts as alerting
-from scalemon.state import ending, hangend
+from scalemon.state import ending, failures, hangend
 from scalemon.state.arrival import ArrivalTracker
 from scalemon.state.ending import ENDED_RANK_STATES, TERMINAL_STATES, VANISHED_STATES
 from scalemon.state.failures import first_line, is_peer_loss, signal_text, without_guess
 from scalemon.state.flagstate import FlagState
 from scalemon.state.mesh import job_mesh, pipeline_info, rank_coords
 from scalemon.state.stepcomm import check_step_comm, set_step_comm
-from scalemon.text.ranks import ranks_text
 from scalemon.throughput import TokenWindow
 
 STEP_FIELDS = metrics.latest_of("step")
 
 HEARTBEAT_FIELDS = metrics.latest_of("heartbeat")
+SENT_WHEN_CHANGED = metrics.SENT_WHEN_CHANGED
 EXTRA_NAMES_MAX = 64
 """A rank's `extra` keeps at most this many names (the first ones seen), so a script that
 logs a new name every step cannot grow the state without bound."""
@@ -284,7 +284,11 @@ class JobState:
 
     def _on_heartbeat(self, msg: Message, view: RankView) -> None:
         b = msg.body
+        same = b.get("same")  # 1.14: nested values as the rank's previous heartbeat's
+        kept = {n: view.metrics[n] for n in SENT_WHEN_CHANGED if n in same} if same else None
         view.metrics.update(zip(HEARTBEAT_FIELDS, map(b.get, HEARTBEAT_FIELDS), strict=True))
+        if kept:
+            view.metrics.update(kept)
         offset = b.get("clock_offset_s")
         if view.host is not None and isinstance(offset, (int, float)):
             self.host_offsets.setdefault(view.host, {})[msg.rank] = offset
@@ -525,7 +529,7 @@ class JobState:
         return {
             "rank": first.rank, "state": first.state, "exit_code": first.exit_code,
             "step": first.step, "t": first.ended_t, "error": why, "peer_loss": peer_loss,
-            "text": failure_text(first.rank, first.step, why, peer_loss),
+            "text": failures.failure_text(first.rank, first.step, why, peer_loss),
         }
 
     @property
@@ -588,11 +592,3 @@ def _speaks_again(st: JobState, view: RankView) -> None:
     if view.ended_t is not None and view.exit_code is None:
         view.ended_t = None
 
-
-def failure_text(rank: int, step: int | None, why: str, peer_loss: list[int]) -> str:
-    """"rank 1 failed first (step 30): InjectedCrash: ...; rank 0 failed after losing a peer"."""
-    at = f" (step {step})" if step is not None else ""
-    text = f"rank {rank} failed first{at}: {why}"
-    if peer_loss:
-        text += f"; {ranks_text(peer_loss)} failed only because a peer went away"
-    return text

@@ -20,6 +20,10 @@ class DataScreen(Screen[None]):
     DataScreen { overflow: hidden hidden; }
     """
 
+    def app_data(self) -> DashboardData:
+        """The dashboard's data (the app's)."""
+        return self.app.data  # type: ignore[attr-defined]
+
     def on_screen_resume(self) -> None:
         """Shown (again): draw everything at the next tick."""
         self.post_message(RedrawNeeded())

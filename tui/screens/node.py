@@ -33,6 +33,7 @@ class NodeScreen(DataScreen):
     def __init__(self, host: str | None) -> None:
         super().__init__()
         self.host = host
+        self.shown: list[int] = []
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
@@ -47,6 +48,8 @@ class NodeScreen(DataScreen):
         """Redraw the header and the node's rows on screen."""
         table = self.query_one(RankTable)
         ranks = node_ranks(data, self.host)
+        data.show_ranks(ranks)  # a big job's: their records fetched while shown
+        self.shown = ranks
         view = overview(data, now, plots=False, visible=table.visible(), ranks=ranks)
         self.query_one(JobHeader).show(view.summary)
         title = (f"node {self.host or NO_HOST}  ·  {len(ranks)} ranks  ·  "
@@ -54,6 +57,10 @@ class NodeScreen(DataScreen):
         # Text, never markup: a host name is what a rank sent
         self.query_one("#node-title", Static).update(literal_text(title, one_line=True))
         table.show_rows(view.rank_ids, view.rows, view.columns)
+
+    def on_unmount(self) -> None:
+        """Left: a big job's ranks of this node are no longer fetched."""
+        self.app_data().hide_ranks(self.shown)
 
     def on_rank_table_scrolled(self, event: RankTable.Scrolled) -> None:
         """Format the rows that came into view at the next tick."""

@@ -86,6 +86,10 @@ class RankDetailScreen(DataScreen):
     def on_mount(self) -> None:
         self.query_one("#detail-body").focus()
 
+    def on_unmount(self) -> None:
+        """Left: a big job's rank is no longer fetched (its node's screen asks again)."""
+        self.app_data().hide_ranks([self.rank])
+
     def on_resize(self, event: Resize) -> None:
         """Three plot columns on wide terminals, two otherwise."""
         columns = 3 if event.size.width >= 150 else 2
@@ -137,5 +141,6 @@ class RankDetailScreen(DataScreen):
         """Show the previous or next known rank."""
         ranks = self.rank_ids
         i = ranks.index(self.rank) if self.rank in ranks else 0
+        self.app_data().hide_ranks([self.rank])  # a big job's: no longer fetched
         self.rank = ranks[(i + delta) % len(ranks)]
         self.post_message(RedrawNeeded())

@@ -59,8 +59,13 @@ def judged_at(data: DashboardData, now: float) -> float:
 
 
 def current_hang(data: DashboardData, now: float) -> dict[str, Any] | None:
-    """`job_hang` at `judged_at` (call under the lock)."""
-    return job_hang(data.state, judged_at(data, now))
+    """`job_hang` at `judged_at` (call under the lock); None at once while a step came within
+    the hang threshold (`job_hang` would first work out the job's state from every rank)."""
+    st = data.state
+    at = judged_at(data, now)
+    if st.last_step_t is None or at - st.last_step_t < st.hang_after_s:
+        return None
+    return job_hang(st, at)
 
 
 def hang_view(data: DashboardData, now: float | None = None) -> HangView:

@@ -11,22 +11,17 @@ time. A hung job (`reports.hangs.job_hang`) says so in the header's state.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from scalemon import policy, throughput
-from scalemon.protocol import SILENT_RANK_STATES
-from scalemon.reports import stragglers as straggler_rule
 from scalemon.state.jobstate import JOB_ENDED_STATES
 from scalemon.text import display
 from scalemon.text.ranks import rank_list
 
 from ..model import ConnState, DashboardData
 from ..safe_text import clean
-from .flags import header_note
-from .hang import current_hang
+from .totals import RankTotals
 
 
 @dataclass
@@ -63,13 +58,10 @@ class Summary:
     """"tokens/s", or "tokens/s (script)" where a rank's figure is its script's own."""
 
 
-def summary(data: DashboardData, now: float, median_step: float | None,
-            failure: dict[str, Any] | None,
-            measure: tuple[dict[int, float], str] | None = None) -> Summary:
-    """The header's figures, its texts one line each; `median_step` (`median_step_s`),
-    `failure` (`JobState.first_failure`) and the straggler `measure` (`straggler_measure`)
-    as the rows use them. Call under the lock."""
-    return _one_line_texts(_summary(data, now, median_step, failure, measure))
+def summary(data: DashboardData, now: float, totals: RankTotals) -> Summary:
+    """The header's figures, its texts one line each, from the pass over the ranks `totals`
+    (`views.totals`). Call under the lock."""
+    return _one_line_texts(_summary(data, now, totals))
 
 
 def _one_line_texts(s: Summary) -> Summary:
@@ -82,12 +74,6 @@ def _one_line_texts(s: Summary) -> Summary:
     return dataclasses.replace(s, **texts, conn=conn)
 
 
-def median_step_s(data: DashboardData) -> float | None:
-    """The running ranks' median step time (`scalemon.reports.stragglers.median_step_s`)."""
-    return straggler_rule.median_step_s(
-        v.metrics["step_time_s"] for v in data.state.ranks.values() if v.state == "running")
-
-
 def _waiting_text(data: DashboardData, now: float) -> str:
     """What the job does before any rank said a word: a job this dashboard launched (`scalemon
     demo`) is starting, its ranks importing torch; else the dashboard waits for ranks."""
@@ -98,20 +84,11 @@ def _waiting_text(data: DashboardData, now: float) -> str:
             "run takes ~10 s)...")
 
 
-def _summary(data: DashboardData, now: float, median_step: float | None,
-             failure: dict[str, Any] | None,
-             measure: tuple[dict[int, float], str] | None = None) -> Summary:
+def _summary(data: DashboardData, now: float, t: RankTotals) -> Summary:
     st = data.state
-    ranks = list(st.ranks.values())
-    steps = [v.step for v in ranks if v.step is not None]
-    job_state = st.state
+    job_state = t.job_state
     state_text = job_state
-    running = [v for v in ranks if v.state == "running"]
-    by_word: dict[str, list[int]] = {word: [] for word in (*SILENT_RANK_STATES, "exited")}
-    for v in ranks:
-        if v.state in by_word:
-            by_word[v.state].append(v.rank)
-    hang = current_hang(data, now) if running else None
+    hang = t.hang
     hub_down = _hub_down_text(data, now)
     if job_state == "waiting":
         state_text = _waiting_text(data, now)
@@ -121,40 +98,33 @@ def _summary(data: DashboardData, now: float, median_step: float | None,
         job_state, state_text = "hung", f"HUNG (h: details): {hang['text']}"
     elif hub_down is not None and job_state not in JOB_ENDED_STATES:
         job_state, state_text = "hub down", hub_down
-    elif job_state == "running" and not steps:  # started, not trained yet: say how far
-        state_text = (f"starting: {len(ranks)} of {st.world_size or len(ranks)} ranks "
+    elif job_state == "running" and t.step_max is None:  # started, not trained yet
+        state_text = (f"starting: {t.ranks_seen} of {st.world_size or t.ranks_seen} ranks "
                       "connected, waiting for the first step")
-    elif job_state in ("running", "degraded") and data.last_step_t is not None and running:
+    elif job_state in ("running", "degraded") and data.last_step_t is not None and t.running:
         quiet = now - data.last_step_t
-        if quiet > policy.stuck_after_s(median_step):
+        if quiet > policy.stuck_after_s(t.median_step):
             job_state, state_text = "stalled", f"stalled: no step for {quiet:.0f} s"
-    said = [f"{word}: {rank_list(listed, limit=6)}" for word, listed in by_word.items() if listed]
+    said = [f"{word}: {rank_list(listed, limit=6)}" for word, listed in t.by_word.items()
+            if listed]
     if said:  # "degraded, frozen: 1; gone: 2,3; exited: 0"
         state_text += ", " + "; ".join(said)
-    step_rates = [s for r, t in data.tracks.items()
-                  if st.ranks.get(r) is not None and st.ranks[r].state == "running"
-                  and (s := t.steps_per_s(now)) is not None]
-    tokens = throughput.state_figure(st, now)  # running ranks only, 0 after a quiet spell
     ended = job_state in JOB_ENDED_STATES
     elapsed = None
     if st.started_t is not None:
         elapsed = ((st.last_t or now) if ended else now) - st.started_t
-    stragglers, basis = _stragglers(data, median_step, measure)
-    flag_note, flag_style = header_note(st.flags)
+    tokens = t.tokens
     return Summary(
-        job=st.job, world_size=st.world_size, ranks_seen=len(ranks), state=job_state,
-        state_text=state_text, step_min=min(steps) if steps else None,
-        step_max=max(steps) if steps else None,
-        steps_per_s=statistics.median(step_rates) if step_rates else None,
-        tokens_per_s=tokens.live,
-        elapsed_s=elapsed, dropped=sum(v.metrics["dropped"] or 0 for v in ranks),
-        gaps=sum(v.seq_gaps for v in ranks), rejected=data.rejected, records=data.records,
-        stragglers=stragglers, straggler_basis=basis, conn=data.conn,
+        job=st.job, world_size=st.world_size, ranks_seen=t.ranks_seen, state=job_state,
+        state_text=state_text, step_min=t.step_min, step_max=t.step_max,
+        steps_per_s=t.steps_per_s, tokens_per_s=tokens.live,
+        elapsed_s=elapsed, dropped=t.dropped, gaps=t.gaps, rejected=data.rejected,
+        records=data.records, stragglers=t.stragglers,
+        straggler_basis=t.measure_basis, conn=data.conn,
         hub_note=st.hub_notes[-1]["text"] if st.hub_notes else None,
-        flag_note=flag_note, flag_style=flag_style,
-        failure=failure["text"] if failure else "",
-        alert="; ".join(a["text"] for a in st.alerts()),
-        tokens_label=throughput.LABELS[tokens.source or throughput.STEPS],
+        flag_note=t.flag_note, flag_style=t.flag_style,
+        failure=t.failure["text"] if t.failure else "",
+        alert=t.alert, tokens_label=throughput.LABELS[tokens.source or throughput.STEPS],
     )
 
 
@@ -169,22 +139,3 @@ def _hub_down_text(data: DashboardData, now: float) -> str | None:
     quiet = max(0.0, now - last_t)
     ago = f"{quiet:.0f} s" if quiet < 120 else display.duration(quiet)
     return f"hub down: no data since {clock} ({ago} ago)"
-
-
-def straggler_measure(data: DashboardData) -> tuple[dict[int, float], str]:
-    """Each running rank's straggler measure in seconds, and its basis
-    (`scalemon.reports.stragglers.measure`): its median arrival lateness (`DashboardData.lateness`),
-    else its compute time over the median rank's. Call under the lock."""
-    views = data.state.ranks.values()
-    return straggler_rule.measure(
-        (v.rank for v in views if v.state == "running"), data.lateness.get(data.state),
-        {v.rank: v.compute_over_median_s for v in views})
-
-
-def _stragglers(data: DashboardData, median_step: float | None,
-                measure: tuple[dict[int, float], str] | None = None
-                ) -> tuple[list[tuple[int, float]], str]:
-    """Running ranks whose straggler measure (`straggler_measure`) is over
-    `scalemon.reports.stragglers.straggler_bar`, largest first, and the basis."""
-    values, basis = measure if measure is not None else straggler_measure(data)
-    return straggler_rule.stragglers(values, median_step), basis

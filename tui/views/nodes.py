@@ -3,9 +3,10 @@ that failed or stopped sending (frozen, gone, unreachable, silent), and the spre
 straggler measure over the ranks as a histogram.
 
 From `display.AGGREGATE_AT` ranks on the overview shows this instead of a row per rank. No
-textual import. Built under the data's lock from `JobState` in one pass over the ranks
-(O(ranks) per redraw, nothing per rank's history: the lateness medians come from
-`DashboardData.lateness`); only the node rows on screen are formatted.
+textual import. Built under the data's lock from the pass over the ranks (`views.totals`:
+per redraw for a job the dashboard folds itself, once per hub digest for a big job), nothing
+per rank's history (the lateness medians come from `DashboardData.lateness`); only the node
+rows on screen are formatted.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from operator import itemgetter
 from typing import Any
 
 from scalemon import policy
-from scalemon.policy import NODE_STATES
 from scalemon.reports import snapshot_text
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
 from scalemon.text.display import LATE, NO_HOST, Column
 
 from ..model import DashboardData
+from .totals import RankTotals, rank_totals
 
 NODE_COLUMNS: tuple[Column, ...] = display.node_columns()
 """The node table: node, counts, worst state, step range, metric spreads (display.py)."""
@@ -100,22 +101,6 @@ class NodeView:
     histogram: Histogram | None  # None before any rank has a straggler measure
 
 
-class _Node:
-    """One node's facts gathered in the pass over the ranks."""
-
-    __slots__ = ("members", "worst", "step_times", "late_max", "first")
-
-    def __init__(self, rank: int) -> None:
-        self.members: list[RankView] = []
-        self.worst = len(NODE_STATES) - 1  # index into NODE_STATES
-        self.step_times: list[float] = []  # of its running ranks
-        self.late_max: float | None = None  # the largest straggler measure
-        self.first = rank  # its lowest rank
-
-
-_INDEX = {state: i for i, state in enumerate(NODE_STATES)}
-
-
 def rank_status(v: RankView, straggler: bool, stuck_after_s: float) -> str:
     """The `NODE_STATES` entry of one rank (the rank table's row style, in words)."""
     m = v.metrics
@@ -123,69 +108,43 @@ def rank_status(v: RankView, straggler: bool, stuck_after_s: float) -> str:
                               stuck_after_s)
 
 
-def node_view(data: DashboardData, measure: dict[int, float], what: str,
-              median_step: float | None, first_failed: int | None,
+def node_totals(data: DashboardData, now: float) -> RankTotals:
+    """A big job's `RankTotals` with its ranks by node, the watch list and the histogram made
+    (call under the data's lock): what a redraw of the node overview reads."""
+    totals = rank_totals(data, now, with_nodes=True)
+    _watch_of(data, totals)
+    return totals
+
+
+def node_view(data: DashboardData, totals: RankTotals,
               values_of: Callable[[RankView], Mapping[str, Any]],
               visible: tuple[int, int] | None = None) -> NodeView:
-    """The node overview (call under the data's lock): `measure` is each running rank's
-    straggler measure in seconds (`views.header.straggler_measure`; `what` names it, "late ms"),
-    `values_of` a rank's metric values by name; rows only for the nodes at positions
-    `visible` (all when None)."""
-    bar = policy.straggler_bar(median_step)
-    nodes = _gather(data, measure, bar, policy.stuck_after_s(median_step))
-    hosts = _order(nodes, median_step, bar)
+    """The node overview (call under the data's lock) from `totals` (`node_totals`, or
+    `rank_totals` with its nodes): `values_of` gives a rank's metric values by name; rows
+    only for the nodes at positions `visible` (all when None)."""
+    if totals.nodes is None or totals.hosts is None:
+        raise ValueError("the totals were made without the ranks by node")
+    watch, hist = _watch_of(data, totals)
+    hosts = totals.hosts
     rows = []
     for host in hosts if visible is None else hosts[visible[0]:visible[1]]:
-        members = sorted(nodes[host].members, key=lambda v: v.rank)
-        worst = NODE_STATES[nodes[host].worst]
+        node = totals.nodes[host]
+        members = node.members
         cells = display.node_cells(NODE_COLUMNS, host, [policy.rank_kind(v.state, v.exit_code)
-                                                        for v in members], worst,
+                                                        for v in members], node.worst,
                                    [v.step for v in members], [values_of(v) for v in members])
-        rows.append(NodeRow(host, cells, WORST_STYLES[worst]))
-    watch = _watch(data, measure, what, bar, first_failed)
-    return NodeView(hosts, rows, watch, histogram(measure, what, bar))
+        rows.append(NodeRow(host, cells, WORST_STYLES[node.worst]))
+    return NodeView(hosts, rows, watch, hist)
 
 
-def _gather(data: DashboardData, measure: dict[int, float], bar: float, stuck_after: float
-            ) -> dict[str | None, _Node]:
-    """The ranks by node, with each node's worst state, running ranks' step times and
-    largest straggler measure: one pass over the ranks, kept lean (4096 of them)."""
-    nodes: dict[str | None, _Node] = {}
-    for rank, v in data.state.ranks.items():
-        host = v.host or None
-        node = nodes.get(host)
-        if node is None:
-            node = nodes[host] = _Node(rank)
-        elif rank < node.first:
-            node.first = rank
-        node.members.append(v)
-        value = measure.get(rank)
-        m = v.metrics  # rank_status's work inline of one call: this runs per rank per redraw
-        worst = _INDEX[policy.rank_status(v.state, v.exit_code, m["phase"], m["phase_since_s"],
-                                          value is not None and value > bar, stuck_after)]
-        if v.state == "running":
-            step_time = m["step_time_s"]
-            if step_time is not None:
-                node.step_times.append(step_time)
-            if value is not None and (node.late_max is None or value > node.late_max):
-                node.late_max = value
-        if worst < node.worst:
-            node.worst = worst
-    return nodes
-
-
-def _order(nodes: dict[str | None, _Node], median_step: float | None, bar: float
-           ) -> list[str | None]:
-    """The nodes in table order (`display.node_order_key`: trouble first)."""
-    keyed = []
-    for host, node in nodes.items():
-        spread = display.spread(node.step_times)
-        med = spread[1] if spread else None
-        slow = med is not None and median_step is not None and med > median_step + bar
-        keyed.append((display.node_order_key(NODE_STATES[node.worst], med, slow,
-                                             node.late_max, node.first), host))
-    keyed.sort(key=lambda kh: kh[0])
-    return [host for _, host in keyed]
+def _watch_of(data: DashboardData, totals: RankTotals) -> tuple[Watch, Histogram | None]:
+    """The watch list and the histogram of `totals`, made once (kept in them)."""
+    if totals.watch is None:
+        bar = policy.straggler_bar(totals.median_step)
+        first = totals.failure["rank"] if totals.failure else None
+        totals.watch = _watch(data, totals.measure, totals.measure_name, bar, first)
+        totals.histogram = histogram(totals.measure, totals.measure_name, bar)
+    return totals.watch, totals.histogram
 
 
 def _watch(data: DashboardData, measure: dict[int, float], what: str, bar: float,
@@ -289,4 +248,9 @@ def bin_counts(values: list[float], bins: int, lo: float, hi: float) -> list[int
 def node_ranks(data: DashboardData, host: str | None) -> list[int]:
     """The ranks of node `host` (None: those whose host is not known yet), in order."""
     with data.lock:
+        kept = data.totals
+        if data.digest_followed and kept is not None and kept.nodes is not None:
+            node = kept.nodes.get(host)  # a big job's, as of the hub's last digest
+            if node is not None:
+                return [v.rank for v in node.members]
         return sorted(r for r, v in data.state.ranks.items() if (v.host or None) == host)

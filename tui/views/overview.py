@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from scalemon import metrics
 from scalemon.metrics import Metric
 from scalemon.reports import parallel_text
-from scalemon.reports.hangs import first_failure
-from scalemon.reports.stragglers import MEASURE_NAMES
 from scalemon.state.jobstate import RankView
 from scalemon.text import display
 from scalemon.text.display import AGGREGATE_AT, Column
@@ -25,9 +23,10 @@ from scalemon.text.display import AGGREGATE_AT, Column
 from ..model import DashboardData
 from ..plotdata import Line, PlotSpec, scaled
 from . import nodes as nodeview
-from .header import Summary, median_step_s, straggler_measure, summary
+from .header import Summary, summary
 from .nodes import NodeView
 from .rows import COLUMNS, Row, columns, heading_row, rank_row, rank_values
+from .totals import totals_for
 
 MAX_LINES = 4
 """Up to this many ranks a plot draws one line per rank; above, a min..max band and the mean."""
@@ -59,14 +58,13 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
     their coordinate on that axis under a heading per value."""
     now = time.time() if now is None else now
     with data.lock:
-        median_step = median_step_s(data)
-        failure = first_failure(data.state)  # the hang, where the job ended hung
-        measure = straggler_measure(data)
-        header = summary(data, now, median_step, failure, measure)
-        straggling = {r for r, _ in header.stragglers}
         rank_ids = sorted(data.state.ranks)
         if nodes is None:
             nodes = len(rank_ids) >= AGGREGATE_AT
+        totals = totals_for(data, now, with_nodes=nodes)
+        header = summary(data, now, totals)
+        median_step, failure = totals.median_step, totals.failure
+        straggling = {r for r, _ in header.stragglers}
         if ranks is not None:
             wanted = set(ranks)
             rank_ids = [r for r in rank_ids if r in wanted]
@@ -75,9 +73,8 @@ def overview(data: DashboardData, now: float | None = None, plots: bool = True,
         rows: list[Row] = []
         if nodes:
             late = data.lateness.values
-            node_view = nodeview.node_view(
-                data, measure[0], MEASURE_NAMES.get(measure[1], ""), median_step, first,
-                lambda v: rank_values(v, now, late), visible)
+            node_view = nodeview.node_view(data, totals, lambda v: rank_values(v, now, late),
+                                           visible)
         table_columns, axes = COLUMNS, ()
         if not nodes:
             rank_ids, rows, table_columns, axes, group_by = _rank_rows(
