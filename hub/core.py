@@ -55,10 +55,10 @@ class HubCore:
     peers: PeerBook | None = None
     """Which key each tcp connection is, while serving."""
     feed: FanOut | None = None
+    """Where records are published, while serving."""
     digest_wanted_until: float = 0.0
     """Until when (monotonic) a dashboard follows a big job's digest (a `seed` or `digest`
     request: DIGEST_WANTED_S from it): no digest is built for nobody."""
-    """Where records are published, while serving."""
 
     @property
     def state(self) -> JobState:

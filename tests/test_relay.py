@@ -229,7 +229,6 @@ def test_a_relay_answers_its_ranks_syncs_and_hands_them_the_hubs_commands(
 
 def _stalled(read, seconds: float) -> bool:
     """True when `read()` gives the same value `seconds` apart."""
-    import time
 
     before = read()
     time.sleep(seconds)

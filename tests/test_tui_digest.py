@@ -67,6 +67,27 @@ class BatchSender:
                     for r in range(self.sim.ranks)])
 
 
+class SteppingJob:
+    """A hub and `ranks` simulated ranks that said hello and took step 1; `more` takes the next
+    step (and a heartbeat every `heartbeat_every` steps): what `until` calls while it waits."""
+
+    def __init__(self, start_hub, zctx, job: str, ranks: int, straggler: int,
+                 heartbeat_every: int = 0) -> None:
+        self.hub = start_hub(job)
+        self.sim = SimJob(job=job, ranks=ranks, gpu=False, straggler=straggler)
+        self.ranks = BatchSender(zctx, self.hub.address, self.sim)
+        self.ranks.hello()
+        self.ranks.step(1)
+        self.step = 1
+        self.heartbeat_every = heartbeat_every
+
+    def more(self) -> None:
+        self.step += 1
+        self.ranks.step(self.step)
+        if self.heartbeat_every and self.step % self.heartbeat_every == 0:
+            self.ranks.heartbeat(self.step)
+
+
 def test_the_hub_publishes_a_big_jobs_digest_and_its_few_records(start_hub, zctx):
     hub = start_hub("digA")
     sub = zctx.socket(zmq.SUB)
@@ -107,19 +128,8 @@ def test_the_hub_publishes_a_big_jobs_digest_and_its_few_records(start_hub, zctx
 
 def test_a_big_jobs_dashboard_follows_the_digest_and_fetches_a_shown_nodes_ranks(
         start_hub, zctx):
-    hub = start_hub("digB")
-    sim = SimJob(job="digB", ranks=RANKS, gpu=False, straggler=517)
-    ranks = BatchSender(zctx, hub.address, sim)
-    ranks.hello()
-    ranks.step(1)
-    feed = HubFeed(address=hub.address)
-    step = [1]
-
-    def more() -> None:
-        step[0] += 1
-        ranks.step(step[0])
-        if step[0] % 5 == 0:
-            ranks.heartbeat(step[0])
+    job = SteppingJob(start_hub, zctx, "digB", RANKS, straggler=517, heartbeat_every=5)
+    feed, more = HubFeed(address=job.hub.address), job.more
 
     async def scenario() -> None:
         app = DashboardApp(feed)
@@ -129,7 +139,7 @@ def test_a_big_jobs_dashboard_follows_the_digest_and_fetches_a_shown_nodes_ranks
             assert isinstance(app.screen, OverviewScreen)
             table = app.screen.query_one(NodeTable)
             await until(pilot, lambda: len(table.keys) == RANKS // 8, 10, more)
-            seen = step[0]
+            seen = job.step
             await until(pilot, lambda: min(v.step or 0 for v in data.state.ranks.values())
                         > seen, 10, more)  # every rank's step moves on, from digests alone
 
@@ -138,7 +148,7 @@ def test_a_big_jobs_dashboard_follows_the_digest_and_fetches_a_shown_nodes_ranks
             await until(pilot, lambda: data.watched == set(range(512, 520)), 10, more)
             rank_table = app.screen.query_one(RankTable)
             await until(pilot, lambda: len(rank_table.rows) == 8, 10, more)
-            now = step[0]
+            now = job.step
             await until(pilot, lambda: int(rank_table.cells_by_rank(["step"])[517][0]) > now,
                         10, more)  # its ranks' rows are live
             await until(pilot, lambda: (s := data.tracks[517].series.get("step_time_s"))
@@ -149,7 +159,7 @@ def test_a_big_jobs_dashboard_follows_the_digest_and_fetches_a_shown_nodes_ranks
             await until(pilot, lambda: isinstance(app.screen, OverviewScreen), 5)
             await until(pilot, lambda: not data.watched, 5, more)  # left: fetched no more
             follower = feed.follower
-            records_sent = ranks.sent
+            records_sent = job.ranks.sent
             assert follower.digests >= 2
             # what it received: a digest a second and the hellos, never the steps
             assert follower.few <= RANKS + 20 < records_sent // 3
@@ -198,17 +208,8 @@ def test_a_2048_rank_dashboard_redraws_from_the_receivers_pass_over_the_ranks(
 
     monkeypatch.setattr(totals_module, "rank_totals", counted)
     monkeypatch.setattr(nodes_module, "rank_totals", counted)
-    hub = start_hub("digT")
-    sim = SimJob(job="digT", ranks=ranks_n, gpu=False, straggler=1000)
-    ranks = BatchSender(zctx, hub.address, sim)
-    ranks.hello()
-    ranks.step(1)
-    feed = HubFeed(address=hub.address)
-    step = [1]
-
-    def more() -> None:
-        step[0] += 1
-        ranks.step(step[0])
+    job = SteppingJob(start_hub, zctx, "digT", ranks_n, straggler=1000)
+    feed, more = HubFeed(address=job.hub.address), job.more
 
     async def scenario() -> None:
         app = DashboardApp(feed)
@@ -219,7 +220,7 @@ def test_a_2048_rank_dashboard_redraws_from_the_receivers_pass_over_the_ranks(
             table = app.screen.query_one(NodeTable)
             await until(pilot, lambda: len(table.keys) == ranks_n // 8, 10, more)
             screen_calls = calls["screen"]
-            seen, redraws = step[0], app.redraws
+            seen, redraws = job.step, app.redraws
             await until(pilot, lambda: app.redraws > redraws + 2 and data.totals.step_min
                         is not None and data.totals.step_min > seen, 15, more)
             assert calls["screen"] == screen_calls  # the redraws made no pass of their own
@@ -227,10 +228,9 @@ def test_a_2048_rank_dashboard_redraws_from_the_receivers_pass_over_the_ranks(
             header = overview(data, time.time(), plots=False).summary  # as the screen's
             assert header.ranks_seen == ranks_n and header.step_max > seen
             assert header.steps_per_s is not None  # from the steps the lean values carry
-            ranks._send([sim.frame(1234, "exit", {"reason": "exception", "exit_code": 1,
-                                                  "error": "RuntimeError: boom",
-                                                  "step": step[0], "dropped": 0},
-                                   time.time())])
+            exit_body = {"reason": "exception", "exit_code": 1, "error": "RuntimeError: boom",
+                         "step": job.step, "dropped": 0}
+            job.ranks._send([job.sim.frame(1234, "exit", exit_body, time.time())])
             await until(pilot, lambda: data.totals.nodes["node154"].worst == "failed", 10, more)
             await until(pilot, lambda: table.keys[0] == "node154", 5, more)  # trouble first
             assert calls["screen"] == screen_calls

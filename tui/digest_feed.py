@@ -17,12 +17,10 @@ import time
 from typing import Any
 
 import msgpack
-import zmq
 
 from scalemon import metrics, protocol
 from scalemon.home.address import HubAddress
-from scalemon.home.keys import secure_client
-from scalemon.link.client import HubClient
+from scalemon.link.client import HubClient, feed_subscriber, received
 from scalemon.link.columns import decode_column
 from scalemon.messages import (
     DIGEST_EXTRAS,
@@ -66,17 +64,7 @@ class DigestFollower:
 
     def __init__(self, address: HubAddress, client: HubClient) -> None:
         self.client = client
-        self.sub = client.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, 0)
-        for topic in (DIGEST_TOPIC, FEW_TOPIC):
-            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        try:
-            secure_client(self.sub, address.feed, address.server_key)
-        except BaseException:
-            self.close()
-            raise
-        self.sub.connect(address.feed)
+        self.sub = feed_subscriber(client.ctx, address, DIGEST_TOPIC, FEW_TOPIC)
         self.digests = 0  # digests folded
         self.few = 0  # records folded one by one
         self.rejected = 0
@@ -91,13 +79,8 @@ class DigestFollower:
     def poll(self, data: DashboardData, timeout_s: float = 0.1) -> None:
         """Fold what arrived (waits up to `timeout_s` for the first); raises ConnectionError
         when no digest came for SILENT_AFTER_S."""
-        if self.sub.poll(int(timeout_s * 1000), zmq.POLLIN):
-            while True:
-                try:
-                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._take(data, frames)
+        for frames in received(self.sub, int(timeout_s * 1000)):
+            self._take(data, frames)
         now = time.monotonic()
         every = max(TOTALS_EVERY_S, len(data.state.ranks) / TOTALS_RANKS_PER_S)
         if self._changed and now - self._totals_at >= 0.9 * every:  # 0.9: a digest's jitter

@@ -8,6 +8,7 @@ has and fetches any range the feed skipped (slow subscriber, late connect).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -128,6 +129,35 @@ class HubClient:
             self._sock = None
 
 
+def feed_subscriber(ctx: zmq.Context, address: HubAddress, *topics: bytes) -> zmq.Socket:
+    """A SUB socket on the hub's feed, subscribed to `topics` and connected (no limit on what
+    it queues: the reader decides what to drop)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    for topic in topics:
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+    try:
+        secure_client(sub, address.feed, address.server_key)
+    except BaseException:
+        sub.close(linger=0)
+        raise
+    sub.connect(address.feed)
+    return sub
+
+
+def received(sub: zmq.Socket, timeout_ms: int) -> Iterator[list[bytes]]:
+    """The messages queued on `sub`, one at a time, after waiting up to `timeout_ms` for the
+    first; what a caller stops before (an error) stays queued."""
+    if sub.poll(timeout_ms, zmq.POLLIN):
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            yield frames
+
+
 class HubStream:
     """Every history record of a hub, exactly once, then live ones as they come."""
 
@@ -135,16 +165,11 @@ class HubStream:
                  identity: dict[str, Any] | None = None) -> None:
         self.client = HubClient(address, timeout_s)
         self.identity = identity  # of the history the delivered records came from
-        self.sub = self.client.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, protocol.FEED_TOPIC)
         try:
-            secure_client(self.sub, address.feed, address.server_key)
+            self.sub = feed_subscriber(self.client.ctx, address, protocol.FEED_TOPIC)
         except BaseException:
-            self.close()
+            self.client.close()
             raise
-        self.sub.connect(address.feed)
         self.next_seq = since
         self.rejected = 0
         self._last_sync = 0.0
@@ -156,13 +181,8 @@ class HubStream:
         Raises HubUnreachable or HistoryReset; records taken before the error are returned by
         the next call, so none is lost or repeated."""
         out = self._undelivered
-        if self.sub.poll(0 if out else int(timeout_s * 1000), zmq.POLLIN):
-            while True:
-                try:
-                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._take_batch(frames, out)
+        for frames in received(self.sub, 0 if out else int(timeout_s * 1000)):
+            self._take_batch(frames, out)
         now = time.monotonic()
         if not out and now - self._last_sync >= sync_every_s:
             self._last_sync = now
