@@ -106,8 +106,9 @@ def test_a_finished_job_is_finished_at_once_while_its_hub_lingers_and_never_live
     assert strict_json(served.stdout)["state"] == "finished"
     assert resolve_hub(None)[0] == done_job  # no live job: the one ended job still served
 
-    hub = start_hub("livejob", "--lost-after", "600")  # a live job next to it (its fake rank
-    # stays silent: it must not turn lost while the test looks)
+    hub = start_hub("livejob", "--lost-after", "600", "--hang-after", "600")  # a live job next
+    # to it (its fake rank stays silent after one step: it must turn neither lost nor hung
+    # while the test looks; the CLI calls below took over the default 10 s on a loaded machine)
     rank = FakeRank(zctx, hub.address, "livejob", 0)
     rank.hello(world_size=1)
     rank.step(1)
