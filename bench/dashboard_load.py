@@ -188,7 +188,7 @@ def late_attach(address: HubAddress, timeout: float = 60.0) -> dict:
     stop.set()
     thread.join(10)
     return {"seed_s": seeded, "first_digest_s": first, "followed": data.digest_followed,
-            "ranks": len(data.state.ranks), "note": feed.seed_note}
+            "ranks": len(data.state.ranks), "note": feed.seed_note, "seed": feed.seed_figures}
 
 
 def pin(pid: int, cpus: list[int]) -> None:

@@ -485,6 +485,8 @@ class Case:
             "attach_seed_bytes": attach["seed_bytes"], "attach_how": attach["note"],
             "attach_replay_s": attach["replay_s"],
             "attach_rss_mb": attach["rss_mb"],
+            "attach_seed_reply_s": attach["seed"].get("reply_s"),
+            "attach_seed_load_s": attach["seed"].get("load_s"),
             "hub_tcp": bool(jf.tcp),
             "home": str(self.home),
         }
@@ -615,7 +617,7 @@ def _late_attach(address: HubAddress, replay: bool, conn: Any) -> None:
         thread.join(timeout=30)
         return {"records": data.next_seq, "head": head, "seconds": seconds,
                 "seeded_at": data.seeded_at, "seed_s": seeded_s, "note": feed.seed_note,
-                "ranks": len(data.state.ranks)}
+                "ranks": len(data.state.ranks), "seed": feed.seed_figures}
 
     try:
         out = attach(use_seed=True)

@@ -58,6 +58,7 @@ from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import JobState
 from scalemon.text.display import LATE, shown, unit
 
+from .forked import ForkedCall
 from .liveness import scan_every_s
 
 log = logging.getLogger("scalemon.hub")
@@ -77,6 +78,9 @@ REMAKE_FINAL_S = 30.0
 REMAKE_COST_X = 10.0
 """...and never more often than this many times what making it cost (0.6 s at 16,384 ranks:
 every 6 s at most, a tenth of the hub's main thread while the hang lasts)."""
+HANG_OFF_LOOP_FROM = 1024
+"""From this many ranks the hang report is made in a forked child of the hub (hub/forked.py):
+at 16,384 ranks it takes 0.6-4 s, which the hub's loop would otherwise stand still for."""
 SUPPRESSIONS_AUDITED = 20
 """Suppressed alerts written to the audit one by one per minute; more are counted and written
 as one entry (a job that loses thousands of ranks at once must not fill the disk)."""
@@ -170,11 +174,15 @@ class AlertsOut:
         self._next_scan = 0.0
         self._hang_alert: dict[str, Any] | None = None
         self._hang_remake = (0.0, 0.0, -1)  # (when due, not before, state.messages then)
+        self._hang_job: ForkedCall | None = None  # a report being made off the loop
+        self._hang_job_messages = -1  # state.messages when it was started
         self.sent = 0
         self.suppressed = 0
+        self._off_loop = False  # the first look, at start, is made here
         if state is not None:  # what the replayed history already holds fired long ago
             self._active = {key: alert["_episode"] for key, alert in
                             self._conditions(state, time.time(), time.monotonic()).items()}
+        self._off_loop = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], job: str, audit: Any, state: JobState,
@@ -313,26 +321,44 @@ class AlertsOut:
         """The hang, while `job_hang` finds one. Its report (costly on a big job) is made when
         it begins, then again when due (`REMAKE_S`, `REMAKE_FINAL_S`, `REMAKE_COST_X`) and
         messages came since, while no step completes and the job runs; a new episode (an
-        `update` alert) when it stops being provisional or, once not, its culprits change."""
+        `update` alert) when it stops being provisional or, once not, its culprits change.
+        From `HANG_OFF_LOOP_FROM` ranks it is made in a forked child and taken at the look
+        after it is done (the child's end brings that look forward)."""
         key: Key = (HANG, None)
         if state.last_step_t is None or wall - state.last_step_t < state.hang_after_s:
+            self._drop_hang_job()
             return {}
         held = self._hang_alert
         ongoing = (key in self._active and held is not None
                    and state.state in ("running", "degraded"))
-        due, earliest, messages = self._hang_remake
-        if ongoing and (now < earliest or messages == state.messages or (
-                now < due and not (held["provisional"] and not unheard_since_hang(state)))):
-            return {key: held}  # made again when due, or as soon as every rank was heard
-        began = time.perf_counter()
-        hang = job_hang(state, wall)
-        cost = time.perf_counter() - began
+        kept = {key: held} if ongoing and held is not None else {}
+        job = self._hang_job
+        if job is not None:
+            if not job.done.is_set():
+                return kept  # made off the loop: taken at the next look once done
+            self._hang_job = None
+            messages = self._hang_job_messages
+            if job.result is not None:
+                hang, cost = job.result
+            else:
+                log.error("could not make the hang report off the loop: %s", job.error)
+                hang, cost = _timed_hang(state, wall)
+        else:
+            due, earliest, messages = self._hang_remake
+            if ongoing and (now < earliest or messages == state.messages or (
+                    now < due and not (held["provisional"] and not unheard_since_hang(state)))):
+                return kept  # made again when due, or as soon as every rank was heard
+            messages = state.messages
+            if (self._off_loop and len(state.ranks) >= HANG_OFF_LOOP_FROM
+                    and self._start_hang_job(state, wall)):
+                return kept
+            hang, cost = _timed_hang(state, wall)
         self._hang_alert = None
         if hang is None:
             return {}
         again = REMAKE_S if hang.get("provisional") else REMAKE_FINAL_S
         self._hang_remake = (now + max(again, REMAKE_COST_X * cost), now + REMAKE_COST_X * cost,
-                             state.messages)
+                             messages)
         culprits = [int(r) for r in hang.get("culprits") or []]
         provisional = bool(hang.get("provisional"))
         episode = (None if provisional else culprits, provisional)  # a guess is not news
@@ -350,6 +376,34 @@ class AlertsOut:
             update=update)  # the job's alert: its culprits in `ranks`
         self._hang_alert = alert
         return {key: alert}
+
+    def _start_hang_job(self, state: JobState, wall: float) -> bool:
+        """Start making the hang report in a forked child; False where it cannot be (no
+        fork), to be made here. The next look comes as soon as it is done."""
+        if not hasattr(os, "fork"):
+            return False
+        try:
+            self._hang_job = ForkedCall(lambda: _timed_hang(state, wall), self._hang_made,
+                                        "hang-report")
+        except OSError as exc:  # out of memory, process limit
+            log.warning("could not fork to make the hang report (%s): making it here", exc)
+            return False
+        self._hang_job_messages = state.messages
+        return True
+
+    def _hang_made(self, _job: ForkedCall) -> None:
+        """From the child's reading thread: look again at the next housekeeping."""
+        self._next_scan = 0.0
+
+    def _drop_hang_job(self) -> None:
+        """A report being made for a hang that is over: ended, its outcome unused."""
+        if self._hang_job is not None:
+            self._hang_job.kill()
+            self._hang_job = None
+
+    def close(self) -> None:
+        """End a hang report being made (the hub stops)."""
+        self._drop_hang_job()
 
     def _stragglers(self, state: JobState, running: list[int], wall: float
                     ) -> dict[Key, dict[str, Any]]:
@@ -388,3 +442,10 @@ def _memory(values: Mapping[str, Any]) -> tuple[float, int, int] | None:
         if isinstance(used, int) and not isinstance(used, bool) and used >= 0:
             return used / total, used, total
     return None
+
+
+def _timed_hang(state: JobState, wall: float) -> tuple[dict[str, Any] | None, float]:
+    """`job_hang` of `state` at `wall`, and the seconds it took."""
+    began = time.perf_counter()
+    hang = job_hang(state, wall)
+    return hang, time.perf_counter() - began

@@ -72,8 +72,7 @@ class Intake:
                 if port is None:  # ipc: the owner's ranks (0700 directory)
                     frames = ingest.recv_multipart(zmq.NOBLOCK, copy=True)
                 else:
-                    frames, sender = self._admitted_frames(
-                        ingest.recv_multipart(zmq.NOBLOCK, copy=False), port)
+                    frames, sender = self._admitted_frames(ingest, port)
             except zmq.Again:
                 break
             taken += max(1, len(frames))
@@ -102,16 +101,22 @@ class Intake:
             if few and self.digest.active():
                 self.digest.send_few(feed, few)
 
-    def _admitted_frames(self, frames: list[zmq.Frame],
-                         port: int) -> tuple[list[bytes], Peer | None]:
+    def _admitted_frames(self, ingest: zmq.Socket, port: int) -> tuple[list[bytes], Peer | None]:
         """The frames of one message from a tcp rank or relay, and who sent it, if its key may
-        still send (else none: it is refused, audited, and its connection cut)."""
-        peer = self.core.tcp_peer(frames[0])
+        still send (else none: it is refused, audited, and its connection cut). Raises
+        zmq.Again when none waits. The first frame is read as a `Frame` (its metadata tell
+        the sender), the others as bytes: a `Frame` per frame costs more than the copy."""
+        first = ingest.recv(zmq.NOBLOCK, copy=False)
+        frames = [first.bytes]
+        recv, more = ingest.recv, ingest.getsockopt
+        while more(zmq.RCVMORE):
+            frames.append(recv())
+        peer = self.core.tcp_peer(first)
         peers = self.core.peers
         assert peers is not None  # tcp: while serving
         if peer.role in SOCKET_ROLES["ingest"]:
             peers.learn(peer, port)
-            return [f.bytes for f in frames], peer
+            return frames, peer
         self.received += len(frames)
         self.rejected += len(frames)
         self.rejects.add(ProtocolError(refusal(peer, "ingest")), sum(len(f) for f in frames))
@@ -146,22 +151,29 @@ class Intake:
                             f"{owner} that its hello came with")
 
     def note_subscribers(self, feed: zmq.Socket) -> None:
-        """Read a tcp feed's (un)subscriptions: each tells which key the subscriber is."""
+        """Read a feed's (un)subscriptions into the fan-out (what it publishes there); a tcp
+        one's also tell which key each subscriber is."""
         core = self.core
-        port = core.tcp_ports[feed]
+        fan_out = core.feed
+        port = core.tcp_ports.get(feed)
         peers = core.peers
-        assert peers is not None  # tcp: while serving
         for _ in range(1000):
             try:
                 frame = feed.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            peer = core.tcp_peer(frame)
-            if peer.role in SOCKET_ROLES["feed"]:
-                peers.learn(peer, port)
-            else:
-                core.refused(peer, "feed", "follows the feed without a key that may")
-                peers.cut_one(peer, port)
+            if port is not None:
+                assert peers is not None  # tcp: while serving
+                peer = core.tcp_peer(frame)
+                if peer.role not in SOCKET_ROLES["feed"]:
+                    core.refused(peer, "feed", "follows the feed without a key that may")
+                    peers.cut_one(peer, port)
+                    if frame.bytes[:1] != b"\x00":  # its unsubscriptions still count
+                        continue
+                else:
+                    peers.learn(peer, port)
+            if fan_out is not None:
+                fan_out.subscription(feed, frame.bytes)
 
     def accept(self, frame: bytes, hub_records: bool = False) -> protocol.Message:
         """Decode a rank's frame (or, replaying the history, any record) and check it

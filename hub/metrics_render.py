@@ -8,22 +8,15 @@ the texts back through a pipe, which a thread of the hub reads (the GIL free whi
 waits). The loop pays only for the fork. Where `os.fork` does not exist, `ForkedRender`
 renders in a thread instead.
 
-The child runs only the calling thread's code: it disables the garbage collector (nothing of
-the hub's, a ZeroMQ socket say, is finalized in it), logs nothing, touches no socket, and ends
-with `os._exit`; an alarm ends a child that runs too long. It runs niced (`CHILD_NICE`): on a
-node short of cores the hub's loop is served first.
+The child (hub/forked.py) runs niced (`CHILD_NICE`): on a node short of cores the hub's
+loop is served first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import pickle
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +27,12 @@ from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.utils import floatToGoString
 
+from .forked import ForkedCall
 from .metrics_families import Family, GaugeRows, family_parts
 
 if TYPE_CHECKING:
     from scalemon.state.jobstate import JobState
 
-CHILD_LIMIT_S = 300
-"""A render child still running after this long is ended by its alarm."""
 CHILD_NICE = 10
 """The render child's niceness over the hub's: where cores are short, the loop comes first."""
 
@@ -153,103 +145,11 @@ def write_file(path: Path, text: bytes) -> str | None:
     return None
 
 
-class ForkedRender:
-    """One render in a forked child of the hub (`render`); `on_done(self)` is called from the
-    reading thread once `result` or `error` is set."""
+class ForkedRender(ForkedCall):
+    """One render in a forked child of the hub (`render`, niced); `on_done(self)` is called
+    from the reading thread once `result` (a `Rendered`) or `error` is set."""
 
     def __init__(self, state: JobState, job: str, variants: list[Variant], now: float,
                  file: Path | None, on_done: Callable[[ForkedRender], None]) -> None:
-        self.result: Rendered | None = None
-        self.error: str | None = None
-        self.done = threading.Event()
-        self.killed = False
-        self._on_done = on_done
-        self.pid: int | None = None
-        started = time.perf_counter()
-        if not hasattr(os, "fork"):  # no fork here: a thread (it holds the GIL meanwhile)
-            self.fork_s = 0.0
-            threading.Thread(target=self._in_thread, args=(state, job, variants, now, file),
-                             name="openmetrics-render", daemon=True).start()
-            return
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            os.close(read)
-            _child(write, state, job, variants, now, file)
-        os.close(write)
-        self.pid = pid
-        self.fork_s = time.perf_counter() - started
-        """How long the hub's loop stood still for this render."""
-        threading.Thread(target=self._read, args=(read,), name="openmetrics-render",
-                         daemon=True).start()
-
-    def _in_thread(self, state: JobState, job: str, variants: list[Variant], now: float,
-                   file: Path | None) -> None:
-        try:
-            self.result = render(state, job, variants, now, file)
-        except Exception as exc:  # a bug here must not take the hub down
-            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        self._finish()
-
-    def _read(self, fd: int) -> None:
-        chunks = []
-        try:
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
-        assert self.pid is not None
-        _, status = os.waitpid(self.pid, 0)
-        try:
-            outcome = pickle.loads(b"".join(chunks)) if chunks else None
-        except Exception as exc:  # a child killed mid-write
-            outcome = ("error", f"unreadable reply ({type(exc).__name__})")
-        if isinstance(outcome, Rendered):
-            self.result = outcome
-        elif outcome is not None:
-            self.error = str(outcome[1])
-        else:
-            self.error = f"the render process ended without a reply ({_status_text(status)})"
-        self._finish()
-
-    def _finish(self) -> None:
-        self.done.set()
-        self._on_done(self)
-
-    def kill(self) -> None:
-        """End the child (the reading thread still reaps it)."""
-        self.killed = True
-        if self.pid is not None and not self.done.is_set():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-
-def _child(fd: int, state: JobState, job: str, variants: list[Variant], now: float,
-           file: Path | None) -> None:
-    """The forked child: render, send the outcome, exit without running anything of the
-    hub's (atexit, finalizers)."""
-    code = 0
-    try:
-        gc.disable()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.alarm(CHILD_LIMIT_S)
-        with contextlib.suppress(OSError):
-            os.nice(CHILD_NICE)
-        try:
-            reply: object = render(state, job, variants, now, file)
-        except Exception as exc:
-            reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        data = memoryview(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        while data:
-            data = data[os.write(fd, data):]
-    except BaseException:  # the hub gone (a broken pipe): nothing to tell
-        code = 1
-    finally:
-        os._exit(code)
-
-
-def _status_text(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {os.WTERMSIG(status)}"
-    return f"exit status {os.waitstatus_to_exitcode(status)}"
+        super().__init__(lambda: render(state, job, variants, now, file), on_done,
+                         "openmetrics-render", nice=CHILD_NICE)

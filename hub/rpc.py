@@ -18,7 +18,6 @@ from typing import Any
 import zmq
 
 from scalemon import protocol
-from scalemon.link import seed
 from scalemon.messages import DIGEST_WANTED_S
 from scalemon.policy import heartbeat_stepping_s
 from scalemon.protocol import ProtocolError
@@ -29,14 +28,13 @@ from .core import HubCore
 from .frdump import FrDump
 from .ingest import Intake
 from .limits import check_name, clip
+from .seeds import Seeds
 from .sockets import FanOut
 from .stacks import StacksRequests
 from .toggles import ToggleRefused, Toggles
 
 log = logging.getLogger("scalemon.hub")
 
-SEED_REUSE_S = 1.0
-"""A seed made this recently serves the next dashboard too, while no record came since."""
 FETCH_LIMIT = 20_000
 FETCH_MAX_BYTES = 16 << 20  # a page stops growing here (replies may reach MAX_REPLY_BYTES)
 MAX_TOGGLE_VALUE = 1024
@@ -61,7 +59,7 @@ class Requests:
         """Ranks' syncs the hub answered itself (not those their relays answered)."""
         self._dump: FrDump | None = None
         self._pending_dump_record = False
-        self._seed_cache: tuple[int, float, dict[str, Any]] | None = None
+        self.seeds = Seeds(core, self._send_answer)
         self.stacks = StacksRequests(core)
 
     def serve(self, rpc: zmq.Socket) -> None:
@@ -83,8 +81,10 @@ class Requests:
                 op, args = protocol.decode_request(payload)
                 if not may(peer, op):
                     self._refuse_request(peer, op, args, port)
-                reply = protocol.encode_reply(**self._answer(op, args, peer),
-                                              history=core.history.identity)
+                answer = self._answer(op, args, peer, (rpc, envelope))
+                if answer is None:
+                    continue  # answered later (a seed being made)
+                reply = protocol.encode_reply(**answer, history=core.history.identity)
             except ToggleRefused as exc:  # a reasoned refusal, not a bad frame
                 log.warning("toggle %s", exc)
                 reply = protocol.encode_reply(ok=False, error=str(exc))
@@ -94,14 +94,24 @@ class Requests:
             except Exception as exc:  # a request must never take the hub down
                 log.exception("request failed")
                 reply = protocol.encode_reply(ok=False, error=f"{type(exc).__name__}: {exc}")
-            if len(reply) > protocol.MAX_REPLY_BYTES:  # the client would refuse it
-                log.error("a %s reply of %d bytes is over the %d reply limit", op, len(reply),
-                          protocol.MAX_REPLY_BYTES)
-                reply = protocol.encode_reply(ok=False, error=(
-                    f"the {op} reply is {len(reply):,} bytes, over the "
-                    f"{protocol.MAX_REPLY_BYTES:,}-byte reply limit"))
-            with contextlib.suppress(zmq.ZMQError):  # the requester went away
-                rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
+            self._send(rpc, envelope, op, reply)
+
+    def _send_answer(self, rpc: zmq.Socket, envelope: list[bytes], op: str,
+                     answer: dict[str, Any]) -> None:
+        """Send a reply made later than its request (`Seeds`)."""
+        self._send(rpc, envelope, op, protocol.encode_reply(
+            **answer, history=self.core.history.identity))
+
+    @staticmethod
+    def _send(rpc: zmq.Socket, envelope: list[bytes], op: str, reply: bytes) -> None:
+        if len(reply) > protocol.MAX_REPLY_BYTES:  # the client would refuse it
+            log.error("a %s reply of %d bytes is over the %d reply limit", op, len(reply),
+                      protocol.MAX_REPLY_BYTES)
+            reply = protocol.encode_reply(ok=False, error=(
+                f"the {op} reply is {len(reply):,} bytes, over the "
+                f"{protocol.MAX_REPLY_BYTES:,}-byte reply limit"))
+        with contextlib.suppress(zmq.ZMQError):  # the requester went away
+            rpc.send_multipart([*envelope, reply], zmq.NOBLOCK)
 
     def _refuse_request(self, peer: Peer, op: str, args: dict[str, Any],
                         port: int | None) -> None:
@@ -117,7 +127,10 @@ class Requests:
             self.core.peers.cut_one(peer, port)
         raise ToggleRefused(text) if op == "toggle" else ProtocolError(text)
 
-    def _answer(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def _answer(self, op: str, args: dict[str, Any], peer: Peer,
+                origin: tuple[zmq.Socket, list[bytes]]) -> dict[str, Any] | None:
+        """The reply to request `op` (None: `origin`, the socket and envelope it came from, is
+        answered later)."""
         core = self.core
         if op == "ping":
             return {"job": core.job, "pid": os.getpid(), "head": len(core.history)}
@@ -154,7 +167,7 @@ class Requests:
             core.digest_wanted_until = time.monotonic() + DIGEST_WANTED_S
             if op == "digest":
                 return {}
-            return self._seed()
+            return self.seeds.ask(*origin)
         if op == "rank_records":
             return self._records_of(args["rank"], args["before"], args["limit"])
         since = max(0, args["since"])
@@ -184,30 +197,6 @@ class Requests:
             if commands := self._commands_for(rank):
                 out.append([rank, commands])
         return out
-
-    def _seed(self) -> dict[str, Any]:
-        """The fold of the whole history so far, for a dashboard that attaches (`seed`):
-        {"seed": bytes, "seq": the record it continues from}, or {"seed": None, "why": ...}."""
-        head = len(self.core.history)
-        cached = self._seed_cache
-        if cached is not None and cached[0] == head and time.monotonic() - cached[1] < SEED_REUSE_S:
-            return cached[2]
-        started = time.perf_counter()
-        fold = self.core.fold
-        fold.next_seq = head  # every record below was folded, or skipped as invalid
-        blob = seed.dump(fold)
-        took = time.perf_counter() - started
-        if len(blob) > seed.MAX_SEED_BYTES:
-            reply: dict[str, Any] = {"seed": None, "seq": head, "why": (
-                f"the fold holds {len(blob) >> 20} MiB, over {seed.MAX_SEED_BYTES >> 20} MiB: "
-                "replay the history")}
-        else:
-            reply = {"seed": blob, "seq": head, "format": seed.FORMAT}
-        reply["hang_after_s"] = fold.state.hang_after_s  # the dashboard's threshold too
-        reply["digest"] = True  # a big job's digest on the feed (hub/digest.py)
-        log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
-        self._seed_cache = (head, time.monotonic(), reply)
-        return reply
 
     def _records_of(self, rank: int, before: int, limit: int) -> dict[str, Any]:
         """Rank `rank`'s latest records numbered below `before` (at most `limit`, among the

@@ -306,6 +306,9 @@ class Hub:
                 for sock in monitors:  # first: shed connections over the cap at once
                     if sock in events:
                         self.guard.on_events(sock)
+                for sock in subscribers:  # before anything is published this turn
+                    if sock in events:
+                        self.intake.note_subscribers(sock)
                 for sock in ingests:
                     if sock in events:
                         self.intake.take(sock, feed)
@@ -314,9 +317,7 @@ class Hub:
                         self.requests.serve(sock)
                 if control in events:
                     self.requests.serve(control)
-                for sock in subscribers:
-                    if sock in events:
-                        self.intake.note_subscribers(sock)
+                self.requests.seeds.send_ready()  # a seed made meanwhile, to those waiting
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
@@ -333,6 +334,9 @@ class Hub:
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         error = self.history.write_error
         self.core.looks.close()
+        self.requests.seeds.close()
+        if self.alerts_out is not None:
+            self.alerts_out.close()
         lost = self.history.close()
         self.checkpoints.close()
         if self.guard is not None:

@@ -19,15 +19,16 @@ MAX_FRAME_BYTES = 16 << 20  # zmq drops a peer sending more than this; decode re
 
 def make_sockets(ctx: zmq.Context,
                  tcp: bool = False) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
-    """An unbound ingest PULL, feed PUB and rpc ROUTER with the hub's options. A tcp feed
-    is an XPUB that hands up every subscription: it tells which key each subscriber is."""
+    """An unbound ingest PULL, feed XPUB and rpc ROUTER with the hub's options. The feed
+    hands up subscriptions (`FanOut` publishes only what someone subscribed to); a tcp one
+    every subscription, which tells which key each subscriber is."""
     ingest = ctx.socket(zmq.PULL)
     ingest.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     ingest.setsockopt(zmq.RCVHWM, 100_000)
-    feed = ctx.socket(zmq.XPUB if tcp else zmq.PUB)
+    feed = ctx.socket(zmq.XPUB)
+    feed.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
     if tcp:
         feed.setsockopt(zmq.XPUB_VERBOSE, 1)
-        feed.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
     feed.setsockopt(zmq.SNDHWM, 100_000)
     rpc = ctx.socket(zmq.ROUTER)
     rpc.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -63,16 +64,51 @@ def bind_tcp(sockets: tuple[zmq.Socket, ...], where: HubAddress, keys: Keypair,
 
 
 class FanOut:
-    """The feed: every record goes to each PUB socket (ipc and, with --listen, tcp)."""
+    """The feed: every record goes to each XPUB socket (ipc and, with --listen, tcp) on which
+    someone subscribed to a prefix of its topic (`subscription` reads what they asked: a big
+    job's dashboards follow the digest, not the records, and the records' frames are then
+    not sent at all)."""
 
     def __init__(self, sockets: list[zmq.Socket]) -> None:
         self.sockets = sockets
+        self.topics: dict[zmq.Socket, set[bytes]] = {
+            sock: set() for sock in sockets if sock.type == zmq.XPUB}
+        """Per XPUB socket, the topic prefixes some subscriber follows (an unsubscription
+        comes once the last of them left: libzmq's rule, verbose or not)."""
+        self._wanted: dict[tuple[zmq.Socket, bytes], bool] = {}
+
+    def subscription(self, sock: zmq.Socket, message: bytes) -> None:
+        """An XPUB socket's (un)subscription message: 1 or 0, then the topic prefix."""
+        topics = self.topics.get(sock)
+        if topics is None or not message or message[0] not in (0, 1):
+            return
+        if message[0] == 1:
+            topics.add(message[1:])
+        else:
+            topics.discard(message[1:])
+        self._wanted.clear()
+
+    def wanted(self, sock: zmq.Socket, topic: bytes) -> bool:
+        """True when someone on `sock` follows `topic` (a plain PUB socket: always)."""
+        key = (sock, topic)
+        found = self._wanted.get(key)
+        if found is None:
+            topics = self.topics.get(sock)
+            found = topics is None or any(topic.startswith(t) for t in topics)
+            if len(self._wanted) > 256:  # topics are few; a bound all the same
+                self._wanted.clear()
+            self._wanted[key] = found
+        return found
 
     def send_multipart(self, frames: list[bytes]) -> None:
-        """Publish `frames` on every feed socket (frame by frame with a plain int flag:
-        pyzmq's `send_multipart` costs 4x as much per frame, in its flag enums)."""
+        """Publish `frames` on every feed socket where its topic is followed (frame by frame
+        with a plain int flag: pyzmq's `send_multipart` costs 4x as much per frame, in its
+        flag enums)."""
         last = len(frames) - 1
+        topic = frames[0]
         for sock in self.sockets:
+            if not self.wanted(sock, topic):
+                continue
             send = sock.send
             for i, frame in enumerate(frames):
                 send(frame, _MORE if i < last else 0)

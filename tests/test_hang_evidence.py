@@ -273,3 +273,66 @@ def test_a_provisional_hang_does_not_hold_back_the_hang_named_after_it() -> None
     out.check(job(time.time() - 40.0, heard=[0, 1]), 30.0)  # hung again, every rank heard
     assert [(a["provisional"], a["ranks"], a["update"]) for a in sent] == [
         (True, [1], 0), (False, [1], 0)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="made on the loop here")
+def test_a_big_jobs_hang_report_is_made_off_the_loop_and_taken_at_the_next_look(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """From HANG_OFF_LOOP_FROM ranks the report is made in a forked child: the look that
+    starts it returns at once (the child waits on a file here), the child's end brings the
+    next look forward, and that look sends the hang; a step before it is taken drops it."""
+    from test_alerts_out import Book
+
+    from scalemon.hub import alerts_out
+    from scalemon.hub.alerts_out import AlertsOut
+    from scalemon.protocol import Message
+    from scalemon.state.jobstate import JobState
+
+    gate = tmp_path / "gate"
+    real = alerts_out.job_hang
+
+    def gated(state: JobState, wall: float):  # runs in the child
+        end = time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        return real(state, wall)
+
+    monkeypatch.setattr(alerts_out, "job_hang", gated)
+    monkeypatch.setattr(alerts_out, "HANG_OFF_LOOP_FROM", 2)
+
+    def job(step_t: float) -> JobState:
+        st = JobState(job="unit", hang_after_s=10.0)
+        st.apply(Message("collectives", "unit", 0, 1, step_t, {
+            "groups": {"0": {"desc": "default_pg", "ranks": [0, 1]}}, "stats": [],
+            "issues": []}))
+        for r in (0, 1):
+            st.apply(Message("hello", "unit", r, 0, step_t, {"host": "h", "pid": 100 + r,
+                                                             "world_size": 2, "local_rank": r}))
+            st.apply(Message("step", "unit", r, 2, step_t, {"step": 1, "loss": 1.0}))
+            st.apply(Message("heartbeat", "unit", r, 3, step_t + 30.0, {
+                "phase": "python" if r == 1 else "collective", "dropped": 0,
+                "groups": {"0": [1, 1] if r == 1 else [2, 1]},
+                "stack": CULPRIT_STACK if r == 1 else WAITING_STACK}))
+        return st
+
+    sent: list[dict] = []
+    out = AlertsOut("unit", Book(), sent.append)
+    hung = job(time.time() - 40.0)
+    assert out.check(hung, 10.0) == [] and sent == []  # started in a child, not waited for
+    child = out._hang_job
+    assert child is not None and not child.done.is_set()
+    assert out.check(hung, 10.5) == []  # not due yet: the scan's own pace
+    gate.touch()
+    assert wait_for(lambda: child.done.is_set(), 30)
+    out.check(hung, 10.6)  # brought forward by the child's end
+    assert [(a["kind"], a["ranks"], a["provisional"]) for a in sent] == [("hang", [1], False)]
+
+    gate.unlink()
+    later = job(time.time() - 40.0)
+    later.apply(Message("heartbeat", "unit", 0, 4, time.time(), {"phase": "collective"}))
+    out.check(later, 60.0)  # due again (new messages): a second child
+    again = out._hang_job
+    assert again is not None and not again.done.is_set()
+    out.check(job(time.time()), 70.0)  # it stepped: the report under way is dropped
+    assert out._hang_job is None and again.killed
+    out.close()

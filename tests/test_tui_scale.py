@@ -30,7 +30,7 @@ from scalemon.state.jobstate import JobState
 from scalemon.text import display
 from scalemon.text.display import AGGREGATE_AT, NO_HOST
 from scalemon.tui.app import DashboardApp
-from scalemon.tui.gcpause import SLOW_S, FreezeSurvivors
+from scalemon.tui.gcpause import SLOW_S, THAW_S, FreezeSurvivors, freeze_loaded
 from scalemon.tui.model import DashboardData, LatenessMedians
 from scalemon.tui.screens.node import NodeScreen
 from scalemon.tui.screens.overview import OverviewScreen
@@ -231,6 +231,25 @@ def test_a_slow_full_collection_freezes_its_survivors_until_closed():
     finally:
         survivors.close()
     assert gc.get_freeze_count() == 0 and survivors._on_gc not in gc.callbacks
+
+
+def test_a_big_seed_frozen_as_loaded_is_thawed_by_the_survivors_in_turn():
+    survivors = FreezeSurvivors()
+    try:
+        survivors.tick(now=0.0)
+        assert survivors.frozen_at is None
+        freeze_loaded()  # the receiver, right after loading a big job's seed
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        survivors.tick(now=10.0)  # adopted: thawed THAW_S later, as its own freezes are
+        assert survivors.frozen_at == 10.0 and survivors.freezes == 0
+        survivors.tick(now=10.0 + THAW_S / 2)
+        assert gc.get_freeze_count() == frozen
+        survivors.tick(now=11.0 + THAW_S)
+        assert gc.get_freeze_count() == 0 and survivors.frozen_at is None
+    finally:
+        survivors.close()
+        gc.unfreeze()
 
 
 # ---- the text snapshot ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from scalemon.protocol import RANK_RECORDS_KEPT, ProtocolError, VersionMismatch,
 from scalemon.state.fold import record_key
 
 from .digest_feed import DigestFollower, make_totals, wants_digest
+from .gcpause import freeze_loaded
 from .model import DashboardData
 
 SEED_TIMEOUT_S = 30.0
@@ -65,6 +66,8 @@ class HubFeed(Feed):
         self.use_seed = use_seed
         self.seed_note = ""  # how the last attach from scratch started (seed or replay)
         self.digest_offered = False  # the hub publishes a big job's digest (its seed said)
+        self.seed_figures: dict[str, float] = {}
+        """The last seed's size, seconds from asking to its reply, and to load it."""
         self.follower: DigestFollower | None = None  # the last one followed (a big job's)
 
     def _resolve(self) -> HubAddress | None:
@@ -109,17 +112,23 @@ class HubFeed(Feed):
                     stream.next_seq = 0
                 if stream.next_seq == 0 and self.use_seed:
                     follower = DigestFollower(address, stream.client)
-                    if not (self._start_from_seed(stream, data) and self.digest_offered
-                            and wants_digest(data)):
-                        follower.close()
-                        follower = None
+                    try:
+                        if not (self._start_from_seed(stream, data) and self.digest_offered
+                                and wants_digest(data)):
+                            follower.close()
+                            follower = None
+                        with data.lock:
+                            data.digest_followed = follower is not None
+                        if follower is not None:
+                            make_totals(data)  # what the redraws read, before any digest
+                    finally:
+                        data.busy = False  # the seed held the redraws (`load_seed`)
                 with data.lock:
                     data.digest_followed = follower is not None
                 self.attaches += 1
                 status("connected", address.base)
                 if follower is not None:  # a big job: the hub's digest, not every record
                     self.follower = follower
-                    make_totals(data)  # what the redraws read, before the first digest
                     stream.sub.setsockopt(zmq.UNSUBSCRIBE, protocol.FEED_TOPIC)
                     while not stop():
                         data.wait_for_screen()
@@ -168,6 +177,7 @@ class HubFeed(Feed):
         (and `seed_note` says why) when the hub offers none, so the history is replayed."""
         client = stream.client
         timeout, client.timeout_s = client.timeout_s, max(client.timeout_s, SEED_TIMEOUT_S)
+        asked = time.perf_counter()
         try:
             reply = client.request("seed")
         except ProtocolError as exc:  # a hub of protocol 1.3 does not know the op
@@ -181,13 +191,18 @@ class HubFeed(Feed):
         if not isinstance(blob, bytes):
             self.seed_note = f"replayed the history: {reply.get('why') or 'no seed'}"
             return False
+        answered = time.perf_counter()
         try:
             fold = seed.load(blob)
         except seed.SeedError as exc:
             self.seed_note = f"replayed the history: {exc}"
             return False
+        if fold.big():
+            freeze_loaded()  # else the next collections walk it all, in a redraw
         stream.check_identity(client.history)
-        data.load_seed(fold, client.history)
+        data.load_seed(fold, client.history, hold=True)
+        self.seed_figures = {"bytes": len(blob), "reply_s": answered - asked,
+                             "load_s": time.perf_counter() - answered}
         stream.next_seq = data.next_seq
         self.seed_note = f"started from the hub's fold at record {data.next_seq:,}"
         return True

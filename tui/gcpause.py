@@ -7,7 +7,8 @@ time, often the UI thread in the middle of a redraw. Once a full collection took
 `SLOW_S`, what survived it is long-lived: `FreezeSurvivors.tick` moves it to the permanent
 generation (`gc.freeze`), so later collections walk only what is newer. It is thawed every
 `THAW_S` (one full collection then: garbage cycles among frozen objects, such as a state
-replaced after a hub restart, are freed) and when the app stops. Small jobs never freeze.
+replaced after a hub restart, are freed) and when the app stops. A big job's seed is frozen
+as soon as it is loaded (`freeze_loaded`). Small jobs never freeze.
 No textual import.
 """
 
@@ -21,6 +22,15 @@ SLOW_S = 0.020
 """A full collection this long makes the survivors worth freezing."""
 THAW_S = 300.0
 """Frozen objects go back to the collector this often."""
+
+
+def freeze_loaded() -> None:
+    """Freeze what a big seed just made (call right after loading it, on the thread that
+    loaded it): it was made with the collector off (`scalemon.link.seed`), so it all sits in
+    the youngest generation, and the next collections of each generation would walk it
+    (100-150 ms each at 16,384 ranks), in whichever thread allocates then, often the UI's in
+    the middle of a redraw. `FreezeSurvivors.tick` thaws it with its own freezes."""
+    gc.freeze()
 
 
 class FreezeSurvivors:
@@ -51,6 +61,8 @@ class FreezeSurvivors:
             gc.freeze()
             self.frozen_at = now
             self.freezes += 1
+        elif self.frozen_at is None and gc.get_freeze_count():
+            self.frozen_at = now  # frozen by `freeze_loaded`: thawed in turn
         elif self.frozen_at is not None and now - self.frozen_at > THAW_S:
             gc.unfreeze()
             self.frozen_at = None

@@ -181,10 +181,13 @@ class DashboardData(JobFold):
             self.clear()
             self.version += 1
 
-    def load_seed(self, fold: JobFold, identity: dict | None) -> None:
+    def load_seed(self, fold: JobFold, identity: dict | None, hold: bool = False) -> None:
         """Start over from `fold`, the hub's fold of its history up to `fold.next_seq`
-        (`identity`: that history's); what this dashboard watches stays watched."""
+        (`identity`: that history's); what this dashboard watches stays watched. `hold`: no
+        redraw until the caller clears `busy` (a big job's first pass over its ranks is made
+        first, else a redraw would make it on the screen's thread)."""
         with self.lock:
+            self.busy = hold
             self.clear()
             self.to_watch |= self.watched  # their series come again from the hub
             self.__dict__.update({k: v for k, v in vars(fold).items() if k in FOLD_ATTRIBUTES})
