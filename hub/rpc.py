@@ -21,14 +21,13 @@ from scalemon import protocol
 from scalemon.messages import DIGEST_WANTED_S
 from scalemon.policy import heartbeat_stepping_s
 from scalemon.protocol import ProtocolError
-from scalemon.reports.snapshot import snapshot_json
 
 from .access import Peer, ipc_peer, may, refusal
 from .core import HubCore
 from .frdump import FrDump
 from .ingest import Intake
 from .limits import check_name, clip
-from .seeds import Seeds
+from .seeds import Seeds, States
 from .sockets import FanOut
 from .stacks import StacksRequests
 from .toggles import ToggleRefused, Toggles
@@ -60,6 +59,7 @@ class Requests:
         self._dump: FrDump | None = None
         self._pending_dump_record = False
         self.seeds = Seeds(core, self._send_answer)
+        self.states = States(core, self._send_answer, stats)
         self.stacks = StacksRequests(core)
 
     def serve(self, rpc: zmq.Socket) -> None:
@@ -96,9 +96,20 @@ class Requests:
                 reply = protocol.encode_reply(ok=False, error=f"{type(exc).__name__}: {exc}")
             self._send(rpc, envelope, op, reply)
 
+    def send_ready(self) -> None:
+        """Send the replies made off the loop since the last turn (`seed`, a big `state`)."""
+        head = len(self.core.history)
+        self.seeds.send_ready(head)
+        self.states.send_ready(head)
+
+    def close(self) -> None:
+        """End the children making replies (the hub stops)."""
+        self.seeds.close()
+        self.states.close()
+
     def _send_answer(self, rpc: zmq.Socket, envelope: list[bytes], op: str,
                      answer: dict[str, Any]) -> None:
-        """Send a reply made later than its request (`Seeds`)."""
+        """Send a reply made later than its request (`Seeds`, `States`)."""
         self._send(rpc, envelope, op, protocol.encode_reply(
             **answer, history=self.core.history.identity))
 
@@ -161,13 +172,12 @@ class Requests:
         if op == "toggle":
             return self._toggle(args, peer)
         if op == "state":
-            return {"state": snapshot_json(core.state), "hub": self.stats(),
-                    "head": len(core.history)}
+            return self.states.ask(origin, len(core.history))
         if op in ("seed", "digest"):  # a dashboard follows (or will follow) the digest
             core.digest_wanted_until = time.monotonic() + DIGEST_WANTED_S
             if op == "digest":
                 return {}
-            return self.seeds.ask(*origin)
+            return self.seeds.ask(origin, len(core.history))
         if op == "rank_records":
             return self._records_of(args["rank"], args["before"], args["limit"])
         since = max(0, args["since"])

@@ -1,111 +1,76 @@
-"""Seeds for dashboards that attach (`seed` requests), made off the hub's loop.
+"""Replies made off the hub's loop (hub/forked_replies.py) for two requests:
 
-A seed is the hub's fold pickled (scalemon/link/seed.py): at 16,384 ranks some 20 MB and a
-second or more of Python. The loop forks (`ForkedCall`); the child pickles its copy of the
-fold as it stood at the fork, and the request is answered when the child is done, with every
-other `seed` request that came meanwhile (`send_ready`, each turn of the loop). The loop pays
-only for the fork. Where fork does not exist, the seed is made at once, on the loop.
+- `seed`: the hub's fold pickled (scalemon/link/seed.py), at 16,384 ranks some 20 MB and a
+  second or more of Python. A request joins the seed being made whatever came since: the
+  reply says the record it continues from (`seq`), and the dashboard reads the records after
+  it. A seed made less than `SEED_REUSE_S` ago serves the next request while no record came.
+- `state` of a big job (`FORK_STATE_FROM_RANKS`): the job's state as JSON
+  (`snapshot_json`), a second at 16,384 ranks, more while it is hung (its hang report). A
+  request joins only a reply made at its own record count; a smaller job's is made at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from scalemon.link import seed
+from scalemon.reports.snapshot import snapshot_json
 
 from .core import HubCore
-from .forked import ForkedCall
+from .forked_replies import ForkedReplies, Origin, Send
 
 log = logging.getLogger("scalemon.hub")
 
 SEED_REUSE_S = 1.0
 """A seed made this recently serves the next dashboard too, while no record came since."""
-MAX_WAITING = 256
-"""Requests waiting for the seed being made; more are told to replay the history."""
-
-Send = Callable[[zmq.Socket, list[bytes], str, dict[str, Any]], None]
-"""How a reply goes out: (socket, envelope, op, reply)."""
+FORK_STATE_FROM_RANKS = 1024
+"""From this many ranks a `state` reply is made in a forked child."""
 
 
-class Seeds:
+class Seeds(ForkedReplies):
     """Answers `seed` requests: at once from a fresh seed, else when the one being made is
-    done (`ask` returns None then; `send_ready` sends it)."""
+    done (`ask` returns None then)."""
+
+    op = "seed"
 
     def __init__(self, core: HubCore, send: Send) -> None:
+        super().__init__(send)
         self.core = core
-        self._send = send
         self._cache: tuple[int, float, dict[str, Any]] | None = None
-        self._making: ForkedCall | None = None
-        self._making_head = 0
-        self._waiting: list[tuple[zmq.Socket, list[bytes]]] = []
-        self.made = 0
-        self.fork_s: list[float] = []
-        """How long each seed's fork stood the hub's loop still (the last 100)."""
 
-    def ask(self, sock: zmq.Socket, envelope: list[bytes]) -> dict[str, Any] | None:
-        """The reply to a `seed` request from `envelope` on `sock`, or None: it is answered
-        when the seed being made is done."""
-        head = len(self.core.history)
+    def ask(self, origin: Origin, head: int) -> dict[str, Any] | None:
         cached = self._cache
         if cached is not None and cached[0] == head and time.monotonic() - cached[1] < SEED_REUSE_S:
             return cached[2]
         if not hasattr(os, "fork"):
-            return self._reply(head, self._dump(head), 0.0)
-        if len(self._waiting) >= MAX_WAITING:
-            return {"seed": None, "seq": head, "why": (
-                f"{len(self._waiting)} dashboards already wait for the hub's fold: replay "
-                "the history")}
-        self._waiting.append((sock, envelope))
-        if self._making is None:
-            self._start(head)
-        return None
+            return self.reply(head, _timed(lambda: self._dump(head))(), None)
+        return super().ask(origin, head)
+
+    def joins(self, made: int, head: int) -> bool:
+        return True  # the reply's `seq` says where the records after it start
+
+    def too_many(self, head: int, waiting: int) -> dict[str, Any]:
+        return {"seed": None, "seq": head, "why": (
+            f"{waiting} dashboards already wait for the hub's fold: replay the history")}
+
+    def failed(self, head: int) -> dict[str, Any]:
+        return {"seed": None, "seq": head,
+                "why": "the hub could not make its fold: replay the history"}
 
     def _dump(self, head: int) -> bytes:
         fold = self.core.fold
         fold.next_seq = head  # every record below was folded, or skipped as invalid
         return seed.dump(fold)
 
-    def _start(self, head: int) -> None:
-        try:
-            self._making = ForkedCall(lambda: _timed(lambda: self._dump(head)), _nothing,
-                                      "seed")
-        except OSError as exc:  # no fork (out of memory, process limit): made here
-            log.warning("could not fork to make a seed (%s): making it on the loop", exc)
-            reply = self._reply(head, self._dump(head), 0.0)
-            self._answer_waiting(reply)
-            return
-        self._making_head = head
-        self.fork_s = [*self.fork_s[-99:], self._making.fork_s]
+    def work(self, head: int) -> tuple[Callable[[], Any], Any]:
+        return _timed(lambda: self._dump(head)), None
 
-    def send_ready(self) -> None:
-        """From the hub's loop: answer the waiting requests once the seed is made."""
-        making = self._making
-        if making is None or not making.done.is_set():
-            return
-        self._making = None
-        if making.result is None:
-            log.error("could not make a seed: %s", making.error)
-            reply: dict[str, Any] = {"seed": None, "seq": self._making_head, "why": (
-                "the hub could not make its fold: replay the history")}
-        else:
-            blob, took = making.result
-            reply = self._reply(self._making_head, blob, took)
-        self._answer_waiting(reply)
-
-    def _answer_waiting(self, reply: dict[str, Any]) -> None:
-        waiting, self._waiting = self._waiting, []
-        for sock, envelope in waiting:
-            with contextlib.suppress(zmq.ZMQError):  # a socket closed meanwhile
-                self._send(sock, envelope, "seed", reply)
-
-    def _reply(self, head: int, blob: bytes, took: float) -> dict[str, Any]:
+    def reply(self, head: int, result: Any, context: Any) -> dict[str, Any]:
+        blob, took = result
         if len(blob) > seed.MAX_SEED_BYTES:
             reply: dict[str, Any] = {"seed": None, "seq": head, "why": (
                 f"the fold holds {len(blob) >> 20} MiB, over {seed.MAX_SEED_BYTES >> 20} MiB: "
@@ -115,22 +80,38 @@ class Seeds:
         reply["hang_after_s"] = self.core.fold.state.hang_after_s  # the dashboard's threshold
         reply["digest"] = True  # a big job's digest on the feed (hub/digest.py)
         log.info("seed at record %d: %d bytes in %.3f s", head, len(blob), took)
-        self.made += 1
         self._cache = (head, time.monotonic(), reply)
         return reply
 
-    def close(self) -> None:
-        """End a seed being made (the hub stops)."""
-        if self._making is not None:
-            self._making.kill()
-            self._making = None
+
+class States(ForkedReplies):
+    """Answers `state` requests: a big job's made in a forked child (`ask` returns None
+    then), a smaller one's at once."""
+
+    op = "state"
+
+    def __init__(self, core: HubCore, send: Send, stats: Callable[[], dict[str, Any]]) -> None:
+        super().__init__(send)
+        self.core = core
+        self.stats = stats
+
+    def ask(self, origin: Origin, head: int) -> dict[str, Any] | None:
+        state = self.core.state
+        if len(state.ranks) < FORK_STATE_FROM_RANKS or not hasattr(os, "fork"):
+            return {"state": snapshot_json(state), "hub": self.stats(), "head": head}
+        return super().ask(origin, head)
+
+    def work(self, head: int) -> tuple[Callable[[], Any], Any]:
+        state = self.core.state
+        return (lambda: snapshot_json(state)), self.stats()  # the counters as of the fork
+
+    def reply(self, head: int, result: Any, context: Any) -> dict[str, Any]:
+        return {"state": result, "hub": context, "head": head}
 
 
-def _timed(work: Callable[[], bytes]) -> tuple[bytes, float]:
-    started = time.perf_counter()
-    blob = work()
-    return blob, time.perf_counter() - started
-
-
-def _nothing(_call: ForkedCall) -> None:
-    """The loop looks at `done` itself (`send_ready`): a socket is the loop's alone."""
+def _timed(work: Callable[[], bytes]) -> Callable[[], tuple[bytes, float]]:
+    def timed() -> tuple[bytes, float]:
+        started = time.perf_counter()
+        blob = work()
+        return blob, time.perf_counter() - started
+    return timed

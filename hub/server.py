@@ -317,7 +317,7 @@ class Hub:
                         self.requests.serve(sock)
                 if control in events:
                     self.requests.serve(control)
-                self.requests.seeds.send_ready()  # a seed made meanwhile, to those waiting
+                self.requests.send_ready()  # replies made off the loop, to those waiting
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
@@ -334,7 +334,7 @@ class Hub:
     def _shutdown(self, ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
         error = self.history.write_error
         self.core.looks.close()
-        self.requests.seeds.close()
+        self.requests.close()
         if self.alerts_out is not None:
             self.alerts_out.close()
         lost = self.history.close()

@@ -1,7 +1,8 @@
-"""A dashboard's `seed` is made in a forked child of the hub (hub/seeds.py): the requests that
-come while it is made wait for that one seed, the hub's loop goes on meanwhile, and a child
-that fails or too many waiting dashboards get a reason to replay instead (real forks; the
-replies go to a recording `send`)."""
+"""A dashboard's `seed`, and a big job's `state`, are made in a forked child of the hub
+(hub/seeds.py, hub/forked_replies.py): the requests that come while it is made wait for that
+child's reply where it answers them (a seed always; a state only at the same record count,
+else the next child), the hub's loop goes on meanwhile, and a child that fails or too many
+waiting get a reason instead (real forks; the replies go to a recording `send`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from scalemon.hub import forked_replies
 from scalemon.hub import seeds as seeds_module
-from scalemon.hub.seeds import Seeds
+from scalemon.hub.seeds import Seeds, States
 from scalemon.link import seed
 from scalemon.state.fold import JobFold
 from scalemon.tui.sim import SimJob
@@ -43,10 +45,10 @@ def gated_dump(monkeypatch: pytest.MonkeyPatch, gate: Path) -> None:
     monkeypatch.setattr(seed, "dump", dump)
 
 
-def until_sent(seeds: Seeds, sent: list[Any], count: int) -> None:
+def until_sent(replies: Any, sent: list[Any], count: int, head: int = 0) -> None:
     end = time.monotonic() + 60
     while len(sent) < count and time.monotonic() < end:
-        seeds.send_ready()
+        replies.send_ready(head)
         time.sleep(0.01)
     assert len(sent) == count
 
@@ -60,13 +62,13 @@ def test_requests_wait_for_one_forked_seed_while_the_loop_goes_on_then_reuse_it(
     sent: list[Any] = []
     seeds = Seeds(SimpleNamespace(fold=fold, history=history),
                   lambda sock, envelope, op, reply: sent.append((sock, envelope, op, reply)))
-    assert seeds.ask("sock-a", [b"a"]) is None
+    assert seeds.ask(("sock-a", [b"a"]), head) is None
     child = seeds._making
     assert child is not None and child.pid not in (None, os.getpid())
-    assert seeds.ask("sock-b", [b"b"]) is None
+    assert seeds.ask(("sock-b", [b"b"]), head) is None
     assert seeds._making is child  # one child for both
     history.append(b"")  # the loop goes on: a record comes while the child works
-    seeds.send_ready()
+    seeds.send_ready(head + 1)
     assert sent == [] and not child.done.is_set()
     gate.touch()
     until_sent(seeds, sent, 2)
@@ -79,10 +81,10 @@ def test_requests_wait_for_one_forked_seed_while_the_loop_goes_on_then_reuse_it(
     assert loaded.next_seq == head and sorted(loaded.state.ranks) == list(range(8))
     assert seeds.made == 1 and len(seeds.fork_s) == 1
     # a record came since: the next asker gets a new seed, then the one after reuses it
-    assert seeds.ask("sock-c", [b"c"]) is None
+    assert seeds.ask(("sock-c", [b"c"]), head + 1) is None
     until_sent(seeds, sent, 3)
     assert sent[2][3]["seq"] == head + 1
-    assert seeds.ask("sock-d", [b"d"]) is sent[2][3]
+    assert seeds.ask(("sock-d", [b"d"]), head + 1) is sent[2][3]
     assert seeds.made == 2
 
 
@@ -97,15 +99,56 @@ def test_a_failed_child_and_too_many_waiting_get_a_reason_to_replay(
     sent: list[Any] = []
     seeds = Seeds(SimpleNamespace(fold=fold, history=history),
                   lambda sock, envelope, op, reply: sent.append(reply))
-    assert seeds.ask("s", [b"1"]) is None
+    assert seeds.ask(("s", [b"1"]), 5) is None
     until_sent(seeds, sent, 1)
     assert sent[0]["seed"] is None and "replay the history" in sent[0]["why"]
 
     gated_dump(monkeypatch, tmp_path / "gate")
-    monkeypatch.setattr(seeds_module, "MAX_WAITING", 2)
-    assert seeds.ask("s", [b"2"]) is None and seeds.ask("s", [b"3"]) is None
-    over = seeds.ask("s", [b"4"])
+    monkeypatch.setattr(forked_replies, "MAX_WAITING", 2)
+    assert seeds.ask(("s", [b"2"]), 5) is None and seeds.ask(("s", [b"3"]), 5) is None
+    over = seeds.ask(("s", [b"4"]), 5)
     assert over is not None and over["seed"] is None
     assert "2 dashboards already wait" in over["why"]
     seeds.close()  # the hub stops: the child is ended
     assert seeds._making is None
+
+
+def test_a_big_jobs_state_is_made_off_the_loop_and_a_later_request_waits_for_the_next(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fold, history = folded()
+    head = len(history)
+    gate = tmp_path / "gate"
+    real = seeds_module.snapshot_json
+
+    def gated(state: Any) -> dict:
+        end = time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        return real(state)
+
+    monkeypatch.setattr(seeds_module, "snapshot_json", gated)
+    calls = iter(range(1, 100))
+    core = SimpleNamespace(fold=fold, state=fold.state, history=history)
+    sent: list[Any] = []
+    states = States(core, lambda sock, envelope, op, reply: sent.append((envelope, reply)),
+                    lambda: {"stats": next(calls)})
+    gate.touch()
+    small = states.ask(("s", [b"small"]), head)  # 8 ranks: at once, on the loop
+    assert small is not None and small["head"] == head and len(small["state"]["ranks"]) == 8
+    gate.unlink()
+
+    monkeypatch.setattr(seeds_module, "FORK_STATE_FROM_RANKS", 2)
+    assert states.ask(("s", [b"a"]), head) is None
+    assert states.ask(("s", [b"b"]), head) is None  # same record count: the same child
+    assert states.ask(("s", [b"c"]), head + 1) is None  # a record came: the next child
+    first = states._making
+    assert first is not None and not first.done.is_set()
+    gate.touch()
+    until_sent(states, sent, 2, head + 1)
+    assert [e for e, _ in sent] == [[b"a"], [b"b"]]
+    assert sent[0][1]["head"] == head and sent[0][1]["hub"] == {"stats": 2}
+    assert len(sent[0][1]["state"]["ranks"]) == 8
+    assert states._making is not first  # started for the one that waited
+    until_sent(states, sent, 3, head + 1)
+    assert sent[2][0] == [b"c"] and sent[2][1]["head"] == head + 1
+    assert sent[2][1]["hub"] == {"stats": 3} and states.made == 2
