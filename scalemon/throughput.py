@@ -33,7 +33,9 @@ rank has a figure, the job's is the sum of the rows of the ranks at coordinate 0
 
 from __future__ import annotations
 
+import contextlib
 import math
+from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -96,6 +98,24 @@ class TokenWindow:
             self.seconds -= old_seconds
         if len(self.steps) == 1:  # no rounding carried from the steps that left
             self.seconds = self.steps[0][1]
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        """Pickled as two arrays (a seed or checkpoint of 16,384 ranks holds up to
+        `WINDOW_STEPS` steps of each: a tuple per step costs pickle several opcodes and a memo
+        entry each way)."""
+        tokens: Any = [t for t, _ in self.steps]
+        with contextlib.suppress(OverflowError):  # beyond 64 bits: kept a list
+            tokens = array("Q", tokens)
+        return (tokens, array("d", [s for _, s in self.steps]), self.tokens, self.seconds,
+                self.last_step_s)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            for name, value in state[1].items():  # the slots' form (checkpoints before)
+                setattr(self, name, value)
+            return
+        tokens, seconds, self.tokens, self.seconds, self.last_step_s = state
+        self.steps = deque(zip(list(tokens), seconds.tolist(), strict=True))
 
     def clear(self) -> None:
         """Forget every step (a new process of the rank)."""

@@ -304,3 +304,26 @@ def test_demo_with_step_delay_shows_one_wall_tokens_per_s_everywhere(home):
     assert printed, out[-2000:]
     per_rank = float(printed.group(1).replace(",", ""))
     assert per_rank == pytest.approx(ranks[0]["last_tokens_per_s"], rel=0.15)
+
+
+def test_a_token_window_pickles_as_two_arrays_and_reads_the_slots_form_too() -> None:
+    import pickle
+    from array import array
+    from collections import deque
+
+    from scalemon.throughput import TokenWindow
+
+    window = TokenWindow()
+    for tokens, seconds in ((8192, 0.5), (2**63 + 5, 0.25), (100, 0.125)):
+        window.add(tokens, seconds)
+    window.add(None, 0.3)  # a step without tokens: its time only
+    state = window.__getstate__()
+    assert isinstance(state[0], array) and state[0].typecode == "Q"
+    again = pickle.loads(pickle.dumps(window, protocol=5))
+    assert list(again.steps) == list(window.steps) and again.rate() == window.rate()
+    assert (again.tokens, again.seconds, again.last_step_s) == (
+        window.tokens, window.seconds, 0.3)
+    older = TokenWindow()  # a checkpoint written before: the slots' (None, dict) form
+    older.__setstate__((None, {"steps": deque([(8, 1.0)]), "tokens": 8, "seconds": 1.0,
+                               "last_step_s": 1.0}))
+    assert older.rate() == 8.0 and list(older.steps) == [(8, 1.0)]
