@@ -19,6 +19,8 @@ from conftest import FakeRank, hub_messages, wait_for
 from scalemon import protocol
 from scalemon.hub.alerts_out import ALERT_CMD_ENV, REMAKE_S
 from scalemon.link.client import HubClient
+from scalemon.protocol import Message
+from scalemon.state.jobstate import JobState
 
 APPEND = "import sys\nwith open(sys.argv[1], 'a') as f:\n    f.write(sys.stdin.read())\n"
 WAITING_STACK = '  File "train.py", line 9, in step\n    loss.backward()\n'
@@ -192,14 +194,31 @@ def test_the_agent_leaves_values_out_only_for_a_hub_that_keeps_them(
         protocol.check_body("heartbeat", body)
 
 
+def two_rank_job(step_t: float, heard: tuple[int, ...] | list[int] = (0, 1)) -> JobState:
+    """A job of two ranks whose last step ended at `step_t`; the ranks `heard` sent a stuck
+    heartbeat 30 s later (rank 1 never issued all_reduce #2, rank 0 waits in it)."""
+    st = JobState(job="unit", hang_after_s=10.0)
+    st.apply(Message("collectives", "unit", 0, 1, step_t, {
+        "groups": {"0": {"desc": "default_pg", "ranks": [0, 1]}}, "stats": [],
+        "issues": []}))
+    for r in (0, 1):
+        st.apply(Message("hello", "unit", r, 0, step_t, {"host": "h", "pid": 100 + r,
+                                                         "world_size": 2, "local_rank": r}))
+        st.apply(Message("step", "unit", r, 2, step_t, {"step": 1, "loss": 1.0}))
+    for r in heard:
+        st.apply(Message("heartbeat", "unit", r, 3, step_t + 30.0, {
+            "phase": "python" if r == 1 else "collective", "dropped": 0,
+            "groups": {"0": [1, 1] if r == 1 else [2, 1]},
+            "stack": CULPRIT_STACK if r == 1 else WAITING_STACK}))
+    return st
+
+
 def test_the_hang_alert_passes_the_global_cap_and_its_updates_are_paced() -> None:
     """Ranks' own alerts filling the minute's cap do not hold the job's hang back; an update
     comes only when the report changes, and not before its pace."""
     from test_alerts_out import Book
 
     from scalemon.hub.alerts_out import PER_MINUTE, AlertsOut
-    from scalemon.protocol import Message
-    from scalemon.state.jobstate import JobState
 
     n = PER_MINUTE + 2
     t0 = time.time() - 100.0
@@ -246,31 +265,13 @@ def test_a_provisional_hang_does_not_hold_back_the_hang_named_after_it() -> None
     from test_alerts_out import Book
 
     from scalemon.hub.alerts_out import AlertsOut
-    from scalemon.protocol import Message
-    from scalemon.state.jobstate import JobState
-
-    def job(step_t: float, heard: list[int]) -> JobState:
-        st = JobState(job="unit", hang_after_s=10.0)
-        st.apply(Message("collectives", "unit", 0, 1, step_t, {
-            "groups": {"0": {"desc": "default_pg", "ranks": [0, 1]}}, "stats": [],
-            "issues": []}))
-        for r in (0, 1):
-            st.apply(Message("hello", "unit", r, 0, step_t, {"host": "h", "pid": 100 + r,
-                                                             "world_size": 2, "local_rank": r}))
-            st.apply(Message("step", "unit", r, 2, step_t, {"step": 1, "loss": 1.0}))
-        for r in heard:
-            st.apply(Message("heartbeat", "unit", r, 3, step_t + 30.0, {
-                "phase": "python" if r == 1 else "collective", "dropped": 0,
-                "groups": {"0": [1, 1] if r == 1 else [2, 1]},
-                "stack": CULPRIT_STACK if r == 1 else WAITING_STACK}))
-        return st
 
     sent: list[dict] = []
     out = AlertsOut("unit", Book(), sent.append)
-    out.check(job(time.time() - 40.0, heard=[0]), 10.0)
+    out.check(two_rank_job(time.time() - 40.0, heard=[0]), 10.0)
     assert [(a["kind"], a["provisional"]) for a in sent] == [("hang", True)]
-    out.check(job(time.time(), heard=[]), 20.0)  # it stepped: no hang
-    out.check(job(time.time() - 40.0, heard=[0, 1]), 30.0)  # hung again, every rank heard
+    out.check(two_rank_job(time.time(), heard=[]), 20.0)  # it stepped: no hang
+    out.check(two_rank_job(time.time() - 40.0, heard=[0, 1]), 30.0)  # hung again, all heard
     assert [(a["provisional"], a["ranks"], a["update"]) for a in sent] == [
         (True, [1], 0), (False, [1], 0)]
 
@@ -285,8 +286,6 @@ def test_a_big_jobs_hang_report_is_made_off_the_loop_and_taken_at_the_next_look(
 
     from scalemon.hub import alerts_out
     from scalemon.hub.alerts_out import AlertsOut
-    from scalemon.protocol import Message
-    from scalemon.state.jobstate import JobState
 
     gate = tmp_path / "gate"
     real = alerts_out.job_hang
@@ -300,24 +299,9 @@ def test_a_big_jobs_hang_report_is_made_off_the_loop_and_taken_at_the_next_look(
     monkeypatch.setattr(alerts_out, "job_hang", gated)
     monkeypatch.setattr(alerts_out, "HANG_OFF_LOOP_FROM", 2)
 
-    def job(step_t: float) -> JobState:
-        st = JobState(job="unit", hang_after_s=10.0)
-        st.apply(Message("collectives", "unit", 0, 1, step_t, {
-            "groups": {"0": {"desc": "default_pg", "ranks": [0, 1]}}, "stats": [],
-            "issues": []}))
-        for r in (0, 1):
-            st.apply(Message("hello", "unit", r, 0, step_t, {"host": "h", "pid": 100 + r,
-                                                             "world_size": 2, "local_rank": r}))
-            st.apply(Message("step", "unit", r, 2, step_t, {"step": 1, "loss": 1.0}))
-            st.apply(Message("heartbeat", "unit", r, 3, step_t + 30.0, {
-                "phase": "python" if r == 1 else "collective", "dropped": 0,
-                "groups": {"0": [1, 1] if r == 1 else [2, 1]},
-                "stack": CULPRIT_STACK if r == 1 else WAITING_STACK}))
-        return st
-
     sent: list[dict] = []
     out = AlertsOut("unit", Book(), sent.append)
-    hung = job(time.time() - 40.0)
+    hung = two_rank_job(time.time() - 40.0)
     assert out.check(hung, 10.0) == [] and sent == []  # started in a child, not waited for
     child = out._hang_job
     assert child is not None and not child.done.is_set()
@@ -328,11 +312,11 @@ def test_a_big_jobs_hang_report_is_made_off_the_loop_and_taken_at_the_next_look(
     assert [(a["kind"], a["ranks"], a["provisional"]) for a in sent] == [("hang", [1], False)]
 
     gate.unlink()
-    later = job(time.time() - 40.0)
+    later = two_rank_job(time.time() - 40.0)
     later.apply(Message("heartbeat", "unit", 0, 4, time.time(), {"phase": "collective"}))
     out.check(later, 60.0)  # due again (new messages): a second child
     again = out._hang_job
     assert again is not None and not again.done.is_set()
-    out.check(job(time.time()), 70.0)  # it stepped: the report under way is dropped
+    out.check(two_rank_job(time.time()), 70.0)  # it stepped: the report under way is dropped
     assert out._hang_job is None and again.killed
     out.close()

@@ -32,14 +32,19 @@ def folded(ranks: int = 8, steps: int = 3) -> tuple[JobFold, list[bytes]]:
     return fold, history
 
 
+def wait_for_gate(gate: Path) -> None:
+    """Wait (at most a minute) for `gate` to exist: a child held until the test lets it go."""
+    end = time.monotonic() + 60
+    while not gate.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def gated_dump(monkeypatch: pytest.MonkeyPatch, gate: Path) -> None:
     """`seed.dump` waits for `gate` to exist (in the forked child too)."""
     real = seed.dump
 
     def dump(fold: JobFold) -> bytes:
-        end = time.monotonic() + 60
-        while not gate.exists() and time.monotonic() < end:
-            time.sleep(0.01)
+        wait_for_gate(gate)
         return real(fold)
 
     monkeypatch.setattr(seed, "dump", dump)
@@ -121,9 +126,7 @@ def test_a_big_jobs_state_is_made_off_the_loop_and_a_later_request_waits_for_the
     real = seeds_module.snapshot_json
 
     def gated(state: Any) -> dict:
-        end = time.monotonic() + 60
-        while not gate.exists() and time.monotonic() < end:
-            time.sleep(0.01)
+        wait_for_gate(gate)
         return real(state)
 
     monkeypatch.setattr(seeds_module, "snapshot_json", gated)
