@@ -175,6 +175,16 @@ def _token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((axis, c) for axis, c in coords.items() if axis not in SHARED_TOKEN_AXES))
 
 
+def token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The key of a rank's token group (`counted`): a tp group x pipeline."""
+    return _token_group(coords)
+
+
+def token_place(coords: Mapping[str, int]) -> tuple[int, ...]:
+    """A rank's place in its token group: the member with the least counts (`counted`)."""
+    return tuple(coords.get(axis, 0) for axis in SHARED_TOKEN_AXES)
+
+
 def counted(ranks: Iterable[tuple[Any, Mapping[str, int] | None]]) -> list[Any]:
     """The keys, of the (key, mesh coordinates) given (the ranks that have a figure), whose
     figures count for the job, in the order given: every rank without a mesh, and of each
@@ -187,7 +197,7 @@ def counted(ranks: Iterable[tuple[Any, Mapping[str, int] | None]]) -> list[Any]:
         if coords is None:
             keep.add(i)
             continue
-        place = (tuple(coords.get(axis, 0) for axis in SHARED_TOKEN_AXES), i)
+        place = (token_place(coords), i)
         group = _token_group(coords)
         if group not in best or place < best[group]:
             best[group] = place

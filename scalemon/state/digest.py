@@ -19,6 +19,7 @@ tokens/s counts the ranks `throughput.counted` chose as each step came in).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,6 +51,9 @@ class RankDigest:
 class RunDigest:
     """What a summary needs of a job's messages, taken in one by one (`add`)."""
 
+    group_best: dict[Any, tuple[tuple[int, ...], int]] | None = None
+    """(A checkpoint of an earlier scalemon has none: made again at its next new rank.)"""
+
     def __init__(self) -> None:
         self.ranks: dict[int, RankDigest] = {}
         self.steps: set[int] = set()
@@ -69,6 +73,8 @@ class RunDigest:
         self.coords: dict[int, Any] = {}
         self.repeated = 0
         self.recounted = False
+        self.group_best = {}
+        """Per token group, its member's (place, rank) that counts (`_count_in`)."""
         self.mesh_seen: Any = None
         """What the ranks' coordinates were last read from (`link.checkpoint`)."""
 
@@ -90,13 +96,39 @@ class RunDigest:
         self._recount(coords)
 
     def _recount(self, coords: Callable[[int], Any]) -> None:
+        """Every token rank's coordinates asked again, `counted` made anew from them."""
         for rank in self.tokens_ranks:
             if rank not in self.coords:
                 self.coords[rank] = coords(rank)
-        counted = set(throughput.counted((r, self.coords[r]) for r in self.tokens_ranks))
-        if self.counted and not self.counted <= counted | set(self.tokens_ranks[-1:]):
+        self.group_best = {}
+        counted: set[int] = set()
+        for rank in self.tokens_ranks:
+            self._count_in(rank, counted)
+        if self.counted and not self.counted <= counted:
             self.recounted = True
         self.counted = counted
+
+    def _count_in(self, rank: int, counted: set[int]) -> bool:
+        """Rank `rank` (its coordinates in `coords`) into `counted` as `throughput.counted`
+        has it (the ranks in rank order): every rank without a mesh, of each token group the
+        member of the least place, the lower rank on a tie. True when it displaced a counted
+        member of its group (that one leaves `counted`)."""
+        coords = self.coords[rank]
+        if coords is None:
+            counted.add(rank)
+            return False
+        group, place = throughput.token_group(coords), (throughput.token_place(coords), rank)
+        best = self.group_best
+        assert best is not None
+        held = best.get(group)
+        if held is not None and held <= place:
+            return False
+        best[group] = place
+        counted.add(rank)
+        if held is None:
+            return False
+        counted.discard(held[1])
+        return True
 
     def _step(self, msg: Message, coords: Callable[[int], Any]) -> None:
         body, rank = msg.body, msg.rank
@@ -140,11 +172,13 @@ class RunDigest:
     def _tokens(self, rank: int, step: int, value: float, coords: Callable[[int], Any]
                 ) -> None:
         self.tokens_per_rank.add(value)
-        if rank not in self.coords or rank not in self.tokens_ranks:
-            if rank not in self.tokens_ranks:
-                self.tokens_ranks.append(rank)
-                self.tokens_ranks.sort()
-            self._recount(coords)
+        if rank not in self.coords:  # its first figure: `coords` holds every token rank's
+            self.coords[rank] = coords(rank)
+            bisect.insort(self.tokens_ranks, rank)
+            if self.group_best is None:
+                self._recount(coords)  # a checkpoint of an earlier scalemon: once
+            elif self._count_in(rank, self.counted):  # as a pass over every rank would count
+                self.recounted = True  # (that pass: 0.8 s at 2,048 ranks, 57 s at 16,384)
         if rank in self.counted:
             _add_to(self.job_steps, step, value)
 
