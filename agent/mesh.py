@@ -60,6 +60,7 @@ class MeshWatcher:
         self.given = False
         self.sent: dict[str, Any] | None = None
         self._groups_seen = -1
+        self._settled = True  # what the groups said was sent (or none is to be)
 
     def use(self, mesh: Any) -> None:
         """The script's DeviceMesh: send its coordinates; no more looking at groups."""
@@ -67,20 +68,38 @@ class MeshWatcher:
         self._send(mesh_of(mesh))
 
     def check(self) -> None:
-        """Look at the process groups again if their number changed (recorder's thread)."""
+        """Look at the process groups again if their number changed (recorder's thread). A
+        mesh found while its groups are still being made (`init_device_mesh` makes them a
+        dimension at a time) covers fewer ranks than the world: it is sent only once the
+        number of groups stayed the same until the next look, so that a rank does not say a
+        mesh it is not in."""
         if self.given:
             return
         groups = c10d.group_names()
-        if len(groups) == self._groups_seen:
+        changed = len(groups) != self._groups_seen
+        if not changed and self._settled:
             return
         self._groups_seen = len(groups)
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
-        self._send(mesh_from_groups(groups, dist.get_rank(), dist.get_process_group_ranks))
+        value = mesh_from_groups(groups, dist.get_rank(), dist.get_process_group_ranks)
+        if changed and value is not None and _size(value) != dist.get_world_size():
+            self._settled = False  # maybe half made: looked at again at the next check
+            return
+        self._settled = True
+        self._send(value)
 
     def _send(self, value: dict[str, Any] | None) -> None:
         if value is not None and value != self.sent:
             self.sent = value
             self.submit("info", {"key": "mesh", "value": value})
+
+
+def _size(value: Mapping[str, Any]) -> int:
+    """The number of ranks a `mesh` info's shape covers."""
+    size = 1
+    for n in value["shape"].values():
+        size *= n
+    return size

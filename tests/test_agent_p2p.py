@@ -372,3 +372,42 @@ def test_the_wrappers_are_installed_with_the_host_timer_and_removed_with_it(tmp_
     finally:
         timer.remove()
         dist.destroy_process_group()
+
+
+def test_a_mesh_seen_half_made_is_sent_only_once_whole_or_settled(monkeypatch) -> None:
+    """init_device_mesh makes its groups a dimension at a time: the watcher, looking from the
+    recorder's thread between two of them, must not say the half it saw."""
+    import torch.distributed as dist
+
+    from scalemon.agent import c10d
+    from scalemon.agent.mesh import MeshWatcher
+
+    class Group:
+        def __init__(self, desc: str, ranks: list[int]) -> None:
+            self.group_desc, self.ranks = desc, ranks
+
+    made: dict = {}
+    monkeypatch.setattr(c10d, "group_names", lambda: dict(made))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda pg: pg.ranks)
+    sent: list = []
+    watcher = MeshWatcher(lambda mtype, body: sent.append(body["value"]))
+    made[Group("mesh_dp", [1, 3])] = "g1"  # the dp dimension made, tp not yet
+    watcher.check()
+    assert sent == []  # 2 ranks of 4: maybe half made
+    made[Group("mesh_tp", [2, 3])] = "g2"
+    watcher.check()  # whole: at once
+    assert sent == [{"coords": {"dp": 1, "tp": 1}, "shape": {"dp": 2, "tp": 2},
+                     "source": "groups"}]
+    watcher.check()
+    assert len(sent) == 1
+
+    other = MeshWatcher(lambda mtype, body: sent.append(body["value"]))
+    made.clear()
+    made[Group("mesh_pp", [1, 3])] = "g3"  # a mesh of part of the world, for good
+    other.check()
+    assert len(sent) == 1
+    other.check()  # the groups stayed as they were: sent
+    assert sent[-1]["shape"] == {"pp": 2} and len(sent) == 2
