@@ -10,6 +10,7 @@ goes out once per change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -85,7 +86,8 @@ class MeshWatcher:
         if not dist.is_initialized():
             return
         value = mesh_from_groups(groups, dist.get_rank(), dist.get_process_group_ranks)
-        if changed and value is not None and _size(value) != dist.get_world_size():
+        if (changed and value is not None
+                and math.prod(value["shape"].values()) != dist.get_world_size()):
             self._settled = False  # maybe half made: looked at again at the next check
             return
         self._settled = True
@@ -95,11 +97,3 @@ class MeshWatcher:
         if value is not None and value != self.sent:
             self.sent = value
             self.submit("info", {"key": "mesh", "value": value})
-
-
-def _size(value: Mapping[str, Any]) -> int:
-    """The number of ranks a `mesh` info's shape covers."""
-    size = 1
-    for n in value["shape"].values():
-        size *= n
-    return size

@@ -58,7 +58,7 @@ from scalemon.state import alerts as alerting
 from scalemon.state.jobstate import JobState
 from scalemon.text.display import LATE, shown, unit
 
-from .forked import ForkedCall
+from .forked import ForkedCall, timed
 from .liveness import scan_every_s
 
 log = logging.getLogger("scalemon.hub")
@@ -342,7 +342,7 @@ class AlertsOut:
                 hang, cost = job.result
             else:
                 log.error("could not make the hang report off the loop: %s", job.error)
-                hang, cost = _timed_hang(state, wall)
+                hang, cost = timed(lambda: job_hang(state, wall))
         else:
             due, earliest, messages = self._hang_remake
             if ongoing and (now < earliest or messages == state.messages or (
@@ -352,7 +352,7 @@ class AlertsOut:
             if (self._off_loop and len(state.ranks) >= HANG_OFF_LOOP_FROM
                     and self._start_hang_job(state, wall)):
                 return kept
-            hang, cost = _timed_hang(state, wall)
+            hang, cost = timed(lambda: job_hang(state, wall))
         self._hang_alert = None
         if hang is None:
             return {}
@@ -383,8 +383,8 @@ class AlertsOut:
         if not hasattr(os, "fork"):
             return False
         try:
-            self._hang_job = ForkedCall(lambda: _timed_hang(state, wall), self._hang_made,
-                                        "hang-report")
+            self._hang_job = ForkedCall(lambda: timed(lambda: job_hang(state, wall)),
+                                        self._hang_made, "hang-report")
         except OSError as exc:  # out of memory, process limit
             log.warning("could not fork to make the hang report (%s): making it here", exc)
             return False
@@ -442,10 +442,3 @@ def _memory(values: Mapping[str, Any]) -> tuple[float, int, int] | None:
         if isinstance(used, int) and not isinstance(used, bool) and used >= 0:
             return used / total, used, total
     return None
-
-
-def _timed_hang(state: JobState, wall: float) -> tuple[dict[str, Any] | None, float]:
-    """`job_hang` of `state` at `wall`, and the seconds it took."""
-    began = time.perf_counter()
-    hang = job_hang(state, wall)
-    return hang, time.perf_counter() - began

@@ -21,10 +21,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 CHILD_LIMIT_S = 300
 """A child still running after this long is ended by its alarm."""
+
+
+def timed(work: Callable[[], T]) -> tuple[T, float]:
+    """What `work()` returns, and the seconds it took."""
+    started = time.perf_counter()
+    result = work()
+    return result, time.perf_counter() - started
 
 
 class ForkedCall:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +67,10 @@ class ForkedReplies:
     # --- the loop's side --------------------------------------------------------------------
     def ask(self, origin: Origin, head: int) -> dict[str, Any] | None:
         """Take a request from `origin` at record `head`: None, it is answered later; or a
-        reply at once (too many waiting)."""
+        reply at once (too many waiting; or no fork here: made on the loop, as a thread
+        would read the state while the loop changes it)."""
+        if not hasattr(os, "fork"):
+            return self._made(head, *self.work(head))
         waiting = len(self._joined) + len(self._queued)
         if waiting >= MAX_WAITING:
             return self.too_many(head, waiting)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from scalemon.link import seed
 from scalemon.reports.snapshot import snapshot_json
 
 from .core import HubCore
+from .forked import timed
 from .forked_replies import ForkedReplies, Origin, Send
 
 log = logging.getLogger("scalemon.hub")
@@ -46,8 +46,6 @@ class Seeds(ForkedReplies):
         cached = self._cache
         if cached is not None and cached[0] == head and time.monotonic() - cached[1] < SEED_REUSE_S:
             return cached[2]
-        if not hasattr(os, "fork"):
-            return self.reply(head, _timed(lambda: self._dump(head))(), None)
         return super().ask(origin, head)
 
     def joins(self, made: int, head: int) -> bool:
@@ -67,7 +65,7 @@ class Seeds(ForkedReplies):
         return seed.dump(fold)
 
     def work(self, head: int) -> tuple[Callable[[], Any], Any]:
-        return _timed(lambda: self._dump(head)), None
+        return (lambda: timed(lambda: self._dump(head))), None
 
     def reply(self, head: int, result: Any, context: Any) -> dict[str, Any]:
         blob, took = result
@@ -97,7 +95,7 @@ class States(ForkedReplies):
 
     def ask(self, origin: Origin, head: int) -> dict[str, Any] | None:
         state = self.core.state
-        if len(state.ranks) < FORK_STATE_FROM_RANKS or not hasattr(os, "fork"):
+        if len(state.ranks) < FORK_STATE_FROM_RANKS:
             return {"state": snapshot_json(state), "hub": self.stats(), "head": head}
         return super().ask(origin, head)
 
@@ -107,11 +105,3 @@ class States(ForkedReplies):
 
     def reply(self, head: int, result: Any, context: Any) -> dict[str, Any]:
         return {"state": result, "hub": context, "head": head}
-
-
-def _timed(work: Callable[[], bytes]) -> Callable[[], tuple[bytes, float]]:
-    def timed() -> tuple[bytes, float]:
-        started = time.perf_counter()
-        blob = work()
-        return blob, time.perf_counter() - started
-    return timed

@@ -75,7 +75,6 @@ class FanOut:
             sock: set() for sock in sockets if sock.type == zmq.XPUB}
         """Per XPUB socket, the topic prefixes some subscriber follows (an unsubscription
         comes once the last of them left: libzmq's rule, verbose or not)."""
-        self._wanted: dict[tuple[zmq.Socket, bytes], bool] = {}
 
     def subscription(self, sock: zmq.Socket, message: bytes) -> None:
         """An XPUB socket's (un)subscription message: 1 or 0, then the topic prefix."""
@@ -86,19 +85,12 @@ class FanOut:
             topics.add(message[1:])
         else:
             topics.discard(message[1:])
-        self._wanted.clear()
 
     def wanted(self, sock: zmq.Socket, topic: bytes) -> bool:
-        """True when someone on `sock` follows `topic` (a plain PUB socket: always)."""
-        key = (sock, topic)
-        found = self._wanted.get(key)
-        if found is None:
-            topics = self.topics.get(sock)
-            found = topics is None or any(topic.startswith(t) for t in topics)
-            if len(self._wanted) > 256:  # topics are few; a bound all the same
-                self._wanted.clear()
-            self._wanted[key] = found
-        return found
+        """True when someone on `sock` follows `topic` (a plain PUB socket: always). Asked once
+        per batch of records, of a few prefixes."""
+        topics = self.topics.get(sock)
+        return topics is None or any(topic.startswith(t) for t in topics)
 
     def send_multipart(self, frames: list[bytes]) -> None:
         """Publish `frames` on every feed socket where its topic is followed (frame by frame

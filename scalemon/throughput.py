@@ -169,15 +169,10 @@ def rank_figure_at(view: Any, now: float) -> Figure:
     return Figure(live, last, source)
 
 
-def _token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+def token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     """The key of a rank's token group: its coordinates on every axis but
     `SHARED_TOKEN_AXES`."""
     return tuple(sorted((axis, c) for axis, c in coords.items() if axis not in SHARED_TOKEN_AXES))
-
-
-def token_group(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    """The key of a rank's token group (`counted`): a tp group x pipeline."""
-    return _token_group(coords)
 
 
 def token_place(coords: Mapping[str, int]) -> tuple[int, ...]:
@@ -188,7 +183,7 @@ def token_place(coords: Mapping[str, int]) -> tuple[int, ...]:
 def counted(ranks: Iterable[tuple[Any, Mapping[str, int] | None]]) -> list[Any]:
     """The keys, of the (key, mesh coordinates) given (the ranks that have a figure), whose
     figures count for the job, in the order given: every rank without a mesh, and of each
-    token group (`_token_group`: a tp group x pipeline) the member nearest coordinate 0 on the
+    token group (`token_group`: a tp group x pipeline) the member nearest coordinate 0 on the
     `SHARED_TOKEN_AXES` (the first given on a tie)."""
     given = list(ranks)
     best: dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], int]] = {}
@@ -198,7 +193,7 @@ def counted(ranks: Iterable[tuple[Any, Mapping[str, int] | None]]) -> list[Any]:
             keep.add(i)
             continue
         place = (token_place(coords), i)
-        group = _token_group(coords)
+        group = token_group(coords)
         if group not in best or place < best[group]:
             best[group] = place
     keep.update(i for _, i in best.values())

@@ -123,8 +123,9 @@ class HubFeed(Feed):
                             make_totals(data)  # what the redraws read, before any digest
                     finally:
                         data.busy = False  # the seed held the redraws (`load_seed`)
-                with data.lock:
-                    data.digest_followed = follower is not None
+                else:
+                    with data.lock:
+                        data.digest_followed = False
                 self.attaches += 1
                 status("connected", address.base)
                 if follower is not None:  # a big job: the hub's digest, not every record
