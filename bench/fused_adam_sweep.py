@@ -1,16 +1,17 @@
 """FusedAdamW's launch shape (elements per program x warps) swept on the GPU, beside torch fused.
 
 For GPT-2 124M's tensor shapes, fp32 and bf16 params: FusedAdamW built with each launch shape
-(`--configs`, BLOCKxWARPS) in each of its modes (fp32: the one; bf16: fp32 master, lo16 master +
-bf16 moments, fp32 master + bf16 moments), and torch's AdamW(fused=True), all stepping the same
-shared params and grads, interleaved step by step in rotating order (as bench/fused_adam.py),
-timed with CUDA events: median, p10 and p90 ms, GB/s, % of a device-to-device copy. Prints a
-table per dtype and, per mode, the fastest shape; saves bench/results/fused_adam_sweep_<gpu>.json.
-The shape is set through adam_kernel.GPU_BLOCK (read when an optimizer's plan is built) and
-adam_plan.GPU_WARPS (read at each launch): a bench knob, not a product setting.
+(`--configs`, BLOCKxWARPS or BLOCKxWARPSxITERS: ITERS blocks a program) in each of its modes
+(fp32: the one; bf16: fp32 master, lo16 master + bf16 moments, fp32 master + bf16 moments), and
+torch's AdamW(fused=True), all stepping the same shared params and grads, interleaved step by
+step in rotating order (as bench/fused_adam.py), timed with CUDA events: median, p10 and p90 ms,
+GB/s, % of a device-to-device copy. Prints a table per dtype and, per mode, the fastest shape;
+saves bench/results/fused_adam_sweep_<gpu>.json.
+The shape is set through adam_kernel.GPU_BLOCK and GPU_ITERS (read when an optimizer's plan is
+built) and adam_plan.GPU_WARPS (read at each launch): a bench knob, not a product setting.
 
     python bench/fused_adam_sweep.py                       # the default shapes
-    python bench/fused_adam_sweep.py --configs 2048x8 8192x16 --iters 100
+    python bench/fused_adam_sweep.py --configs 2048x8 512x4x4 --iters 100
     python bench/fused_adam_sweep.py --best fp32           # also print "BLOCKxWARPS" of the
                                                            # fastest fp32 shape, last line alone
 
@@ -40,32 +41,40 @@ BYTES = {"fp32": 28, "bf16 fp32-master": 28, "bf16 lo16+bf16m": 18, "bf16 fp32m+
          "torch fused fp32": 28, "torch fused bf16": 14}
 
 
-def parse_config(text: str) -> tuple[int, int]:
-    """'8192x16' -> (8192, 16); a clear error otherwise."""
-    m = re.fullmatch(r"(\d+)x(\d+)", text)
+def parse_config(text: str) -> tuple[int, int, int]:
+    """'8192x16' -> (8192, 16, 1), '512x4x4' -> (512, 4, 4); a clear error otherwise."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"'{text}' is not BLOCKxWARPS, e.g. 8192x16")
-    block, warps = int(m[1]), int(m[2])
-    if block & (block - 1) or warps & (warps - 1) or not 1 <= warps <= 32:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not BLOCKxWARPS or BLOCKxWARPSxITERS, e.g. 8192x16 or 512x4x4")
+    block, warps, iters = int(m[1]), int(m[2]), int(m[3] or 1)
+    if block & (block - 1) or warps & (warps - 1) or not 1 <= warps <= 32 or not iters >= 1:
         raise argparse.ArgumentTypeError(f"'{text}': BLOCK and WARPS must be powers of two, "
-                                         "WARPS 1-32")
-    return block, warps
+                                         "WARPS 1-32, ITERS 1 or more")
+    return block, warps, iters
+
+
+def config_name(shape: tuple[int, int, int]) -> str:
+    """(512, 4, 1) -> '512x4', (512, 4, 4) -> '512x4x4'."""
+    block, warps, iters = shape
+    return f"{block}x{warps}" + (f"x{iters}" if iters > 1 else "")
 
 
 class Shaped:
     """A FusedAdamW built and stepped with one launch shape."""
 
-    def __init__(self, params: list[torch.Tensor], shape: tuple[int, int], **kw: object) -> None:
+    def __init__(self, params: list[torch.Tensor], shape: tuple[int, int, int],
+                 **kw: object) -> None:
         from scalemon.demo_train import adam_kernel, adam_plan
         from scalemon.demo_train.fused_adam import FusedAdamW
 
         self.kernel, self.plan, self.shape = adam_kernel, adam_plan, shape
-        adam_kernel.GPU_BLOCK = shape[0]
         self.opt = FusedAdamW(params, **HYPER, **kw)
-        self.step()  # the plan is built at the first step, with this BLOCK
+        self.step()  # the plan is built at the first step, with this BLOCK and ITERS
 
     def step(self) -> None:
-        self.kernel.GPU_BLOCK, self.plan.GPU_WARPS = self.shape
+        block, warps, iters = self.shape
+        self.kernel.GPU_BLOCK, self.plan.GPU_WARPS, self.kernel.GPU_ITERS = block, warps, iters
         self.opt.step()
 
 
@@ -97,7 +106,7 @@ def time_all(steppers: dict, warmup: int, iters: int) -> dict[str, list[float]]:
     return {n: [s.elapsed_time(e) for s, e in ev] for n, ev in events.items()}
 
 
-def run_dtype(dtype: torch.dtype, configs: list[tuple[int, int]], args: argparse.Namespace,
+def run_dtype(dtype: torch.dtype, configs: list[tuple[int, int, int]], args: argparse.Namespace,
               copy: float) -> list[dict]:
     """Every mode x shape of this dtype and torch fused, on shared params; rows."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -112,7 +121,7 @@ def run_dtype(dtype: torch.dtype, configs: list[tuple[int, int]], args: argparse
     t0 = time.perf_counter()
     for mode, kw in modes(dtype).items():
         for shape in configs:
-            steppers[f"{mode} {shape[0]}x{shape[1]}"] = Shaped(params, shape, **kw).step
+            steppers[f"{mode} {config_name(shape)}"] = Shaped(params, shape, **kw).step
     print(f"{tag}: {len(steppers) - 1} kernels built in {time.perf_counter() - t0:.1f} s",
           flush=True)
     times = time_all(steppers, args.warmup, args.iters)
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", type=parse_config,
                     default=[parse_config(c) for c in DEFAULT_CONFIGS],
-                    help=f"launch shapes BLOCKxWARPS (default: {' '.join(DEFAULT_CONFIGS)})")
+                    help="launch shapes BLOCKxWARPS[xITERS]: ITERS blocks a program "
+                         f"(default 1; default shapes: {' '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=60, help="timed steps per implementation")
     ap.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])

@@ -42,6 +42,8 @@
 #                          bench/fused_adam_sweep.py, whose fastest fp32 shape optimizer_ab then
 #                          uses; demo, the demo trainer on the GPU with the monitor, one rank:
 #                          MoE, ZeRO-3 bf16, compile with our AdamW)
+#   GPU_CHECKS_SWEEP_ARGS  benches: more arguments of the sweep row, e.g.
+#                          "--configs 512x4 512x4x4 --dtypes bf16 --iters 100"
 #   GPU_CHECKS_ADAM_SHAPE  benches: optimizer_ab's --adam-shape (BLOCKxWARPS; default: the
 #                          sweep row's fastest fp32 shape when it ran first, else the module's)
 set -euo pipefail
@@ -334,7 +336,8 @@ row_sweep() {  # our AdamW kernels' launch shapes beside torch fused (bench/fuse
         note "sweep: not run in CPU mode (it needs CUDA)"
         return
     fi
-    row "sweep" 240 "$PY" "$REPO/bench/fused_adam_sweep.py" --best fp32
+    # shellcheck disable=SC2086  # GPU_CHECKS_SWEEP_ARGS: words on purpose
+    row "sweep" 240 "$PY" "$REPO/bench/fused_adam_sweep.py" --best fp32 ${GPU_CHECKS_SWEEP_ARGS:-}
     saved=$(ls -t "$REPO"/bench/results/fused_adam_sweep_*.json 2>/dev/null | head -1)
     if [[ -n $saved ]]; then cp "$saved" "$OUT/"; fi
     if ((ROW_RC == 0)) && [[ -z ${GPU_CHECKS_ADAM_SHAPE:-} ]]; then

@@ -45,9 +45,10 @@ def main() -> int:
     p.add_argument("--block-steps", type=int, default=12)
     p.add_argument("--untimed", type=int, default=2, help="steps at a block's start not timed")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--adam-shape", metavar="BLOCKxWARPS", default=None,
-                   help="our kernels' launch shape (elements per program x warps), e.g. 8192x16,"
-                        " as bench/fused_adam_sweep.py names them (default: the module's)")
+    p.add_argument("--adam-shape", metavar="BLOCKxWARPS[xITERS]", default=None,
+                   help="our kernels' launch shape (elements a block x warps [x blocks a "
+                        "program]), e.g. 512x4x4, as bench/fused_adam_sweep.py names them "
+                        "(default: the module's)")
     args = p.parse_args()
     if args.adam_shape:
         set_adam_shape(p, args.adam_shape)
@@ -138,16 +139,18 @@ def set_adam_shape(parser: argparse.ArgumentParser, text: str) -> None:
     from scalemon.demo_train import adam_kernel, adam_plan
 
     try:
-        adam_kernel.GPU_BLOCK, adam_plan.GPU_WARPS = parse_config(text)
+        adam_kernel.GPU_BLOCK, adam_plan.GPU_WARPS, adam_kernel.GPU_ITERS = parse_config(text)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--adam-shape: {exc}")
 
 
 def adam_shape() -> str:
-    """Our kernels' launch shape in use, BLOCKxWARPS."""
+    """Our kernels' launch shape in use, BLOCKxWARPS[xITERS]."""
+    from fused_adam_sweep import config_name
+
     from scalemon.demo_train import adam_kernel, adam_plan
 
-    return f"{adam_kernel.GPU_BLOCK}x{adam_plan.GPU_WARPS}"
+    return config_name((adam_kernel.GPU_BLOCK, adam_plan.GPU_WARPS, adam_kernel.GPU_ITERS))
 
 
 def summarize(args: argparse.Namespace, device: torch.device,

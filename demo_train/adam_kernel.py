@@ -38,7 +38,11 @@ HCOL = 8  # float64 columns per group row
 # gpu-nvidia-h200-2026-11-27b.md): fastest of 12 shapes for every bf16 mode, within 1% of
 # the fastest (1024 x 8) for fp32
 GPU_BLOCK, GPU_WARPS = 512, 4
+# Blocks a program steps one after the other: its table reads, step count and bias
+# corrections (a chain of dependent loads and fp64 math) are paid once for all of them
+GPU_ITERS = 1
 INTERP_BLOCK = 16384  # the interpreter pays per program, so use fewer, larger ones
+INTERP_ITERS = 1
 FLAG_STOCHASTIC = 8  # a row's flags bit: round the (bf16, masterless) param stochastically
 POKES = 8  # (index, value) pairs per poke launch
 POKE_BIAS = 1 << 32  # added to every poke argument so that Triton types them all int64
@@ -356,11 +360,13 @@ def fused_adam_kernel(
     NCOL: tl.constexpr,
     HCOL: tl.constexpr,
     BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
 ):
-    """One Adam/AdamW update of block ``program_id`` of the tensor the tables name."""
+    """One Adam/AdamW update of span ``program_id`` (ITERS blocks of BLOCK elements) of the
+    tensor the tables name."""
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tab + 2 * pid)
-    start = tl.multiple_of(tl.load(block_tab + 2 * pid + 1), BLOCK)
+    start = tl.multiple_of(tl.load(block_tab + 2 * pid + 1), BLOCK * ITERS)
     row = tensor_tab + t * NCOL
     addrs = (
         tl.load(row),
@@ -380,19 +386,21 @@ def fused_adam_kernel(
     if ok:
         step = tl.load(step_addr.to(tl.pointer_type(tl.float32))) + 1.0
         sc = _scalars(hyper_tab + hrow * HCOL, lr_addr, step)
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < numel
         seed = 0
         if SR:  # stochastic rounding's random bits: a new draw per tensor and step
             seed = _hash32(_hash32(step.to(tl.uint32)) ^ t.to(tl.uint32))
-        # fmt: off
-        if start + BLOCK <= numel:
-            _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
-                    P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, True, ALIGNED)
-        else:
-            _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
-                    P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, False, False)
-        # fmt: on
+        for i in range(ITERS):  # the program's ITERS blocks, one after the other
+            sub = tl.multiple_of(start + i * BLOCK, BLOCK)
+            offs = sub + tl.arange(0, BLOCK)
+            mask = offs < numel
+            # fmt: off
+            if sub + BLOCK <= numel:
+                _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
+                        P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, True, ALIGNED)
+            elif sub < numel:
+                _update(addrs, codes, sc, flags, seed, scale_ptr, offs, mask, HAS_SCALE,
+                        P_CODE, G_CODE, S_CODE, MASTER, AMS, SR, False, False)
+            # fmt: on
         _bump_step(counters + t, step_addr, step, nblocks, ok)
 
 
@@ -440,6 +448,13 @@ if interpreted():
     _direct_device_calls()
 
 
+def launch_shape(device: torch.device) -> tuple[int, int]:
+    """(elements a block, blocks a program): large blocks under the interpreter, which pays
+    per program."""
+    return (INTERP_BLOCK, INTERP_ITERS) if device.type == "cpu" else (GPU_BLOCK, GPU_ITERS)
+
+
 def block_for(device: torch.device) -> int:
-    """Elements per program: large under the interpreter, which pays per program."""
-    return INTERP_BLOCK if device.type == "cpu" else GPU_BLOCK
+    """Elements per program (its span: a block times the blocks it steps)."""
+    block, iters = launch_shape(device)
+    return block * iters

@@ -23,6 +23,7 @@ from .adam_kernel import (
     block_for,
     fused_adam_kernel,
     interpreted,
+    launch_shape,
     poke_kernel,
 )
 
@@ -155,7 +156,8 @@ class Plan:
         self.gdtypes = [g.dtype for g in grads]
         self.contiguous = all(p.is_contiguous() for p in self.params)
         self.device = self.params[0].device
-        self.block = block_for(self.device)
+        self.block = block_for(self.device)  # a program's span
+        self.sub_block, self.iters = launch_shape(self.device)
         self._tables(rows)
         self.grad_tab = _upload(torch.tensor(self.gptrs, dtype=torch.int64), self.device)
         self.counters = torch.zeros(len(rows), dtype=torch.int32, device=self.device)
@@ -269,7 +271,8 @@ class Plan:
             HAS_INF=found_inf is not None,
             NCOL=NCOL,
             HCOL=HCOL,
-            BLOCK=self.block,
+            BLOCK=self.sub_block,
+            ITERS=self.iters,
             num_warps=GPU_WARPS,
             **self.consts,
         )

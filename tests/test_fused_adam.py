@@ -209,6 +209,30 @@ def test_mixed_dtypes_with_master_weights_match_fp32():
         torch.testing.assert_close(o.detach(), master.to(o.dtype), rtol=0, atol=0)
 
 
+def test_programs_that_step_several_blocks_match_one_block_each(monkeypatch):
+    """A program steps ITERS blocks one after the other (the GPU's launch shape): full blocks,
+    a tensor's masked tail, and blocks past a tensor's end (skipped) give torch's result."""
+    monkeypatch.setattr(adam_kernel, "INTERP_BLOCK", 64)
+    monkeypatch.setattr(adam_kernel, "INTERP_ITERS", 3)
+    shapes = [(64 * 3 * 2,), (64 * 3 + 70,), (5, 7), (64,), ()]  # whole spans, tails, one block
+    ours_ps = _params(shapes, torch.float32, 21) + _params(shapes, torch.bfloat16, 22)
+    ref_ps = _twins(ours_ps, torch.float32)
+    ref = torch.optim.AdamW(ref_ps, lr=1e-2, weight_decay=0.1, foreach=False)
+    ours = fa.FusedAdamW(ours_ps, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(23)
+    for _ in range(5):
+        _set_grads(gen, ours_ps, ref_ps)
+        ref.step()
+        ours.step()
+    assert (ours._plan.sub_block, ours._plan.iters, ours._plan.block) == (64, 3, 192)
+    assert ours._plan.n_blocks == 2 * (2 + 2 + 1 + 1 + 1)  # per dtype: 384 -> 2 spans, 262 -> 2
+    for r, o in zip(ref_ps, ours_ps, strict=True):
+        master = ours.state[o].get("master_param", o.detach())
+        torch.testing.assert_close(master, r.detach(), **F32)
+        torch.testing.assert_close(ours.state[o]["exp_avg"], ref.state[r]["exp_avg"], **F32)
+        assert float(ours.state[o]["step"]) == 5.0  # the last program of a tensor counted it
+
+
 def test_bf16_without_master_matches_torch_fused_bf16():
     ref_ps = _params(SMALL, torch.bfloat16, 12)
     our_ps = _twins(ref_ps)
@@ -472,7 +496,8 @@ AOT_COMPILE = textwrap.dedent(
     pure_sr = dict(P_CODE=1, G_CODE=1, S_CODE=1, MASTER=0, AMS=0, HAS_SCALE=False,
                    HAS_INF=False, SR=1)  # stochastic rounding: still vectorised, IEEE math
     for consts in (fixed, mixed, bf16, pure_sr):
-        consts = dict(consts, ALIGNED=True, NCOL=k.NCOL, HCOL=k.HCOL, BLOCK=k.GPU_BLOCK)
+        consts = dict(consts, ALIGNED=True, NCOL=k.NCOL, HCOL=k.HCOL, BLOCK=k.GPU_BLOCK,
+                      ITERS=4)  # a program of several blocks: still vectorised
         src = ASTSource(k.fused_adam_kernel, {**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts)
         ptx = triton.compile(src, target=target, options={"num_warps": k.GPU_WARPS}).asm["ptx"]
