@@ -2,7 +2,8 @@
 
 While the rank completes steps, a big job's hub asks for fewer heartbeats (`stepping_s`, from
 the answer to the rank's sync: `scalemon.policy.heartbeat_stepping_s`); the steps tell it the
-rank lives. A rank that stops stepping, or is found stuck, beats every second again at once.
+rank lives. A rank that stops stepping beats every second again once the stepping interval
+since its last reading has passed; one found stuck beats at once.
 
 A stuck rank's stack and collectives in flight (`scalemon.metrics.SENT_WHEN_CHANGED`) go out in
 its first heartbeat after it becomes stuck and again when they change; the heartbeats between

@@ -209,7 +209,9 @@ def analyse(directory: Path, timeout_s: float) -> dict[str, Any]:
     busy_before = _machine_busy_s()
     with open(out_path, "w") as out:
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        # run beside the dump, not in the checkout: its scalemon/ would shadow an installed one
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
+                                cwd=directory.parent)
         watched = psutil.Process(proc.pid)
         stderr: list[str] = []
         reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)

@@ -44,7 +44,7 @@
 #                          MoE, ZeRO-3 bf16, compile with our AdamW)
 #   GPU_CHECKS_SWEEP_ARGS  benches: more arguments of the sweep row, e.g.
 #                          "--configs 512x4 512x4x4 --dtypes bf16 --iters 100"
-#   GPU_CHECKS_ADAM_SHAPE  benches: optimizer_ab's --adam-shape (BLOCKxWARPS; default: the
+#   GPU_CHECKS_ADAM_SHAPE  benches: optimizer_ab's --adam-shape (BLOCKxWARPS[xITERS]; default: the
 #                          sweep row's fastest fp32 shape when it ran first, else the module's)
 set -euo pipefail
 
