@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, FakeRank, kill_tree, torchrun_cmd, wait_for
 from scalemon.collectives import CollectiveStats
+from scalemon.home.history import history_path, read_messages
 from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.hub.openmetrics import RANK_GAUGES, families, parse_address
@@ -374,6 +375,26 @@ def test_the_grafana_dashboard_queries_only_exported_metrics():
             "scalemon_hang"} <= queried
 
 
+def collectives_seen(home: Path, job: str) -> dict[int, dict[str, object]]:
+    """Per rank, what its `collectives` messages in the job's history said: how many, the
+    groups listed with their members, issues sent, and (group, seq) issued by every rank."""
+    messages, _ = read_messages(history_path(job, home))
+    per_rank: dict[int, dict[str, object]] = {}
+    issued: dict[int, set] = {}
+    for m in messages:
+        if m.type != "collectives" or m.rank == HUB_RANK:
+            continue
+        row = per_rank.setdefault(m.rank, {"messages": 0, "groups": {}, "issues": 0})
+        row["messages"] += 1
+        for name, group in (m.body.get("groups") or {}).items():
+            row["groups"][name] = group.get("ranks")
+        row["issues"] += len(m.body.get("issues") or [])
+        issued.setdefault(m.rank, set()).update(
+            (i[0], i[1]) for i in m.body.get("issues") or [])
+    common = set.intersection(*issued.values()) if issued else set()
+    return {**per_rank, "issued_by_all": len(common)}
+
+
 @pytest.mark.integration
 def test_a_monitored_demo_is_scraped_with_every_rank(home):
     env = os.environ.copy()
@@ -388,6 +409,8 @@ def test_a_monitored_demo_is_scraped_with_every_rank(home):
         url = wait_for(lambda: path.exists() and JobFile.read(path).metrics_url, timeout=120)
         url += "?ranks=all"
 
+        seen: dict[str, object] = {}
+
         def both_stepping() -> tuple[str, dict] | None:
             assert job.poll() is None, log.read_text()
             text = scrape(url)
@@ -396,10 +419,15 @@ def test_a_monitored_demo_is_scraped_with_every_rank(home):
             late = [rank_value(found, "scalemon_arrival_lateness_seconds", "omD", r)
                     for r in (0, 1)]
             busbw = any(name == "scalemon_collective_busbw_gbps" for name, _ in found)
+            seen.update(steps=steps, lateness=late, busbw=busbw)
             done = all(s and s >= 3 for s in steps) and None not in late and busbw
             return (text, found) if done else None
 
-        text, found = wait_for(both_stepping, timeout=180, interval=0.5)
+        try:
+            text, found = wait_for(both_stepping, timeout=180, interval=0.5)
+        except AssertionError as exc:  # say what the hub had, to tell where the ranks' went
+            raise AssertionError(f"{exc}; last scrape: {seen}; the history's collectives: "
+                                 f"{collectives_seen(home, 'omD')}") from None
     finally:
         kill_tree(job)
     declared = {f.name for f in text_string_to_metric_families(text)}
