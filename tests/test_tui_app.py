@@ -496,3 +496,35 @@ def test_text_from_a_rank_is_shown_as_typed_never_read_as_markup():
             assert isinstance(app.screen, RankDetailScreen)  # still up, nothing raised
 
     asyncio.run(scenario())
+
+
+def test_the_footer_is_composed_again_only_when_its_keys_change():
+    """Textual recomposes the footer at each focus or screen change; the same keys keep their
+    widgets (only the fit is redone), and another screen's keys replace them."""
+    from textual.widgets._footer import FooterKey
+
+    from scalemon.tui.screens.collectives import CollectivesScreen
+    from scalemon.tui.widgets.fit import KeysFooter
+
+    app = simulated_app(ranks=4, gpu=False, steps=5)
+
+    def keys() -> dict[str, FooterKey]:
+        footer = app.screen.query_one(KeysFooter)
+        return {k.description: k for k in footer.query(FooterKey)}
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 40)) as pilot:
+            await until(pilot, lambda: "Rank detail" in keys())  # the rank table focused
+            await pilot.pause(0.3)  # the overview's keys settled
+            before = keys()
+            footer = app.screen.query_one(KeysFooter)
+            footer.call_after_refresh(footer.recompose)  # as Textual does: the same keys
+            await pilot.pause(0.3)
+            assert keys() == before and all(keys()[d] is k for d, k in before.items())
+            await pilot.press("c")
+            await until(pilot, lambda: isinstance(app.screen, CollectivesScreen)
+                        and "Back" in keys() and "Rank detail" not in keys())
+            await pilot.press("escape")
+            await until(pilot, lambda: "Rank detail" in keys() and "Back" not in keys())
+
+    asyncio.run(scenario())

@@ -83,11 +83,26 @@ class KeysFooter(Footer):
 
     def __init__(self) -> None:
         super().__init__(compact=True)
+        self._composed: tuple | None = None  # what the keys shown were composed from
 
     async def recompose(self) -> None:
-        """The keys changed: show those that fit."""
-        await super().recompose()
+        """The keys changed: show those that fit. Textual recomposes the footer at every
+        change of focus or screen even when the keys stay the same (five times as the
+        dashboard starts, a third of its first paint): then only the fit is redone."""
+        shown = self._keys_shown()
+        if shown is None or shown != self._composed:
+            await super().recompose()
+            self._composed = shown
         self.fit_keys()
+
+    def _keys_shown(self) -> tuple | None:
+        """What `Footer.compose` draws from (its bindings, enabled and tooltips, and the
+        palette's key), or None before it draws any."""
+        if not getattr(self, "_bindings_ready", True) or not self.is_attached:
+            return None
+        return (self.show_command_palette, self.compact,
+                *((binding, enabled, tooltip)
+                  for _, binding, enabled, tooltip in self.screen.active_bindings.values()))
 
     def on_resize(self, event: Resize) -> None:
         """A new width: show those that fit now."""
