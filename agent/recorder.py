@@ -389,8 +389,10 @@ class Recorder:
             self.fields["stack"] = self.training_stack()
             self.fields["p2p_inflight"] = self.p2p_reader.inflight()
         self.p2p_reader.learn_groups(self._group_info)
+        # a group goes once its members are known: the hub keeps the first word on a group
+        # that names them, so one sent without them would never be sent again
         new_groups = {n: wire_group(g, self.rank) for n, g in self._group_info.items()
-                      if n not in self._groups_sent}
+                      if n not in self._groups_sent and g["ranks"]}
         if stats.rows or issues or new_groups or steps or p2p.rows:
             if len(issues) > MAX_ISSUES:
                 issues = issues[-MAX_ISSUES:]
@@ -406,13 +408,17 @@ class Recorder:
 
     def _learn_groups(self, dump: dict[str, Any], entries: list[dict[str, Any]]) -> None:
         config = dump.get("pg_config") or {}
+        asked: set[str] = set()  # a group whose ranks are not known yet: asked once a read
         for e in entries:
             pg = e.get("process_group") or ("", "")
             name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
             self._names_by_pg_id[str(e.get("pg_id"))] = name
-            if name and name not in self._group_info:
+            known = self._group_info.get(name)
+            if name and (known is None or not known["ranks"]) and name not in asked:
+                asked.add(name)
                 ranks = pg_config_ranks(config.get(name)) or c10d.group_ranks(name)
-                self._group_info[name] = {"desc": desc, "ranks": ranks or []}
+                self._group_info[name] = {"desc": desc or (known or {}).get("desc", ""),
+                                          "ranks": ranks or []}
 
     def _take(self, source: RecorderSource, entries: list[dict[str, Any]],
               stats: CollectiveStats, issues: list[list[Any]],

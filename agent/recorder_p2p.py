@@ -47,7 +47,7 @@ class P2PReader:
             return
         for pg, name in list(c10d.group_names().items()):
             name = str(name)
-            if name not in group_info and pg in self.timer.ids:
+            if (name not in group_info or not group_info[name]["ranks"]) and pg in self.timer.ids:
                 group_info[name] = {"desc": str(getattr(pg, "group_desc", "") or ""),
                                     "ranks": c10d.group_ranks(name) or []}
 

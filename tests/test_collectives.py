@@ -324,6 +324,7 @@ class FakeSource:
     def __init__(self) -> None:
         self.entries: list[dict] = []
         self.status: dict = {}
+        self.config: dict = {"0": {"desc": "default_pg", "ranks": "[0, 1]"}}
         self.seen: set[int] = set()
         self.last_id: int | None = None
 
@@ -331,7 +332,7 @@ class FakeSource:
         return pickle.loads(self._dump(includeCollectives=collectives, onlyActive=False))
 
     def _dump(self, includeCollectives: bool, onlyActive: bool) -> bytes:  # noqa: N803
-        out = {"version": "2.10", "pg_config": {}, "pg_status": self.status}
+        out = {"version": "2.10", "pg_config": self.config, "pg_status": self.status}
         if includeCollectives:
             out["entries"] = list(self.entries)
         return pickle.dumps(out)
@@ -366,6 +367,25 @@ def test_the_reader_sends_each_entry_once_and_counts_what_the_ring_overwrote():
     assert sent[-1][1]["groups"] == {}  # groups are sent once
     fields = rec.heartbeat_fields()
     assert fields["groups"] == {"0": [5, 5]} and fields["recorder_lost"] == 3
+
+
+def test_a_group_whose_members_are_not_known_yet_is_sent_once_they_are():
+    """A group first read without its members (neither the recorder's config nor c10d knew
+    them yet) is not sent memberless, which the hub would ignore for good: it goes with
+    them at a later read."""
+    source = FakeSource()
+    source.config = {}
+    source.entries = [entry(0, 1, t=100.0)]
+    rec, sent = reader(source)
+    rec.read_all(False)
+    assert sent[0][1]["groups"] == {} and sent[0][1]["issues"]
+    source.config = {"0": {"desc": "default_pg", "ranks": "[0, 1]"}}
+    source.entries.append(entry(1, 2, t=101.0))
+    rec.read_all(False)
+    assert sent[1][1]["groups"] == {"0": {"desc": "default_pg", "ranks": [0, 1]}}
+    source.entries.append(entry(2, 3, t=102.0))
+    rec.read_all(False)
+    assert sent[2][1]["groups"] == {}  # sent once
 
 
 def test_nccl_entries_wait_for_their_duration_and_gloo_calls_get_the_host_one():

@@ -169,6 +169,7 @@ def test_the_dump_fr_command_writes_the_summary_on_the_recorder_thread(tmp_path,
 
     monkeypatch.setattr(agent_summary, "write_summary", watched)
     source = FakeSource()
+    source.config = {}  # the members unknown: the summary's status is the rank's own
     source.entries = [entry(i, i + 1, state="completed") for i in range(30)]
     source.entries[-1]["state"] = "started"
     source.status = {"0": {"last_enqueued_collective": 30, "last_started_collective": 30,
