@@ -32,11 +32,11 @@ import triton.language as tl
 
 NCOL = 16  # int64 columns per tensor row
 HCOL = 8  # float64 columns per group row
-# 512 elements and 4 warps a program: 62-72 registers a thread on sm_90, four or more programs
-# an SM. 2048 x 8 took 128 (two programs an SM) and reached 66-73% of a device copy's bandwidth
-# against 75-86% here; bench/fused_adam_sweep.py on an H200 (bench/results/
-# gpu-nvidia-h200-2026-11-27b.md): fastest of 12 shapes for every bf16 mode, within 1% of
-# the fastest (1024 x 8) for fp32
+# Blocks of 512 elements, 4 warps a program: 62-72 registers a thread on sm_90 at one block a
+# program (not counted for several), four or more programs an SM. 2048 x 8 took 128 (two
+# programs an SM) and reached 66-73% of a device copy's bandwidth against 75-86% at 512 x 4;
+# bench/fused_adam_sweep.py on an H200 (bench/results/gpu-nvidia-h200-2026-11-27b.md): the
+# fastest of 12 shapes for every bf16 mode, within 1% of the fastest (1024 x 8) for fp32
 GPU_BLOCK, GPU_WARPS = 512, 4
 # Blocks a program steps one after the other: its table reads, step count and bias
 # corrections (a chain of dependent loads and fp64 math) are paid once for all of them. On an
