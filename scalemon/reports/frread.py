@@ -31,7 +31,6 @@ A directory is read by `scalemon/reports/frscan.py`; the analysis is in
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import marshal
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from scalemon.collectives import buffer_bytes, op_name, pg_config_ranks
+from scalemon.collector import collector_paused
 
 MAX_FILE_BYTES = 256 << 20
 """A dump larger than this is not read (a ring of 2000 entries with stacks is a few MiB)."""
@@ -110,17 +110,14 @@ def _unpickled(data: bytes) -> Any:
     from it: 3x faster than a bare BytesIO) and the cyclic garbage collector is paused
     meanwhile (a ring of 2000 entries is tens of thousands of new containers, each of which
     would otherwise count towards a collection of everything the process holds)."""
-    paused = gc.isenabled()
-    gc.disable()
     try:
-        return _PlainUnpickler(io.BufferedReader(io.BytesIO(data), min(len(data), 1 << 20))).load()
+        with collector_paused():
+            return _PlainUnpickler(
+                io.BufferedReader(io.BytesIO(data), min(len(data), 1 << 20))).load()
     except DumpError:
         raise
     except Exception as exc:  # a damaged pickle raises many kinds; each is a bad file
         raise DumpError(f"a damaged pickle ({type(exc).__name__}: {exc})") from None
-    finally:
-        if paused:
-            gc.enable()
 
 
 # --- one rank's dump ---------------------------------------------------------------------

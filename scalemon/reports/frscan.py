@@ -10,17 +10,16 @@ result.
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scalemon.collector import collector_paused
 from scalemon.reports.frread import RankDump, rank_files
 from scalemon.reports.frsummary import (
     RankSummary,
@@ -96,7 +95,7 @@ def read_ranks(chunk: Chunk) -> ChunkRead:
     """Read some ranks: each from its summary where it has one that matches its files, else
     from its files."""
     read = ChunkRead([], SeqTable())
-    with _collector_paused():
+    with collector_paused():
         for rank, names, summary in chunk:
             paths = [Path(p) for p in names]
             found: RankSummary | None = None
@@ -144,7 +143,7 @@ def scan_directory(directory: Path, progress: Progress | None = None,
         if progress is not None:
             progress(done, len(ordered))
 
-    with _collector_paused():
+    with collector_paused():
         if progress is not None:
             progress(0, len(ordered))
         left = chunks
@@ -178,15 +177,3 @@ def _in_workers(chunks: list[Chunk], workers: int,
         return list(pending.values())
     return []
 
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off meanwhile: reading makes millions of objects, none in
-    a cycle, and each collection would walk all that is kept so far."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
