@@ -20,7 +20,6 @@ from .adam_kernel import (
     NCOL,
     POKE_BIAS,
     POKES,
-    block_for,
     fused_adam_kernel,
     interpreted,
     launch_shape,
@@ -156,8 +155,8 @@ class Plan:
         self.gdtypes = [g.dtype for g in grads]
         self.contiguous = all(p.is_contiguous() for p in self.params)
         self.device = self.params[0].device
-        self.block = block_for(self.device)  # a program's span
         self.sub_block, self.iters = launch_shape(self.device)
+        self.block = self.sub_block * self.iters  # a program's span (`block_for`)
         self._tables(rows)
         self.grad_tab = _upload(torch.tensor(self.gptrs, dtype=torch.int64), self.device)
         self.counters = torch.zeros(len(rows), dtype=torch.int32, device=self.device)

