@@ -227,8 +227,13 @@ class Recorder:
 
     def _running(self) -> bool:
         """True while a collective this recorder read has not completed: an entry held back
-        (NCCL, or gloo before its host call), or a gloo call that has no duration yet."""
+        (NCCL, or gloo before its host call), a gloo call that has no duration yet, or a group
+        whose status has issued more than it completed (gloo marks a collective completed in
+        its ring a moment after the call returned: read at once, the last status said the
+        job's last all_reduce was still running)."""
         if self._held:
+            return True
+        if any(issued > completed for issued, completed in (self.fields["groups"] or {}).values()):
             return True
         return any(call[3] is None for ident in self._awaiting
                    if (call := self._host_calls.get(ident)) is not None)

@@ -130,6 +130,30 @@ def test_the_last_read_waits_for_a_running_collective_then_takes_everything(grou
     assert ops(sent) == {"all_reduce": 1}
 
 
+def test_the_last_read_waits_for_a_group_status_that_has_not_completed_its_last_collective():
+    """gloo marks a collective completed in its ring a moment after the call returned: the
+    last status read at once said [5, 4]. The last read reads again until the status says
+    every issued collective completed (the wait bounded: a stuck one is reported as it is)."""
+    source = FakeSource()
+    source.status = {"0": {"last_enqueued_collective": 5, "last_completed_collective": 4}}
+    rec, _ = reader(source)
+
+    def complete() -> None:
+        time.sleep(0.3)
+        source.status = {"0": {"last_enqueued_collective": 5, "last_completed_collective": 5}}
+
+    threading.Thread(target=complete).start()
+    t0 = time.monotonic()
+    rec.last_read(wait_s=5.0)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert rec.heartbeat_fields()["groups"] == {"0": [5, 5]}
+
+    source.status = {"0": {"last_enqueued_collective": 6, "last_completed_collective": 5}}
+    t0 = time.monotonic()
+    rec.last_read(wait_s=0.2)  # never completes: the status as it is, after the wait
+    assert time.monotonic() - t0 >= 0.2 and rec.heartbeat_fields()["groups"] == {"0": [6, 5]}
+
+
 # --- real jobs ---------------------------------------------------------------------------------
 
 LAYERS, STEPS = 4, 30

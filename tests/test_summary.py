@@ -19,6 +19,7 @@ from scalemon.home.jobfile import JobFile
 from scalemon.home.paths import jobs_dir
 from scalemon.link.client import HubClient
 from scalemon.reports.summary import common_steps, quantile
+from scalemon.state.runfigures import StepClock
 
 
 def strict_json(text: str) -> dict:
@@ -236,7 +237,7 @@ def test_summary_of_a_hub_fed_job_nan_stragglers_stalls_memory(start_hub, home, 
         r.hello(world_size=2)
     for step in range(1, 7):
         if step == 4:
-            time.sleep(0.8)  # no step for longer than the hang threshold: a stall
+            time.sleep(1.3)  # no step for longer than the hang threshold (and a second): a stall
         _step(ranks[0], step, float("nan") if step == 2 else 5.0 - step * 0.5, 0.01,
               1000 * step)
         _step(ranks[1], step, 6.0 - step * 0.5, 0.05, 2000)  # 40 ms slower: a straggler
@@ -258,8 +259,10 @@ def test_summary_of_a_hub_fed_job_nan_stragglers_stalls_memory(start_hub, home, 
     over = s["stragglers"]["over_run"]
     assert [row["rank"] for row in over] == [1]
     assert over[0]["measure"] == "compute_over_median_s" and over[0]["value_s"] > over[0]["bar_s"]
-    assert s["hangs"]["stall_count"] >= 1
-    assert s["hangs"]["stalls"][0]["after_step"] == 3 and s["hangs"]["stalls"][0]["seconds"] >= 0.5
+    # the threshold is 0.5 s, but the history's clock finds stalls from a second on, and says so
+    assert s["hangs"]["stall_after_s"] == 1.0 and s["hangs"]["hang_after_s"] == 0.5
+    assert s["hangs"]["stall_count"] == 1
+    assert s["hangs"]["stalls"][0]["after_step"] == 3 and s["hangs"]["stalls"][0]["seconds"] >= 1.0
     assert s["memory"]["per_rank"]["0"]["mem_allocated_bytes"] == 6000
     assert s["memory"]["per_rank"]["0"]["peak_bytes"] == 7000
     assert s["memory"]["peak_bytes"] == 7000
@@ -268,6 +271,20 @@ def test_summary_of_a_hub_fed_job_nan_stragglers_stalls_memory(start_hub, home, 
     assert text.returncode == 0
     assert "(1 NaN/inf)" in text.stdout and "slowest: rank 1 (50.0 ms)" in text.stdout
     assert "stragglers over the run by compute time, vs the median rank: rank 1" in text.stdout
+
+
+def test_the_step_clock_finds_every_stall_from_a_second_on_and_none_shorter():
+    clock = StepClock()
+    for t, step in [(100.10, 3), (100.95, 4), (101.2, 5), (102.9, 6), (103.0, 7), (107.5, 8)]:
+        clock.add(t, step)
+    clock.add(103.9, 7)  # a late record of an earlier step, out of order: still a record at t
+    # 0.85 s inside second 100 is under the clock's resolution: asked for 0.5 s, it counts
+    # from a second, as it says, and finds the 1.7 s and 3.6 s gaps exactly
+    assert StepClock.stall_floor(0.5) == 1.0 and StepClock.stall_floor(30.0) == 30.0
+    assert [(t0, s0, round(sec, 6)) for t0, s0, sec in clock.stalls(0.5)] == [
+        (101.2, 5, 1.7), (103.9, 7, 3.6)]
+    assert [s0 for _, s0, _ in clock.stalls(2.0)] == [7]
+    assert clock.stalls(None) == []
 
 
 def test_quantile_and_common_steps():

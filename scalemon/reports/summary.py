@@ -25,6 +25,7 @@ from scalemon.state.fold import step_values
 from scalemon.state.runfigures import (
     Quantiles,
     RunFigures,
+    StepClock,
     exact_quantile,
     finite,
     per_step_total,
@@ -316,7 +317,8 @@ def _stragglers(state: Mapping[str, Any], records: RunFigures,
 def _hangs(state: Mapping[str, Any], records: RunFigures) -> dict[str, Any]:
     """The hang now (a live job's), the hang it ended in (`hangs.last_hang`), and the stalls
     of the run: stretches where no rank completed a step for the job's hang threshold
-    (`hang_after_s`), the hang it ended in the last of them."""
+    (`hang_after_s`; at least a second, `stall_after_s`: the history's clock is kept to the
+    second, `StepClock`), the hang it ended in the last of them."""
     hang, last = state.get("hang"), state.get("last_hang")
     after = finite(state.get("hang_after_s"))
     stalls = [{"after_step": s0, "seconds": seconds, "t": t0}
@@ -330,6 +332,7 @@ def _hangs(state: Mapping[str, Any], records: RunFigures) -> dict[str, Any]:
         "last": {k: last.get(k) for k in ("summary", "text", "since_s", "culprits", "step",
                                           "end")} if last else None,
         "hang_after_s": after,
+        "stall_after_s": None if after is None else StepClock.stall_floor(after),
         "stalls": sorted(stalls, key=lambda s: -s["seconds"])[:STALLS_SHOWN],
         "stall_count": len(stalls),
         "alerts": [{k: a.get(k) for k in ("kind", "ranks", "since_step", "text")}

@@ -155,7 +155,7 @@ def _hang_lines(hangs: Mapping[str, Any], failure: Mapping[str, Any] | None) -> 
     if hangs["stall_count"]:
         worst = hangs["stalls"][0]
         lines.append(f"stalls: {hangs['stall_count']} (no step for "
-                     f"{_num(hangs['hang_after_s'], 'g')} s or more); longest "
+                     f"{_num(hangs['stall_after_s'], 'g')} s or more); longest "
                      f"{worst['seconds']:.1f} s after step {worst['after_step']}")
     lines.extend(f"alert: {a['text']}" for a in hangs["alerts"])
     lines.append(f"first failure: {failure['text']}" if failure else "first failure: none")

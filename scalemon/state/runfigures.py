@@ -135,7 +135,11 @@ def quantiles_of(values: Iterable[float]) -> Quantiles:
 class StepClock:
     """When steps were completed, to the second: for each second with a step record, the
     earliest time and the latest (with its step). Gaps of a second or more between records
-    (stalls) are found exactly; in size it is bounded by the run's length in seconds."""
+    (stalls) are found exactly, shorter ones not at all (two records in one second hide what
+    lies between them); in size it is bounded by the run's length in seconds."""
+
+    RESOLUTION_S = 1.0
+    """The shortest stall it finds (`stalls` counts from here whatever it is asked)."""
 
     __slots__ = ("seconds", "first", "last")
 
@@ -161,16 +165,22 @@ class StepClock:
             self.last = t
 
     def stalls(self, after: float | None) -> list[tuple[float, int, float]]:
-        """(t0, step at t0, seconds) of every gap of at least `after` (>= 1 s) seconds
-        between one step record and the next."""
+        """(t0, step at t0, seconds) of every gap of at least `after` seconds between one step
+        record and the next; `after` below `RESOLUTION_S` counts as that (`stall_floor`)."""
         if after is None:
             return []
+        after = self.stall_floor(after)
         out = []
         slots = [self.seconds[s] for s in sorted(self.seconds)]
         for (_, t0, s0), (t1, _, _) in zip(slots, slots[1:], strict=False):
             if t1 - t0 >= after:
                 out.append((t0, int(s0), t1 - t0))
         return out
+
+    @classmethod
+    def stall_floor(cls, after: float) -> float:
+        """The shortest stall `stalls(after)` finds: `after`, or `RESOLUTION_S` if longer."""
+        return max(after, cls.RESOLUTION_S)
 
 
 @dataclass
