@@ -56,6 +56,7 @@ from .openmetrics import Exporter
 from .relay_book import RelayBook
 from .rpc import Requests
 from .sockets import FanOut, bind_tcp, make_sockets
+from .statelog import RankStateLog
 from .tcpguard import TcpGuard
 
 log = logging.getLogger("scalemon.hub")
@@ -121,6 +122,7 @@ class Hub:
         self.intake = Intake(self.core)
         self.replay_skipped: Counter[str] = Counter()
         self._notes: list[tuple[str, str]] = []  # written into the history once serving
+        self._state_log = RankStateLog()  # its log lines; every change is a record
         self._error_said: str | None = None
         self.guard: TcpGuard | None = None  # caps the tcp connections, while serving
         self.started = time.time()
@@ -394,10 +396,11 @@ class Hub:
             self.intake.record(feed, "relay", self.relays.records.pop(0))
         liveness = self.core.liveness
         for body in liveness.check(self.state, self.relays, self.core.looks, now):
-            log.warning("rank %d %s: %s", body["target"], body["state"], body["reason"])
+            self._state_log.say(body, now)
             self.intake.record(feed, "rank_state", body)
         for look in self.core.looks.take(now):
-            self._record_look(feed, look)
+            self._record_look(feed, look, now)
+        self._state_log.tick(now)
         if self.alerts_out is not None:  # $SCALEMON_ALERT_CMD (hub/alerts_out.py)
             self.alerts_out.check(self.state, now)
         if self.exporter is not None:
@@ -416,7 +419,7 @@ class Hub:
                 log.info("job %s is %s; waited %.0f s, exiting", self.job, job_state, wait_s)
                 self._stop.set()
 
-    def _record_look(self, feed: FanOut, look: dict[str, Any]) -> None:
+    def _record_look(self, feed: FanOut, look: dict[str, Any], now: float) -> None:
         """A look at a silent rank's process finished: its stacks, then what it tells of the
         rank (frozen and where, or gone); a reader that cannot read stacks is said once."""
         body = self.core.liveness.on_look(self.state, look)
@@ -434,7 +437,7 @@ class Hub:
                 self.intake.record(feed, "hub_note", {
                     "kind": "stacks", "text": f"{look.get('reader')} cannot read the stacks "
                                               f"of rank {look['rank']}'s process: {error}"})
-        log.warning("rank %d %s: %s", body["target"], body["state"], body["reason"])
+        self._state_log.say(body, now)
         self.intake.record(feed, "rank_state", body)
 
     def _check_keys(self) -> None:

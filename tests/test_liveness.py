@@ -4,9 +4,12 @@ frozen ranks counts as abandoned. The real processes are in tests/test_liveness_
 
 from __future__ import annotations
 
+import logging
+
 from scalemon.hub.liveness import LOOK_AGAIN_S, RELAY_SILENT_S, Liveness
 from scalemon.hub.looks import Looks
 from scalemon.hub.relay_book import RelayBook
+from scalemon.hub.statelog import EACH_PER_WINDOW, WINDOW_S, RankStateLog
 from scalemon.protocol import HUB_RANK, Message
 from scalemon.state.jobstate import JobState
 
@@ -94,3 +97,27 @@ def test_a_big_jobs_ranks_are_scanned_once_per_ranks_over_the_scan_rate() -> Non
     assert relays.take_asks("n1") == []
     live.check(st, relays, looks, 103.1)
     assert [a["rank"] for a in relays.take_asks("n1")] == [0]  # its relay is asked to look
+
+
+def test_the_hubs_log_says_each_state_change_while_few_then_counts_them(caplog) -> None:
+    """A wave of 40 ranks lost in one window: the first 16 a line each, the rest one line per
+    state when the window ends (the records keep every change; the log says less)."""
+
+    states = RankStateLog()
+    with caplog.at_level(logging.WARNING, logger="scalemon.hub"):
+        for rank in range(40):
+            states.say({"target": rank, "state": "unreachable" if rank < 30 else "silent",
+                        "reason": "no message for 9.0 s"}, 100.0 + rank * 0.01)
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == [f"rank {r} unreachable: no message for 9.0 s"
+                         for r in range(EACH_PER_WINDOW)]
+        states.tick(100.0 + WINDOW_S - 0.5)  # the window is not over: nothing more
+        assert len(caplog.records) == EACH_PER_WINDOW
+        states.tick(100.0 + WINDOW_S)
+        lines = [r.getMessage() for r in caplog.records][EACH_PER_WINDOW:]
+        assert len(lines) == 2
+        assert lines[0].startswith("10 more ranks silent in 10 s (ranks 30-39); each is a "
+                                   "rank_state record")
+        assert lines[1].startswith("14 more ranks unreachable in 10 s (ranks 16-29)")
+        states.say({"target": 7, "state": "gone", "reason": "process ended"}, 200.0)
+        assert caplog.records[-1].getMessage() == "rank 7 gone: process ended"  # a new window

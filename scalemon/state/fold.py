@@ -23,7 +23,7 @@ from typing import Any
 
 from scalemon import metrics
 from scalemon.policy import HANG_AFTER_S
-from scalemon.protocol import Message
+from scalemon.protocol import HUB_RANK, Message
 from scalemon.state.jobstate import JobState, RankView
 from scalemon.state.series import Marks, Series
 from scalemon.state.stepcomm import check_step_comm
@@ -241,7 +241,9 @@ class JobFold:
         self._open: dict[int, StepAcc] = {}
         self._comm_open: dict[int, list[float]] = {}  # step -> [ranks, lo, hi, sum] (recorder)
         self._closed: deque[int] = deque(maxlen=4 * STEP_WINDOW)
-        self._expected: int | None = None  # ranks expected at each step; None = recount
+        self._expected: int | None = None
+        """The ranks expected at each step (`_running_ranks`), kept up to date as records
+        change a rank's state; None: counted at the next step."""
         self.last_step_t: float | None = None
 
     # ---- folding ---------------------------------------------------------------------------
@@ -273,7 +275,6 @@ class JobFold:
         track = self.tracks.get(rank)
         if track is None:
             track = self.tracks[rank] = RankTrack(self._cap_now())
-            self._expected = None
         return track
 
     def _apply(self, msg: Message) -> None:
@@ -282,14 +283,18 @@ class JobFold:
         by_type = self.by_type
         by_type[mtype] = by_type.get(mtype, 0) + 1
         state = self.state
-        before = state.ranks.get(rank)
-        old_state = before.state if before is not None else None
+        # the one rank whose state a record can change: its sender's, or a hub record's target
+        changed = rank if rank != HUB_RANK else msg.body.get("target")
+        before = state.ranks.get(changed) if type(changed) is int else None
+        counted = before is not None and before.state == "running" and before.steps_received > 0
         view = state.apply(msg)
+        if self._expected is not None and type(changed) is int:
+            after = state.ranks.get(changed)
+            now = after is not None and after.state == "running" and after.steps_received > 0
+            if now != counted:  # one rank more or fewer to expect at each step
+                self._expected += 1 if now else -1
         if view is None:  # hub record (rank_state)
-            self._expected = None
             return
-        if view.state != old_state:
-            self._expected = None
         if mtype == "step":
             self._on_step(msg, view)
         elif mtype == "heartbeat":
@@ -320,8 +325,6 @@ class JobFold:
             samples.append((t, step))
         if self.last_step_t is None or t > self.last_step_t:
             self.last_step_t = t
-        if view.steps_received == 1:
-            self._expected = None
         self._accumulate(rank, step, body, view.derived)
 
     def _accumulate(self, rank: int, step: int, body: dict[str, Any],
@@ -348,7 +351,9 @@ class JobFold:
                 self._close(old)
 
     def _running_ranks(self) -> int:
-        """The ranks expected at each step: running ones that completed a step."""
+        """The ranks expected at each step: running ones that completed a step (counted over
+        every rank: once, then `_apply` follows each record's change; before, a count after
+        each change made a big job's wave of rank states cost ranks x changes)."""
         return sum(1 for v in self.state.ranks.values()
                    if v.state == "running" and v.steps_received)
 
