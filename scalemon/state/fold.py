@@ -142,9 +142,13 @@ class StepAcc:
         number for (the sum in arrival order)."""
         width = len(AGGREGATED_ROW)
         for i, name in enumerate(AGGREGATED_ROW):
-            column = [v for v in self.values[i::width] if v - v == 0.0]  # not NaN nor inf
-            if column:
-                yield name, min(column), max(column), sum(column) / len(column)
+            column = self.values[i::width].tolist()
+            total = sum(column)
+            if total - total != 0.0:  # a NaN or an inf among them (or a sum past the floats)
+                column = [v for v in column if v - v == 0.0]  # the finite ones
+                total = sum(column)
+            if column:  # no NaN: min, max and sum in C, the same numbers as the filtered list's
+                yield name, min(column), max(column), total / len(column)
 
 
 def record_key(msg: Message) -> tuple:
