@@ -26,7 +26,7 @@ from scalemon.reports.hangs import job_hang
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.snapshot_text import format_snapshot
 from scalemon.reports.waitfor import find_culprits, wait_for_graph
-from scalemon.state.arrival import ArrivalTracker
+from scalemon.state.arrival import HEAT_BUDGET, ArrivalTracker, heat_cell_s
 from scalemon.state.jobstate import JobState
 
 
@@ -97,6 +97,36 @@ def test_arrival_skew_ranks_the_rank_that_issues_last():
     assert tracker.median(0) == 0.0
     tracker.issued("0", 99, 0, 1.0)  # not every rank reported it: no sample yet
     assert tracker.complete == 20
+
+
+def test_the_heat_of_each_rank_is_summed_in_cells_that_fit_a_budget_whatever_the_job_size():
+    """Heat cells of a second in a small job: 2,000 collectives in 200 s are 200 cells per rank
+    holding every sample (the map's means unchanged); in a job of 16,384 ranks the cells are
+    20 s wide and a rank keeps the 31 that cover the map's 600 s (213 KB a rank before)."""
+    tracker = ArrivalTracker()
+    tracker.set_group("0", [0, 1, 2])
+    for seq in range(2000):
+        for rank, late in ((0, 0.0), (1, 0.050), (2, 0.010)):
+            tracker.issued("0", seq, rank, 100.0 + seq * 0.1 + late)
+    assert heat_cell_s(3) == 1.0
+    cells = tracker.heat[1]
+    assert 199 <= len(cells) <= 201 and sum(n for _, _, n in cells) == 2000
+    assert sum(total for _, total, _ in cells) == pytest.approx(2000 * 0.050)
+    starts = [t for t, _, _ in cells]
+    assert all(b - a >= 1.0 for a, b in zip(starts, starts[1:], strict=False))  # a second each
+
+    big = ArrivalTracker()
+    big.set_group("0", range(16384))  # the job's size, from its default group
+    big.set_group("7", [5, 9])  # a pair that issues: cells as wide as the job asks
+    assert heat_cell_s(16384) == pytest.approx(600 * 16384 / HEAT_BUDGET)
+    for seq in range(3000):
+        big.issued("7", seq, 5, 1000.0 + seq * 0.5)
+        big.issued("7", seq, 9, 1000.0 + seq * 0.5 + 0.002)
+    cells = big.heat[9]
+    assert len(cells) == cells.maxlen == 31  # 1,500 s of collectives: the latest 31 cells
+    assert all(n in (39, 40) for _, _, n in list(cells)[:-1])  # 19.7 s of them at 2 a second
+    assert sum(total for _, total, _ in cells) == pytest.approx(
+        0.002 * sum(n for _, _, n in cells))
 
 
 def core(finding: dict | None) -> dict | None:

@@ -23,8 +23,8 @@ from scalemon.tui.screens.hang import HangScreen
 from scalemon.tui.screens.help import HELP
 from scalemon.tui.screens.overview import OverviewScreen
 from scalemon.tui.sim import GROUP, SimJob
-from scalemon.tui.views.collectives import BUSBW_HELP, collectives
-from scalemon.tui.widgets.heatmap import SHADES, HeatMap, levels
+from scalemon.tui.views.collectives import BUSBW_HELP, HEAT_RANKS, collectives
+from scalemon.tui.widgets.heatmap import SHADES, HeatMap, head_text, levels
 
 
 def encoded(messages: list[Message]) -> list[Message]:
@@ -293,3 +293,17 @@ def test_simulated_hang_names_its_culprit(ranks):
     hang = job_hang(data.state, sim.end_t(10) + 15.5)
     assert hang is not None and hang["culprits"] == [ranks - 1]
     assert hang["waiting"] == list(range(ranks - 1)) and hang["op"] == "all_reduce"
+
+
+def test_a_big_jobs_heat_map_shows_its_latest_ranks_and_says_how_many_it_leaves_out():
+    sim = SimJob(ranks=HEAT_RANKS + 44, gpu=True, straggler=123, seed=3)
+    data = folded(sim.run(12))  # the recorder's first reads come by then
+    view = collectives(data, 80)
+    heat = view.heat
+    assert heat is not None and heat.of_ranks == HEAT_RANKS + 44
+    assert len(heat.ranks) == HEAT_RANKS and 123 in heat.ranks  # the straggler is among them
+    assert heat.ranks == sorted(heat.ranks)
+    latest = {h.rank for h in view.health[:HEAT_RANKS]}  # the health list: latest first
+    assert set(heat.ranks) == latest
+    title = head_text(heat)[0].plain
+    assert f"the {HEAT_RANKS} latest of {HEAT_RANKS + 44} ranks" in title

@@ -4,6 +4,7 @@ stragglers (a rank late to every collective makes the others wait in it). Part o
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -14,8 +15,18 @@ ARRIVAL_WINDOW = 100
 """Lateness samples per rank whose median is its `arrival_lateness_s`."""
 PENDING_PER_GROUP = 512
 """Collectives of a group waiting for the issue times of all its ranks, at most."""
-HEAT_SAMPLES = 2000
-"""(issue time, lateness) samples kept per rank for the dashboard's heat map."""
+HEAT_SPAN_S = 600.0
+"""The dashboard's heat map covers at most the last this many seconds."""
+HEAT_BUDGET = 500_000
+"""Heat cells kept over every rank, at most: a rank keeps `HEAT_SPAN_S` of them, each
+`heat_cell_s` wide (1 s up to 833 ranks, 20 s at 16,384). A sample per collective (2,000 a
+rank, before) took 213 KB a rank after 2,000 collectives: 3.5 GB at 16,384 ranks, and a seed
+far over its limit."""
+
+
+def heat_cell_s(world: int) -> float:
+    """How long a heat cell of a job of `world` ranks lasts: its samples are summed in it."""
+    return max(1.0, HEAT_SPAN_S * world / HEAT_BUDGET)
 
 
 class ArrivalTracker:
@@ -25,19 +36,32 @@ class ArrivalTracker:
     A rank that computes slowly arrives last and then waits least in the collective, so its
     lateness, not the collective's duration, names it."""
 
+    world = 0
+    """The most ranks of a group so far: the heat cells' width (`heat_cell_s`); 0 in a
+    tracker pickled before it was kept (its next group sets it)."""
+
     def __init__(self) -> None:
         self.members: dict[str, tuple[int, ...]] = {}
         self._member_sets: dict[str, frozenset[int]] = {}  # membership tests in O(1)
         self.pending: dict[str, dict[int, dict[int, float]]] = {}
         self.lateness: dict[int, deque[float]] = {}
-        self.heat: dict[int, deque[tuple[float, float]]] = {}
+        self.heat: dict[int, deque[tuple[float, float, int]]] = {}
+        """Per rank, its heat cells in time order: (first issue time in the cell, the sum of
+        its lateness samples there, how many)."""
         self.complete = 0
+
+    def __setstate__(self, state: dict) -> None:
+        """A tracker pickled before `world` was kept has it made from its groups."""
+        self.__dict__.update(state)
+        if "world" not in state:
+            self.world = max(map(len, self.members.values()), default=0)
 
     def set_group(self, group: str, ranks: Iterable[int]) -> None:
         """The global ranks of `group` (every rank sends them; the first word stands)."""
         if group not in self.members:
             self.members[group] = tuple(sorted(ranks))
             self._member_sets[group] = frozenset(self.members[group])
+            self.world = max(self.world, len(self.members[group]))
 
     def issued(self, group: str, seq: int, rank: int, t: float) -> None:
         """Rank `rank` issued collective `seq` of `group` at hub-clock time `t`."""
@@ -65,10 +89,21 @@ class ArrivalTracker:
     def _settle(self, times: dict[int, float]) -> None:
         first = min(times.values())
         self.complete += 1
+        cell_s = heat_cell_s(self.world)
+        lateness, heat = self.lateness, self.heat
         for rank, t in times.items():
             late = t - first
-            self.lateness.setdefault(rank, deque(maxlen=ARRIVAL_WINDOW)).append(late)
-            self.heat.setdefault(rank, deque(maxlen=HEAT_SAMPLES)).append((first, late))
+            samples = lateness.get(rank)
+            if samples is None:
+                samples = lateness[rank] = deque(maxlen=ARRIVAL_WINDOW)
+            samples.append(late)
+            cells = heat.get(rank)
+            if cells is None:
+                cells = heat[rank] = deque(maxlen=math.ceil(HEAT_SPAN_S / cell_s))
+            if cells and first - cells[-1][0] < cell_s and len(last := cells[-1]) == 3:
+                cells[-1] = (last[0], last[1] + late, last[2] + 1)  # the same cell
+            else:
+                cells.append((first, late, 1))
 
     def median(self, rank: int) -> float | None:
         """Median lateness of `rank` over its last `ARRIVAL_WINDOW` collectives, or None."""

@@ -16,6 +16,7 @@ from scalemon import metrics
 from scalemon.reports import parallel_text
 from scalemon.reports.groups import collectives_table, group_desc
 from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
+from scalemon.state.arrival import HEAT_SPAN_S
 from scalemon.text import display
 from scalemon.text.display import LATE, NA
 from scalemon.text.ranks import rank_list
@@ -33,8 +34,8 @@ P2P_HEADINGS = ("point to point", "group", "count", "bytes", "time", "bandwidth"
 op over the mean time."""
 BAR = 16
 """Width of the largest lateness' bar in the ranking."""
-HEAT_SPAN_S = 600.0
-"""The heat map covers at most the last this many seconds of the samples held."""
+HEAT_RANKS = 256
+"""A job with more ranks shows the heat rows of this many, the latest (by median lateness)."""
 MIN_COLUMN_S = 1.0
 """A heat map column covers at least this long (a step or so: finer ones are mostly empty);
 on a short span each column is drawn several characters wide."""
@@ -63,6 +64,8 @@ class Heat:
     t1: float
     top: float
     repeat: int = 1
+    of_ranks: int = 0
+    """How many ranks have samples: more than `ranks` when only the latest are shown."""
 
     @property
     def columns(self) -> int:
@@ -112,8 +115,15 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         p2p = [parallel_text.p2p_cells(row) for row in p2p_rows(st)]
         parallel = [line for line in (parallel_text.pipeline_line(pipeline_json(st)),
                                       parallel_text.moe_line(moe_json(st))) if line]
-        samples = {r: list(dq) for r, dq in st.arrival.heat.items()}  # converted unlocked
         health = [_health(data, r) for r in sorted(st.ranks)]
+        heat_rows = st.arrival.heat
+        of_ranks = len(heat_rows)
+        if of_ranks > HEAT_RANKS:  # a big job: the latest ranks' rows (by median lateness)
+            latest = sorted(health, key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))
+            shown = [h.rank for h in latest if h.rank in heat_rows][:HEAT_RANKS]
+        else:
+            shown = list(heat_rows)
+        samples = {r: list(heat_rows[r]) for r in shown}  # converted unlocked
         groups = [f"{group_desc(st.groups, name)}: {len(g['ranks'])} ranks "
                   f"({rank_list(g['ranks'], limit=8)})"
                   for name, g in sorted(st.groups.items())]
@@ -125,6 +135,8 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
             h.cells = (h.cells[0], "█" * round(BAR * h.late_s / top), *h.cells[2:])
     wrapped = [(h.rank, h.lost) for h in health if h.lost > 0]
     heat = heat_map(samples, heat_columns)
+    if heat is not None:
+        heat.of_ranks = of_ranks
     return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad, p2p,
                        parallel)
 
@@ -180,10 +192,11 @@ def gbps(value: float | None) -> str:
 
 # ---- the heat map --------------------------------------------------------------------------
 
-def heat_map(samples: dict[int, Sequence[tuple[float, float]]], columns: int) -> Heat | None:
-    """Mean lateness per (rank, column) over the time the samples (issue time, lateness; in
-    time order) cover (at most the last HEAT_SPAN_S) in at most `columns` characters; None
-    without samples or room."""
+def heat_map(samples: dict[int, Sequence[tuple[float, ...]]], columns: int) -> Heat | None:
+    """Mean lateness per (rank, column) over the time the samples cover (at most the last
+    HEAT_SPAN_S) in at most `columns` characters; None without samples or room. A sample is a
+    heat cell (first issue time, lateness summed, count: `ArrivalTracker.heat`) or, in a
+    state saved before cells, one collective's (issue time, lateness)."""
     samples = {r: a for r, a in samples.items() if len(a)}
     if not samples or columns < 1:
         return None
@@ -198,13 +211,14 @@ def heat_map(samples: dict[int, Sequence[tuple[float, float]]], columns: int) ->
     for rank in ranks:
         n = [0] * columns
         total = [0.0] * columns
-        for t, late in samples[rank]:
+        for sample in samples[rank]:
+            t = sample[0]
             if t >= t0:
                 col = int((t - t0) / width * columns)
                 if col > last:
                     col = last
-                n[col] += 1
-                total[col] += late
+                n[col] += sample[2] if len(sample) == 3 else 1
+                total[col] += sample[1]
         cells.append([s / k if k else math.nan for s, k in zip(total, n, strict=True)])
     seen = [v for row in cells for v in row if not math.isnan(v)]
     top = max(seen) if any(math.isfinite(v) for v in seen) else 0.0

@@ -61,6 +61,8 @@ def head_text(heat: Heat | None, width: int = 1 << 16) -> list[Text]:
     span = heat.t1 - heat.t0
     title = Text.assemble(("arrival lateness by rank", "bold"),
                           (" (after the first rank to issue each collective)", "dim"))
+    if heat.of_ranks > len(heat.ranks):
+        title.append(f"; the {len(heat.ranks)} latest of {heat.of_ranks:,} ranks", "bold")
     step = heat.top / len(SHADES)
     entries = [Text.assemble((CELL * 2, shade), (f" {shown(LATE, i * step):.3g}", "dim"))
                for i, shade in enumerate(SHADES)]
