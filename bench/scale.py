@@ -143,7 +143,8 @@ class Case:
                         ranks_per_node=self.args.ranks_per_node, rate=self.rate,
                         seconds=self.args.seconds, sync_s=self.args.sync_s,
                         hang_s=self.args.hang, hang_culprit=self.culprit,
-                        hang_whole_beats=self.args.hang_whole_beats)
+                        hang_whole_beats=self.args.hang_whole_beats,
+                        collectives_every_s=self.args.collectives_every)
             parent, child = spawn.Pipe()
             proc = spawn.Process(target=run_worker, args=(plan, child, self.args.worker_nice),
                                  daemon=True)
@@ -405,7 +406,9 @@ class Case:
         heartbeats = sum(r["heartbeats_sent"] for r in results.values())
         # every step, the heartbeats the ranks sent (every second, or every
         # `heartbeat_stepping_s` while stepping in a big job), hello and exit
-        planned = self.ranks * (ticks_planned + 2) + heartbeats + 1  # rank 0 says the group once
+        collectives = sum(r["collectives_sent"] for r in results.values())
+        planned = (self.ranks * (ticks_planned + 2) + heartbeats + collectives
+                   + 1)  # rank 0 says the group once
         load = self.window(start_t, load_end_wall)
         redraws = sorted(dash["redraw_ms"]) if dash and dash.get("redraw_ms") else []
         dash_received = (sum(dash["by_type"].get(t, 0) for t in
@@ -416,12 +419,14 @@ class Case:
             "workers": len(self.workers), "steps_per_s_per_rank": self.rate,
             "seconds": self.args.seconds, "sync_every_s": self.args.sync_s,
             "target_msgs_per_s": self.ranks * self.rate + (
-                sum(r["heartbeats_in_load"] for r in results.values()) - self.ranks)
-            / self.args.seconds,
+                sum(r["heartbeats_in_load"] for r in results.values()) - self.ranks
+                + collectives) / self.args.seconds,
             # steps and heartbeats (not the 4 start and end messages) over the time taken
             "achieved_msgs_per_s": (sent - 4 * self.ranks) / seconds_taken
             if seconds_taken else None,
             "heartbeats_sent": heartbeats,
+            "collectives_every_s": self.args.collectives_every,
+            "collectives_sent": collectives,
             "ticks_planned": ticks_planned, "ticks_sent": ticks,
             "seconds_taken": seconds_taken,
             "tick_lag_p50_s": max(r["lag_p50_s"] or 0 for r in results.values()),
@@ -728,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the load, the job hangs S seconds (one rank stuck in its data "
                         "loader, the others in an all-reduce) before its ranks exit; the hub's "
                         "alert command ($SCALEMON_ALERT_CMD) times when it names the hang")
+    p.add_argument("--collectives-every", type=float, default=0.0, metavar="S",
+                   help="each rank sends a `collectives` message this often, with 4 gradient "
+                        "all-reduces a step (the Flight Recorder's reads); 0: none")
     p.add_argument("--hang-whole-beats", action="store_true",
                    help="with --hang: every hang heartbeat carries its stack and collectives in "
                         "flight, as agents before protocol 1.14 sent them (not once)")

@@ -29,6 +29,8 @@ from scalemon import protocol
 from scalemon.metrics import SENT_WHEN_CHANGED
 from scalemon.tui.sim import SimJob
 
+COLLECTIVES_PER_STEP = 4
+"""Gradient all-reduces a step (DDP's buckets) when the ranks send `collectives`."""
 SOCKET_HWM = 10_000
 """The agent's PUSH high-water mark (`agent.transport.Sender`)."""
 ROUND_S = 0.02
@@ -63,6 +65,10 @@ class Plan:
     hang_culprit: int = 0
     hang_whole_beats: bool = False
     """Every hang heartbeat carries its stack and collectives in flight (agents before 1.14)."""
+    collectives_every_s: float = 0.0
+    """A `collectives` message per rank this often (the agent's recorder reads), with the issue
+    times and figures of its `COLLECTIVES_PER_STEP` gradient all-reduces a step since its last
+    one; 0: none (the Flight Recorder's messages left out)."""
 
 
 @dataclass
@@ -84,6 +90,10 @@ class _Rank:
     stuck_sent: bool = False
     """Its stuck values (stack, groups, collectives in flight) went out whole: its later hang
     heartbeats name them in `same`, as the agent's do (protocol 1.14)."""
+    issues: list[list[Any]] = field(default_factory=list)
+    """[group, seq, issue time] of its collectives not sent yet."""
+    last_read_tick: int = 0
+    collectives_sent: int = 0
 
 
 class NodeSim(SimJob):
@@ -152,15 +162,50 @@ class Node:
                     "desc": "default_pg", "ranks": list(range(world_size))}},
                     "stats": [], "issues": []}, t)
 
-    def step(self, step: int, t: float, bodies: list[dict[str, Any]], rate: float) -> None:
+    def step(self, step: int, t: float, bodies: list[dict[str, Any]], rate: float,
+             collectives_every_s: float = 0.0) -> None:
         """Each rank's `step` (`bodies` by local rank), and its heartbeat when due: every
-        second, or every `beat_every_s` while it steps, as the agent."""
+        second, or every `beat_every_s` while it steps, as the agent; with
+        `collectives_every_s`, its step's collectives, sent in a `collectives` message when
+        that many seconds of steps went by."""
         for r, body in zip(self.ranks, bodies, strict=True):
             self.send(r, "step", body, t)
             every = max(1, int(round(rate * max(1.0, r.beat_every_s))))
             if step - r.last_beat_tick >= every:
                 r.last_beat_tick = step
                 self.send(r, "heartbeat", self._heartbeat(r, step), t)
+            if collectives_every_s:
+                self._issue(r, step, t)
+                if step - r.last_read_tick >= max(1, int(round(rate * collectives_every_s))):
+                    r.last_read_tick = step
+                    self._send_collectives(r, step, t)
+
+    def _issue(self, r: _Rank, step: int, t: float) -> None:
+        """Rank `r` issued its step's gradient all-reduces (numbered as every rank numbers
+        them: the job's collectives are the same on every rank), a little apart from the
+        other ranks."""
+        from scalemon.tui.sim import GROUP
+
+        spread = (r.rank % 97) * 1e-5  # each rank its own lateness, the same every step
+        for k in range(COLLECTIVES_PER_STEP):
+            seq = (step - 1) * COLLECTIVES_PER_STEP + k + 1
+            r.issues.append([GROUP, seq, t - 0.05 + 0.01 * k + spread])
+
+    def _send_collectives(self, r: _Rank, step: int, t: float) -> None:
+        """What the agent's recorder read sends: the collectives issued since its last one."""
+        from scalemon.collectives import CollectiveStats, size_bucket
+        from scalemon.tui.sim import BUCKET_BYTES, GROUP
+
+        stats = CollectiveStats()
+        row = stats.row(GROUP, "all_reduce", size_bucket(BUCKET_BYTES))
+        for _ in r.issues:
+            row.count += 1
+            row.bytes += BUCKET_BYTES
+            row.add_time(0.012)
+        self.send(r, "collectives", {"groups": {}, "stats": stats.to_wire(),
+                                     "issues": r.issues, "step": step}, t)
+        r.collectives_sent += 1
+        r.issues = []
 
     def hang_beat(self, step: int, t: float, stuck_s: float, culprit: int,
                   whole: bool = False) -> None:
@@ -315,7 +360,7 @@ class Worker:
                 wall = time.time()
                 bodies = self.sim.step_bodies(tick, wall)
                 for node in self.nodes:
-                    node.step(tick, wall, bodies, plan.rate)
+                    node.step(tick, wall, bodies, plan.rate, plan.collectives_every_s)
                 now = time.monotonic()
             if sync_every:
                 for _ in range(n):  # the round trips due by now, in turn
@@ -368,6 +413,7 @@ class Worker:
             "syncs_answered_by_relays": sum(r.relay_answered for _, r in self.ranks),
             "heartbeats_sent": sum(r.heartbeats for _, r in self.ranks),
             "heartbeats_in_load": load_heartbeats,
+            "collectives_sent": sum(r.collectives_sent for _, r in self.ranks),
             "sync_rtt_p50_s": _pct(rtts, 0.5), "sync_rtt_p99_s": _pct(rtts, 0.99),
             "rank_cpu_s": self.rank_cpu_s, "relay_cpu_s": self.relay_cpu_s,
             "process_cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),

@@ -195,10 +195,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("a2a_recv_bytes", "step", "int", "bytes", "bytes this rank received in those calls "
            "(the output split sizes), its own share included; null when the step had none"),
     Metric("arrival_lateness_s", "hub", "float", "s", "median, over the rank's last 100 "
-           "collectives that every rank of their group issued, of how much later this rank "
-           "issued each one than the first rank of the group (Flight Recorder issue times, "
-           "corrected by each host's `clock_offset_s`). A rank that computes slowly arrives "
-           "last and then waits least, so this, not collective time, names stragglers.",
+           "(61 at 16,384 ranks: `state.arrival.arrival_window`) collectives that every rank "
+           "of their group issued, of how much later this rank issued each one than the first "
+           "rank of the group (Flight Recorder issue times, corrected by each host's "
+           "`clock_offset_s`). A rank that computes slowly arrives last and then waits least, "
+           "so this, not collective time, names stragglers.",
            show=Show(unit="ms", scale=1e3, digits=1, column="late", width=6,
                      plot="arrival lateness at collectives", na=_NO_SKEW, key=2)),
     Metric("compute_s", "dashboard", "float", "s", "step time minus all-reduce and optimizer "

@@ -26,7 +26,7 @@ from scalemon.reports.hangs import job_hang
 from scalemon.reports.snapshot import snapshot_json
 from scalemon.reports.snapshot_text import format_snapshot
 from scalemon.reports.waitfor import find_culprits, wait_for_graph
-from scalemon.state.arrival import HEAT_BUDGET, ArrivalTracker, heat_cell_s
+from scalemon.state.arrival import HEAT_BUDGET, ArrivalTracker, arrival_window, heat_cell_s
 from scalemon.state.jobstate import JobState
 
 
@@ -102,7 +102,7 @@ def test_arrival_skew_ranks_the_rank_that_issues_last():
 def test_the_heat_of_each_rank_is_summed_in_cells_that_fit_a_budget_whatever_the_job_size():
     """Heat cells of a second in a small job: 2,000 collectives in 200 s are 200 cells per rank
     holding every sample (the map's means unchanged); in a job of 16,384 ranks the cells are
-    20 s wide and a rank keeps the 31 that cover the map's 600 s (213 KB a rank before)."""
+    39 s wide and a rank keeps the 16 that cover the map's 600 s (213 KB a rank before)."""
     tracker = ArrivalTracker()
     tracker.set_group("0", [0, 1, 2])
     for seq in range(2000):
@@ -123,10 +123,17 @@ def test_the_heat_of_each_rank_is_summed_in_cells_that_fit_a_budget_whatever_the
         big.issued("7", seq, 5, 1000.0 + seq * 0.5)
         big.issued("7", seq, 9, 1000.0 + seq * 0.5 + 0.002)
     cells = big.heat[9]
-    assert len(cells) == cells.maxlen == 31  # 1,500 s of collectives: the latest 31 cells
-    assert all(n in (39, 40) for _, _, n in list(cells)[:-1])  # 19.7 s of them at 2 a second
+    assert len(cells) == cells.maxlen == 16  # 1,500 s of collectives: the latest 16 cells
+    assert all(n in (78, 79) for _, _, n in list(cells)[:-1])  # 39.3 s of them at 2 a second
     assert sum(total for _, total, _ in cells) == pytest.approx(
         0.002 * sum(n for _, _, n in cells))
+    # the lateness median over fewer samples in a big job: 1,000,000 over every rank
+    assert tracker.lateness[1].maxlen == arrival_window(3) == 100
+    assert big.lateness[9].maxlen == arrival_window(16384) == 61
+    state = JobState()  # the job's size from the ranks' hellos, before any group is known
+    state.apply(Message("hello", "j", 3, 0, 1.0, {"host": "h", "pid": 9, "local_rank": 3,
+                                                  "world_size": 16384}))
+    assert state.arrival.world == 16384 and state.arrival.series(3).maxlen == 61
 
 
 def core(finding: dict | None) -> dict | None:

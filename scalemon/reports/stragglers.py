@@ -1,10 +1,10 @@
 """Which ranks are stragglers: the one rule of the dashboard and of `snapshot --json`.
 
 A running rank's straggler measure is how much later than the first rank it issues its
-collectives (`arrival_lateness_s`, the median over its last 100); before any running rank has
-that, how much longer than the median rank's its compute time is (`compute_over_median_s`,
-smoothed). A rank is a straggler when its measure is over `policy.straggler_bar`: 10 ms, and
-10% of the median step time of the running ranks.
+collectives (`arrival_lateness_s`, the median over its last 100, fewer in a big job); before
+any running rank has that, how much longer than the median rank's its compute time is
+(`compute_over_median_s`, smoothed). A rank is a straggler when its measure is over
+`policy.straggler_bar`: 10 ms, and 10% of the median step time of the running ranks.
 
 In a pipeline, a stage its neighbours wait for is a straggler too: per rank, the sum over the
 running ranks of their latest step's `p2p_waits[rank]` (seconds per step they waited in P2P

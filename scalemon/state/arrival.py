@@ -12,16 +12,24 @@ from collections.abc import Iterable
 # --- arrival skew ---------------------------------------------------------------------------
 
 ARRIVAL_WINDOW = 100
-"""Lateness samples per rank whose median is its `arrival_lateness_s`."""
+"""Lateness samples per rank whose median is its `arrival_lateness_s` (fewer in a big job)."""
+ARRIVAL_BUDGET = 1_000_000
+"""Lateness samples kept over every rank, at most: `ARRIVAL_WINDOW` a rank up to 10,000
+ranks, 61 at 16,384 (`arrival_window`): 100 a rank made 15 MB of a 16,384-rank seed."""
 PENDING_PER_GROUP = 512
 """Collectives of a group waiting for the issue times of all its ranks, at most."""
 HEAT_SPAN_S = 600.0
 """The dashboard's heat map covers at most the last this many seconds."""
-HEAT_BUDGET = 500_000
-"""Heat cells kept over every rank, at most: a rank keeps `HEAT_SPAN_S` of them, each
-`heat_cell_s` wide (1 s up to 833 ranks, 20 s at 16,384). A sample per collective (2,000 a
-rank, before) took 213 KB a rank after 2,000 collectives: 3.5 GB at 16,384 ranks, and a seed
-far over its limit."""
+HEAT_BUDGET = 250_000
+"""Heat cells kept over every rank, at most: a rank keeps those of the last `HEAT_SPAN_S`,
+each `heat_cell_s` wide (1 s up to 416 ranks, 39 s at 16,384: 16 cells). A sample per
+collective (2,000 a rank, before) took 213 KB a rank after 2,000 collectives: 3.5 GB at
+16,384 ranks, and a seed far over its limit."""
+
+
+def arrival_window(world: int) -> int:
+    """How many lateness samples a rank of a job of `world` ranks keeps for its median."""
+    return max(16, min(ARRIVAL_WINDOW, ARRIVAL_BUDGET // max(1, world)))
 
 
 def heat_cell_s(world: int) -> float:
@@ -37,8 +45,8 @@ class ArrivalTracker:
     lateness, not the collective's duration, names it."""
 
     world = 0
-    """The most ranks of a group so far: the heat cells' width (`heat_cell_s`); 0 in a
-    tracker pickled before it was kept (its next group sets it)."""
+    """The job's size as known so far (its world size, its largest group): how many lateness
+    samples a rank keeps (`arrival_window`) and the heat cells' width (`heat_cell_s`)."""
 
     def __init__(self) -> None:
         self.members: dict[str, tuple[int, ...]] = {}
@@ -83,19 +91,19 @@ class ArrivalTracker:
         """The lateness samples of `rank` (created empty: a view can hold it from the start)."""
         samples = self.lateness.get(rank)
         if samples is None:
-            samples = self.lateness[rank] = deque(maxlen=ARRIVAL_WINDOW)
+            samples = self.lateness[rank] = deque(maxlen=arrival_window(self.world))
         return samples
 
     def _settle(self, times: dict[int, float]) -> None:
         first = min(times.values())
         self.complete += 1
-        cell_s = heat_cell_s(self.world)
+        cell_s, window = heat_cell_s(self.world), arrival_window(self.world)
         lateness, heat = self.lateness, self.heat
         for rank, t in times.items():
             late = t - first
             samples = lateness.get(rank)
             if samples is None:
-                samples = lateness[rank] = deque(maxlen=ARRIVAL_WINDOW)
+                samples = lateness[rank] = deque(maxlen=window)
             samples.append(late)
             cells = heat.get(rank)
             if cells is None:
@@ -106,6 +114,6 @@ class ArrivalTracker:
                 cells.append((first, late, 1))
 
     def median(self, rank: int) -> float | None:
-        """Median lateness of `rank` over its last `ARRIVAL_WINDOW` collectives, or None."""
+        """Median lateness of `rank` over its last `arrival_window` collectives, or None."""
         samples = self.lateness.get(rank)
         return statistics.median(samples) if samples else None

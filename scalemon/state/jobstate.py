@@ -249,6 +249,7 @@ class JobState:
         view.comm_hook, view.step_comm = False, None
         view.token_window.clear()  # a new process: no step ended before its first
         self.world_size = max(self.world_size or 0, b["world_size"])
+        self.arrival.world = max(self.arrival.world, self.world_size)  # its budgets' share
         if b.get("config") is not None:
             self.info.setdefault("config", {})[msg.rank] = b["config"]
 

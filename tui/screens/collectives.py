@@ -205,7 +205,8 @@ def _ranks_table(shown: list[RankHealth], headings: tuple[str, ...], *captions: 
 
 def _health_title(view: Collectives) -> Text:
     """What the ranking is, and whether any rank's recorder lost entries."""
-    t = Text("arrival skew by rank, largest first (median over its last 100 collectives)",
+    t = Text("arrival skew by rank, largest first (median over its last 100 collectives; "
+             "fewer from 10,000 ranks on)",
              style="bold")
     t.append("\nFlight Recorder: ")
     if view.wrapped:

@@ -48,12 +48,12 @@ HELP_TEMPLATE = """\
 **n/a** means the value cannot exist there (no GPU, no AMP scaler, not timed): never zero.
 
 **Stragglers** are running ranks that issue their collectives at least {straggler_min} and
-{straggler_share} of a step later than the first rank of the group (*late*: the median over
-the rank's last 100 collectives, from the Flight Recorder's issue times on the hub's clock).
-A slow rank arrives last and then waits least, so the time spent in collectives cannot name
-it. Before any collective was seen by every rank, ranks whose compute time is that much above
-the median rank's are named instead. They are named in the header, largest first, and drawn
-in yellow.
+{straggler_share} of a step later than the first rank of the group (*late*: the median over the
+rank's last 100 collectives (61 at 16,384 ranks), from the Flight Recorder's issue times on the
+hub's clock). A slow rank arrives last and then waits least, so the time spent in collectives
+cannot name it. Before any collective was seen by every rank, ranks whose compute time is that
+much above the median rank's are named instead. They are named in the header, largest first,
+and drawn in yellow.
 
 **Nodes.** From {aggregate_at} ranks on the overview has a row per node: its ranks, its worst
 state ({node_states}) and how many ranks run,
