@@ -332,7 +332,11 @@ def test_a_mixed_only_checkpoint_stops_every_rank_at_once_with_one_reason(tmp_pa
               extra=("--monitor-interval", "3"),
               timeout=120)  # a hang fails here (TimeoutExpired), not at the suite's limit
     assert time.monotonic() - started < 120
-    assert exit_codes(job.out) == {0: 1, 1: 1}, job.out[-3000:]  # both ranks: CANNOT_RESUME
+    # both ranks: CANNOT_RESUME, after a barrier; a rank whose teardown ends a little after
+    # the other's may still be caught by one of torchrun's looks between the two, which stops
+    # it with SIGTERM (-15): the job stopped at once all the same, with one reason (below)
+    codes = exit_codes(job.out)
+    assert codes in ({0: 1, 1: 1}, {0: 1, 1: -15}, {0: -15, 1: 1}), job.out[-3000:]
     assert job.out.count(f"{ckpt / 'step_000006'} is corrupt (it does not match its "
                          "meta.json on rank 1: rank1.pt is of step 3, meta.json says step "
                          "6)") == 1, job.out[-3000:]
