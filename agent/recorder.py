@@ -215,9 +215,8 @@ class Recorder:
 
     def last_read(self, wait_s: float = FINAL_WAIT_S) -> None:
         """The reads at `stop()`: again every 50 ms while a collective read is still running
-        (an NCCL entry not completed, a gloo call without its duration), `wait_s` at most,
-        then one that takes every entry as it is: nothing is left for a read that never
-        comes."""
+        (`_running`), `wait_s` at most, then one that takes every entry as it is: nothing is
+        left for a read that never comes."""
         end = time.monotonic() + wait_s
         self.read_all(False)
         while self._running() and time.monotonic() < end:
@@ -227,13 +226,9 @@ class Recorder:
 
     def _running(self) -> bool:
         """True while a collective this recorder read has not completed: an entry held back
-        (NCCL, or gloo before its host call), a gloo call that has no duration yet, or a group
-        whose status has issued more than it completed (gloo marks a collective completed in
-        its ring a moment after the call returned: read at once, the last status said the
-        job's last all_reduce was still running)."""
-        if self._held:
-            return True
-        if any(issued > completed for issued, completed in (self.fields["groups"] or {}).values()):
+        (NCCL, or gloo before its host call), a gloo call without its duration, a group whose
+        status has issued more than it completed (gloo says so a moment after the call)."""
+        if self._held or any(s[0] > s[1] for s in (self.fields["groups"] or {}).values()):
             return True
         return any(call[3] is None for ident in self._awaiting
                    if (call := self._host_calls.get(ident)) is not None)

@@ -54,8 +54,9 @@ class ArrivalTracker:
         self.pending: dict[str, dict[int, dict[int, float]]] = {}
         self.lateness: dict[int, deque[float]] = {}
         self.heat: dict[int, deque[tuple[float, float, int]]] = {}
-        """Per rank, its heat cells in time order: (first issue time in the cell, the sum of
-        its lateness samples there, how many)."""
+        """Per rank, its heat cells in time order: (the cell's start, a multiple of
+        `heat_cell_s`; the sum of the lateness of the collectives first issued in it; how
+        many)."""
         self.complete = 0
 
     def __setstate__(self, state: dict) -> None:
@@ -98,6 +99,7 @@ class ArrivalTracker:
         first = min(times.values())
         self.complete += 1
         cell_s, window = heat_cell_s(self.world), arrival_window(self.world)
+        start = math.floor(first / cell_s) * cell_s  # cells on one grid: none overlap
         lateness, heat = self.lateness, self.heat
         for rank, t in times.items():
             late = t - first
@@ -108,10 +110,10 @@ class ArrivalTracker:
             cells = heat.get(rank)
             if cells is None:
                 cells = heat[rank] = deque(maxlen=math.ceil(HEAT_SPAN_S / cell_s))
-            if cells and first - cells[-1][0] < cell_s and len(last := cells[-1]) == 3:
-                cells[-1] = (last[0], last[1] + late, last[2] + 1)  # the same cell
+            if cells and cells[-1][0] == start and len(last := cells[-1]) == 3:
+                cells[-1] = (start, last[1] + late, last[2] + 1)  # the same cell
             else:
-                cells.append((first, late, 1))
+                cells.append((start, late, 1))
 
     def median(self, rank: int) -> float | None:
         """Median lateness of `rank` over its last `arrival_window` collectives, or None."""

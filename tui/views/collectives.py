@@ -16,7 +16,7 @@ from scalemon import metrics
 from scalemon.reports import parallel_text
 from scalemon.reports.groups import collectives_table, group_desc
 from scalemon.reports.pipeline import moe_json, p2p_rows, pipeline_json
-from scalemon.state.arrival import HEAT_SPAN_S
+from scalemon.state.arrival import HEAT_SPAN_S, heat_cell_s
 from scalemon.text import display
 from scalemon.text.display import LATE, NA
 from scalemon.text.ranks import rank_list
@@ -124,6 +124,7 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         else:
             shown = list(heat_rows)
         samples = {r: list(heat_rows[r]) for r in shown}  # converted unlocked
+        cell_s = heat_cell_s(st.arrival.world)
         groups = [f"{group_desc(st.groups, name)}: {len(g['ranks'])} ranks "
                   f"({rank_list(g['ranks'], limit=8)})"
                   for name, g in sorted(st.groups.items())]
@@ -134,7 +135,7 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         if h.late_s is not None and top > 0:
             h.cells = (h.cells[0], "█" * round(BAR * h.late_s / top), *h.cells[2:])
     wrapped = [(h.rank, h.lost) for h in health if h.lost > 0]
-    heat = heat_map(samples, heat_columns)
+    heat = heat_map(samples, heat_columns, cell_s)
     if heat is not None:
         heat.of_ranks = of_ranks
     return Collectives(_table_rows(table), heat, health, sorted(wrapped), groups, bad, p2p,
@@ -192,18 +193,20 @@ def gbps(value: float | None) -> str:
 
 # ---- the heat map --------------------------------------------------------------------------
 
-def heat_map(samples: dict[int, Sequence[tuple[float, ...]]], columns: int) -> Heat | None:
+def heat_map(samples: dict[int, Sequence[tuple[float, ...]]], columns: int,
+             cell_s: float = MIN_COLUMN_S) -> Heat | None:
     """Mean lateness per (rank, column) over the time the samples cover (at most the last
-    HEAT_SPAN_S) in at most `columns` characters; None without samples or room. A sample is a
-    heat cell (first issue time, lateness summed, count: `ArrivalTracker.heat`) or, in a
-    state saved before cells, one collective's (issue time, lateness)."""
+    HEAT_SPAN_S) in at most `columns` characters, each at least a heat cell (`cell_s`) long;
+    None without samples or room. A sample is a heat cell (its start, lateness summed, count:
+    `ArrivalTracker.heat`) or, in a state saved before cells, one collective's (issue time,
+    lateness)."""
     samples = {r: a for r, a in samples.items() if len(a)}
     if not samples or columns < 1:
         return None
     t1 = max(float(a[-1][0]) for a in samples.values())
     t0 = max(min(float(a[0][0]) for a in samples.values()), t1 - HEAT_SPAN_S)
     width = max(t1 - t0, 1e-9)
-    bins = max(1, min(columns, int(width / MIN_COLUMN_S)))
+    bins = max(1, min(columns, int(width / max(MIN_COLUMN_S, cell_s))))
     repeat, columns = columns // bins, bins
     ranks = sorted(samples)
     cells = []
