@@ -46,10 +46,9 @@ class OverviewScreen(DataScreen):
     OverviewScreen #watch { height: 9; display: none; }
     OverviewScreen #slowest { width: 34; }
     OverviewScreen #nodes { display: none; }
-    OverviewScreen.nodes #watch { display: block; }
-    OverviewScreen.nodes #nodes { display: block; }
-    OverviewScreen.nodes #ranks { display: none; }
     """
+    """The node table and its panels start hidden; `_switch` shows one table or the other by
+    each widget's own `display` (a class on the screen restyled every widget under it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +56,7 @@ class OverviewScreen(DataScreen):
         self.group_by: str | None = None
         """The mesh axis the rank table is grouped by (None: in rank order)."""
         self.axes: tuple[str, ...] = ()  # the mesh's axes, as of the last redraw
+        self._nodes_shown = False
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
@@ -92,7 +92,7 @@ class OverviewScreen(DataScreen):
     @property
     def showing_nodes(self) -> bool:
         """True while the table has a row per node."""
-        return self.has_class("nodes")
+        return self._nodes_shown
 
     def refresh_view(self, data: DashboardData, now: float, plots: bool) -> None:
         """Redraw from the data (plots only when `plots`)."""
@@ -117,8 +117,11 @@ class OverviewScreen(DataScreen):
 
     def _switch(self, nodes: bool) -> None:
         """Show the other table (focused), and format its rows on screen at the next tick."""
-        self.set_class(nodes, "nodes")
-        (self.query_one(NodeTable) if nodes else self.query_one(RankTable)).focus()
+        self._nodes_shown = nodes
+        node_table, rank_table = self.query_one(NodeTable), self.query_one(RankTable)
+        self.query_one("#watch").display = node_table.display = nodes
+        rank_table.display = not nodes
+        (node_table if nodes else rank_table).focus()
         self.post_message(RedrawNeeded(plots=False))
 
     def _show_nodes(self, view: NodeView) -> None:
