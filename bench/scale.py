@@ -32,6 +32,8 @@ that competed during a run are listed in its `busiest_other_processes`.
     python bench/scale.py --ranks 4096 --rate 1 2 3 --wait-quiet 900 --quiet-pct 15 \
         --out bench/results/scale-rates-cpu.json                 # the rate 4096 ranks sustain
     python bench/scale.py --quick --out /tmp/q.json   # 64 ranks on 8 nodes, 5 s (the test)
+    python bench/scale.py --ranks 16384 --rate 1 --collectives-every 2 --no-dashboard \
+        --out bench/results/scale-16k-collectives-cpu.json   # with the Flight Recorder's
 """
 
 from __future__ import annotations

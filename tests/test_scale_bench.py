@@ -64,3 +64,34 @@ def test_quick_scale_bench_delivers_or_counts_every_message(tmp_path: Path) -> N
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if run["home"] in " ".join(p.info["cmdline"] or [])]
     assert not left and not Path(run["home"]).exists()
+
+
+@pytest.mark.timeout(120)
+def test_quick_scale_bench_with_the_flight_recorders_messages_counts_them(tmp_path: Path) -> None:
+    """`--collectives-every 1`: each rank's `collectives` message once a second of steps (a
+    tick of 5 a second: 5 messages a rank in the quick run's 5 s), counted in the plan and
+    delivered like the others."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--quick",
+                           "--no-dashboard", "--collectives-every", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["collectives_every_s"] == 1.0
+    assert run["collectives_sent"] == 64 * 5
+    assert run["sent"] == run["messages_planned"] and run["unaccounted"] == 0
+    assert run["hub_rejected"] == 0 and run["ranks_finished"] == 64
+
+
+def test_the_arrival_heat_bench_prints_and_saves_each_size(tmp_path: Path) -> None:
+    out = tmp_path / "heat.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "arrival_heat.py"), "--ranks",
+                           "8", "64", "--collectives", "300", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["ranks"] for r in runs] == [8, 64]
+    # 300 collectives 0.1 s apart: 30 cells of a second a rank, every sample in one of them
+    assert [r["heat_cells"] for r in runs] in ([8 * 30, 64 * 30], [8 * 31, 64 * 31])
+    assert all(r["pickle_mb"] > 0 and r["seconds"] > 0 for r in runs)
+    assert "pickle MB" in proc.stdout
