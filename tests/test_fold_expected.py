@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,3 +91,17 @@ def test_a_wave_of_rank_states_between_steps_is_not_counted_over_every_rank_each
         fold.apply(records.seq, records.make(("step", 0)))
         assert fold._expected == 4
     assert counts == []
+
+
+def test_a_record_the_reducer_fails_on_leaves_the_count_to_be_made_again() -> None:
+    fold, records = JobFold(job="j"), Records()
+    for r in range(RANKS):
+        fold.apply(records.seq, records.make(("hello", r)))
+        fold.apply(records.seq, records.make(("step", r)))
+    assert fold._expected == RANKS
+    broken = Message("step", "j", 1, 99, 2000.0, {"loss": 1.0})  # no `step`: the reducer fails
+    with pytest.raises(KeyError):
+        fold.apply(records.seq, broken)
+    assert fold._expected is None  # counted again at the next step, not trusted
+    fold.apply(records.seq, records.make(("step", 0)))
+    assert fold._expected == fold._running_ranks() == RANKS

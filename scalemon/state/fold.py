@@ -291,7 +291,11 @@ class JobFold:
         changed = rank if rank != HUB_RANK else msg.body.get("target")
         before = state.ranks.get(changed) if type(changed) is int else None
         counted = before is not None and before.state == "running" and before.steps_received > 0
-        view = state.apply(msg)
+        try:
+            view = state.apply(msg)
+        except Exception:  # a record the reducer failed on, part done: counted at the next step
+            self._expected = None
+            raise
         if self._expected is not None and type(changed) is int:
             after = state.ranks.get(changed)
             now = after is not None and after.state == "running" and after.steps_received > 0
