@@ -151,6 +151,11 @@ class StepAcc:
                 yield name, min(column), max(column), total / len(column)
 
 
+def _expected_at_steps(view: RankView) -> bool:
+    """Whether a rank counts among those each step waits for: running, and it completed one."""
+    return view.state == "running" and view.steps_received > 0
+
+
 def record_key(msg: Message) -> tuple:
     """What identifies a record across hub restarts: sender, its seq, type and time."""
     return (msg.rank, msg.seq, msg.type, msg.t)
@@ -290,7 +295,7 @@ class JobFold:
         # the one rank whose state a record can change: its sender's, or a hub record's target
         changed = rank if rank != HUB_RANK else msg.body.get("target")
         before = state.ranks.get(changed) if type(changed) is int else None
-        counted = before is not None and before.state == "running" and before.steps_received > 0
+        counted = before is not None and _expected_at_steps(before)
         try:
             view = state.apply(msg)
         except Exception:  # a record the reducer failed on, part done: counted at the next step
@@ -298,7 +303,7 @@ class JobFold:
             raise
         if self._expected is not None and type(changed) is int:
             after = state.ranks.get(changed)
-            now = after is not None and after.state == "running" and after.steps_received > 0
+            now = after is not None and _expected_at_steps(after)
             if now != counted:  # one rank more or fewer to expect at each step
                 self._expected += 1 if now else -1
         if view is None:  # hub record (rank_state)
@@ -362,8 +367,7 @@ class JobFold:
         """The ranks expected at each step: running ones that completed a step (counted over
         every rank: once, then `_apply` follows each record's change; before, a count after
         each change made a big job's wave of rank states cost ranks x changes)."""
-        return sum(1 for v in self.state.ranks.values()
-                   if v.state == "running" and v.steps_received)
+        return sum(1 for v in self.state.ranks.values() if _expected_at_steps(v))
 
     def _on_step_comm(self, rank: int, rows: Any) -> None:
         """The recorder's per-step all-reduce time of `rank` (`collectives.steps`, seconds

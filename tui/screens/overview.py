@@ -76,9 +76,8 @@ class OverviewScreen(DataScreen):
         self.query_one(RankTable).tooltip = (
             "Enter: this rank's detail.  late ms = how much later the rank issues its "
             "collectives than the first rank (median of its last 100, fewer from 10,000 ranks "
-            "on); allred ms (gloo) "
-            "overlaps backward under DDP.  c: collectives, h: hang view, f: flags, L: log, "
-            "n: a row per node, g: group by a mesh axis (3-D parallel jobs).")
+            "on); allred ms (gloo) overlaps backward under DDP.  c: collectives, h: hang view, "
+            "f: flags, L: log, n: a row per node, g: group by a mesh axis (3-D parallel jobs).")
         self.query_one(NodeTable).tooltip = (
             "A row per node, trouble first: ranks that failed or stopped sending (frozen, gone, "
             "unreachable, silent), then stragglers and slow nodes.  frz: frozen ranks; gone: "

@@ -116,11 +116,11 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
         parallel = [line for line in (parallel_text.pipeline_line(pipeline_json(st)),
                                       parallel_text.moe_line(moe_json(st))) if line]
         health = [_health(data, r) for r in sorted(st.ranks)]
+        health.sort(key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))  # latest 1st
         heat_rows = st.arrival.heat
         of_ranks = len(heat_rows)
         if of_ranks > HEAT_RANKS:  # a big job: the latest ranks' rows (by median lateness)
-            latest = sorted(health, key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))
-            shown = [h.rank for h in latest if h.rank in heat_rows][:HEAT_RANKS]
+            shown = [h.rank for h in health if h.rank in heat_rows][:HEAT_RANKS]
         else:
             shown = list(heat_rows)
         samples = {r: list(heat_rows[r]) for r in shown}  # converted unlocked
@@ -129,7 +129,6 @@ def collectives(data: DashboardData, heat_columns: int) -> Collectives:
                   f"({rank_list(g['ranks'], limit=8)})"
                   for name, g in sorted(st.groups.items())]
         bad = st.bad_collectives
-    health.sort(key=lambda h: (h.late_s is None, -(h.late_s or 0.0), h.rank))
     top = max((h.late_s for h in health if h.late_s is not None), default=0.0)
     for h in health:
         if h.late_s is not None and top > 0:
