@@ -44,7 +44,7 @@ def measure(ranks: int, collectives: int) -> dict[str, Any]:
     grown = proc.memory_info().rss - before
     pickled = len(pickle.dumps(tracker, protocol=5))
     cells = sum(len(row) for row in tracker.heat.values())
-    return {"ranks": ranks, "collectives": collectives, "seconds": round(took, 2),
+    return {"ranks": ranks, "collectives": collectives, "seconds": round(took, 4),
             "rss_mb": round(grown / 1e6, 1), "rss_kb_per_rank": round(grown / ranks / 1e3, 2),
             "pickle_mb": round(pickled / 1e6, 2),
             "pickle_kb_per_rank": round(pickled / ranks / 1e3, 2), "heat_cells": cells}
